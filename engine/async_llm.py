@@ -1,0 +1,181 @@
+"""The async engine: a background thread runs the step loop; asyncio callers submit, stream and abort.
+
+Results cross from the engine thread to each caller's event loop with `call_soon_threadsafe`, so many
+event loops (or threads) can share one engine. A request whose caller goes away (cancelled, or a stream
+closed early) is aborted and its blocks released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import weakref
+from typing import Any, AsyncIterator
+
+from .config import EngineArgs
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .sequence import Sequence, SeqStatus
+
+logger = logging.getLogger("flowrt.engine")
+
+
+class EngineSequence:
+    """A token sequence whose KV cache outlives one call (see engine/API.md)."""
+
+    def __init__(self, engine: LLMEngine, seq: Sequence):
+        self._engine = engine
+        self._seq = seq
+        self._finalizer = weakref.finalize(self, engine.close_later, seq)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._seq.token_ids)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._seq.num_computed_tokens
+
+    @property
+    def closed(self) -> bool:
+        return self._seq.status is SeqStatus.CLOSED
+
+    def __len__(self) -> int:
+        return self._seq.num_tokens
+
+    def append(self, token_ids) -> None:
+        self._engine.append(self._seq, token_ids)
+
+    def fork(self, n: int = 1) -> list["EngineSequence"]:
+        return [EngineSequence(self._engine, c) for c in self._engine.fork(self._seq, n)]
+
+    def close(self) -> None:
+        self._finalizer.detach()
+        self._engine.close(self._seq)
+
+    def __repr__(self) -> str:
+        return f"EngineSequence(id={self._seq.seq_id}, tokens={self._seq.num_tokens}, status={self._seq.status.value})"
+
+
+class AsyncLLM:
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="flowrt-engine", daemon=True)
+        self._thread.start()
+
+    # ---- properties ------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stopping:
+            self._wakeup.clear()
+            if not eng.has_unfinished():
+                self._wakeup.wait(timeout=0.5)
+                continue
+            try:
+                eng.step()
+            except Exception as exc:  # a broken step must not hang every caller
+                logger.exception("engine step failed; failing the requests in flight")
+                self._fail_all(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        eng = self.engine
+        with eng.lock:
+            for rid, req in list(eng.requests.items()):
+                cb = req.on_output
+                req.on_output = None
+                eng.abort(rid)
+                if cb is not None:
+                    cb(exc)
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+        self._fail_all(RuntimeError("the engine was shut down"))
+
+    def __enter__(self) -> "AsyncLLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> "AsyncLLM":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- requests ----------------------------------------------------------------------------------
+    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> RequestOutput:
+        """Runs one request to completion and returns its final output."""
+        out = None
+        async for out in self._run(prompt, params, request_id, stream=False):
+            pass
+        return out
+
+    async def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative snapshots after every step that changed the request; the last has finished=True."""
+        async for out in self._run(prompt, params, request_id, stream=True):
+            yield out
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    async def _run(self, prompt, params, request_id, stream: bool) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        eng = self.engine
+
+        def on_output(req_or_exc) -> None:
+            if isinstance(req_or_exc, BaseException):
+                item = req_or_exc
+            elif stream or req_or_exc.finished:
+                item = eng.make_output(req_or_exc)
+            else:
+                return
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                pass
+
+        target = prompt._seq if isinstance(prompt, EngineSequence) else prompt
+        if self._stopping:
+            raise RuntimeError("the engine is shut down")
+        req = eng.add_request(target, params, request_id, on_output=on_output, stream=stream)
+        self._wakeup.set()
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not req.finished:
+                eng.abort(req.request_id)
+
+    # ---- open sequences ---------------------------------------------------------------------------
+    def open(self, token_ids=()) -> EngineSequence:
+        return EngineSequence(self.engine, self.engine.open(list(token_ids)))

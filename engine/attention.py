@@ -1,0 +1,117 @@
+"""Attention over the paged KV cache: per-step metadata and the plain-PyTorch backend.
+
+The model runner builds one `AttentionMetadata` per step (the batch flattened into one token stream)
+and the backend's `prepare` turns it into whatever the backend wants, once per step; every layer then
+reuses it. The Triton backend (flowrt.kernels) takes the same metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch. Sequence b's new tokens are rows query_start_loc[b]:query_start_loc[b+1] of the
+    flattened stream and sit at absolute positions seq_lens[b]-query_lens[b] .. seq_lens[b]-1."""
+
+    slot_mapping: torch.Tensor  # int64 [T]: where each new token's K/V is written
+    query_start_loc: torch.Tensor  # int32 [B+1]
+    seq_lens: torch.Tensor  # int32 [B]: context length including the new tokens
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    prepared: dict = field(default_factory=dict)  # backend-specific, built once per step
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_list)
+
+
+class TorchAttentionBackend:
+    """Reads K/V through block tables with gathers; computes attention in float32.
+
+    Decode rows (one new token) of all sequences are batched into one masked matmul; sequences with
+    several new tokens (prefill chunks) each get one scaled_dot_product_attention call, with a causal
+    mask offset by their cached prefix. Attention stays per sequence: never one dense mask over the batch.
+    """
+
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        bs = meta.block_size
+        qlens = meta.query_lens_list
+        slens = meta.seq_lens_list
+        dec = [b for b, q in enumerate(qlens) if q == 1]
+        p = meta.prepared
+        if dec:
+            dec_t = torch.tensor(dec, dtype=torch.long)
+            rows = meta.query_start_loc[dec_t].long()
+            lens = meta.seq_lens[dec_t].long()
+            max_len = max(slens[b] for b in dec)
+            nblk = (max_len + bs - 1) // bs
+            bt = meta.block_tables[dec_t, :nblk].long()
+            slots = (bt[:, :, None] * bs + torch.arange(bs)).reshape(len(dec), -1)[:, :max_len]
+            valid = torch.arange(max_len)[None, :] < lens[:, None]
+            p["decode"] = (rows, slots.masked_fill(~valid, 0), valid)
+        pre = []
+        qsl = meta.query_start_loc.tolist()
+        for b, q in enumerate(qlens):
+            if q == 1:
+                continue
+            s, ctx = qsl[b], slens[b]
+            if ctx == q:
+                pre.append((s, s + q, None, None))  # nothing cached before: attend to the fresh K/V
+                continue
+            nblk = (ctx + bs - 1) // bs
+            slots = (meta.block_tables[b, :nblk].long()[:, None] * bs + torch.arange(bs)).reshape(-1)[:ctx]
+            qpos = torch.arange(ctx - q, ctx)
+            mask = torch.arange(ctx)[None, :] <= qpos[:, None]
+            pre.append((s, s + q, slots, mask))
+        p["prefill"] = pre
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T,H,D], k/v [T,Hkv,D] (new tokens); writes k/v into the caches, returns [T,H,D]."""
+        T, H, D = q.shape
+        Hkv = k.shape[1]
+        kflat = k_cache.view(-1, Hkv, D)
+        vflat = v_cache.view(-1, Hkv, D)
+        kflat.index_copy_(0, meta.slot_mapping, k.to(kflat.dtype))
+        vflat.index_copy_(0, meta.slot_mapping, v.to(vflat.dtype))
+        out = torch.empty(T, H, D, dtype=q.dtype)
+        prep = meta.prepared
+        if "decode" in prep:
+            rows, slots, valid = prep["decode"]
+            B = rows.shape[0]
+            qd = q.index_select(0, rows).float().view(B, Hkv, H // Hkv, D)
+            kd = kflat[slots].float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+            s = torch.matmul(qd, kd).mul_(scale)  # [B, Hkv, G, L]
+            s.masked_fill_(~valid[:, None, None, :], float("-inf"))
+            pr = torch.softmax(s, dim=-1)
+            vd = vflat[slots].float().transpose(1, 2)  # [B, Hkv, L, D]
+            od = torch.matmul(pr, vd).view(B, H, D)
+            out.index_copy_(0, rows, od.to(q.dtype))
+        for s, e, slots, mask in prep["prefill"]:
+            qs = q[s:e].float().transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if slots is None:
+                ks, vs = k[s:e], v[s:e]
+            else:
+                ks, vs = kflat[slots], vflat[slots]
+            ks = ks.float().transpose(0, 1).unsqueeze(0)
+            vs = vs.float().transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=H != Hkv
+            )
+            out[s:e] = o[0].transpose(0, 1).to(q.dtype)
+        return out
+
+    @staticmethod
+    def copy_blocks(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """kv [L, 2, N, bs, Hkv, D]: copy whole blocks src[i] -> dst[i] in every layer (copy-on-write)."""
+        kv[:, :, dst] = kv[:, :, src]

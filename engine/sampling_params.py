@@ -1,0 +1,59 @@
+"""Sampling parameters, validated by pydantic so a bad value names its field before any work starts."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class SamplingParams(BaseModel):
+    """What to generate for one request; field names follow vLLM's SamplingParams."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    n: int = Field(1, ge=1, le=1024)
+    max_tokens: int = Field(16, ge=0)
+    min_tokens: int = Field(0, ge=0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    skip_special_tokens: bool = True
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v):
+        if v is None:
+            return []
+        if isinstance(v, str):
+            v = [v]
+        if any(not isinstance(s, str) or s == "" for s in v):
+            raise ValueError("stop strings must be non-empty strings")
+        return list(v)
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_ids(cls, v):
+        return [] if v is None else list(v)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SamplingParams":
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def clone(self, **changes) -> "SamplingParams":
+        return self.model_copy(update=changes, deep=True)
