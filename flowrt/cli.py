@@ -1,0 +1,295 @@
+"""The ``flowrt`` command line.
+
+    flowrt run FILE.py [--input NAME=VALUE ...] [--model PATH] [--json] [--trace FILE] [--workflow NAME]
+                       [--index DIR] [engine options]
+    flowrt graph FILE.py [--format text|mermaid|dot]
+    flowrt bench NAME [ARGS ...]          # runs bench/NAME.py
+    flowrt serve ...                      # flowrt.server (when installed)
+    flowrt index ...                      # flowrt.retrieval (when installed)
+
+Exit status of ``run``: 0 when every step succeeded, 1 when a step failed (its dependents are skipped;
+every other result is still printed), 2 for a bad command line, workflow file or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["main", "build_parser", "add_engine_arguments", "engine_kwargs_from_args", "parse_inputs"]
+
+EXIT_OK, EXIT_STEP_FAILED, EXIT_USAGE = 0, 1, 2
+
+# EngineArgs fields exposed as options: name -> (type, help)
+_ENGINE_OPTIONS: dict[str, tuple[Any, str]] = {
+    "dtype": (str, "weights/activations dtype: auto, float32, bfloat16, float16 (default auto)"),
+    "block_size": (int, "tokens per KV block (default 16)"),
+    "max_num_seqs": (int, "most sequences in one engine step (default 256)"),
+    "max_num_batched_tokens": (int, "token budget of one engine step (default 2048)"),
+    "kv_cache_memory": (int, "bytes of KV cache (default: the engine's choice)"),
+    "num_kv_blocks": (int, "number of KV blocks (overrides --kv-cache-memory)"),
+    "max_model_len": (int, "context length (default: the model's)"),
+    "attention_backend": (str, "auto, torch or triton (default auto)"),
+    "device": (str, "auto, cpu or cuda (default auto)"),
+    "seed": (int, "engine seed (default 0)"),
+}
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", metavar="PATH", default=None,
+                   help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    for name, (typ, help_) in _ENGINE_OPTIONS.items():
+        g.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+                   help="disable the engine's prefix cache")
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    kw = {n: getattr(args, n) for n in _ENGINE_OPTIONS if getattr(args, n, None) is not None}
+    if getattr(args, "enable_prefix_caching", None) is not None:
+        kw["enable_prefix_caching"] = args.enable_prefix_caching
+    return kw
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+class UsageError(Exception):
+    pass
+
+
+def _is_str_annotation(ann: Any) -> bool:
+    return ann is str or ann == "str"
+
+
+def parse_inputs(pairs: Sequence[str], files: Sequence[str], wf: Any) -> dict[str, Any]:
+    """``NAME=VALUE`` pairs: the value is a string for inputs annotated ``str``, otherwise JSON when it
+    parses as JSON (numbers, lists, objects, true/false/null) and the raw string when not.
+    ``--input-file NAME=PATH`` reads the value from a file (always a string)."""
+    specs = wf.inputs
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise UsageError(f"--input expects NAME=VALUE, got {pair!r}")
+        name, value = pair.split("=", 1)
+        name = name.strip()
+        ann = specs[name].annotation if name in specs else None
+        if _is_str_annotation(ann):
+            out[name] = value
+            continue
+        try:
+            out[name] = json.loads(value)
+        except ValueError:
+            out[name] = value
+    for pair in files:
+        if "=" not in pair:
+            raise UsageError(f"--input-file expects NAME=PATH, got {pair!r}")
+        name, path = pair.split("=", 1)
+        try:
+            out[name.strip()] = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"--input-file {name}: cannot read {path}: {e.strerror or e}") from None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- run
+def _print_result_human(result: Any, show_tb: bool) -> None:
+    from rich.console import Console
+    from rich.pretty import Pretty
+
+    out = Console(soft_wrap=True, highlight=False)
+    err = Console(stderr=True, highlight=False)
+    sinks = set(result.sinks)
+    for name, value in result.outputs.items():
+        if isinstance(value, str):
+            out.print(f"[bold]{name}[/bold]{' (result)' if name in sinks else ''}:", value, markup=True)
+        else:
+            out.print(f"[bold]{name}[/bold]{' (result)' if name in sinks else ''}:", Pretty(value), markup=True)
+    for name, e in result.errors.items():
+        style = "magenta" if e.kind == "skipped" else "bold red"
+        err.print(f"[{style}]{name} {e.kind}[/{style}]: {e.message}", markup=True, highlight=False)
+        if e.traceback and e.kind != "skipped":
+            tb = e.traceback.rstrip().splitlines()
+            shown = tb if show_tb else tb[-6:]
+            if not show_tb and len(tb) > 6:
+                err.print("  ... (--traceback shows all)", style="dim")
+            for line in shown:
+                err.print("  " + line, style="dim", markup=False, highlight=False)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import anyio
+
+    from .executor import RunObserver
+    from .loader import load_workflow
+    from .runtime import Runtime
+    from .trace import Tracer
+    from .workflow import WorkflowError
+
+    try:
+        wf = load_workflow(args.file, args.workflow)
+        inputs = parse_inputs(args.input or [], args.input_file or [], wf)
+        wf.validate()
+        wf.check_inputs(inputs)
+    except (UsageError, WorkflowError, FileNotFoundError) as e:
+        print(f"flowrt run: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+    runtime = Runtime(args.model, index=args.index, **engine_kwargs_from_args(args))
+    observer = RunObserver(wf)
+    tracer = Tracer(stats_fn=runtime.stats)
+    use_progress = (not args.no_progress) and sys.stderr.isatty()
+
+    async def go() -> Any:
+        async with runtime:
+            if use_progress:
+                from .progress import ProgressDisplay
+
+                with ProgressDisplay(observer, runtime.stats):
+                    return await runtime.execute(wf, inputs, tracer=tracer, observer=observer)
+            return await runtime.execute(wf, inputs, tracer=tracer, observer=observer)
+
+    # With --json nothing but the JSON may reach stdout: steps that print write to stderr instead.
+    redirect = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    try:
+        with redirect:
+            result = anyio.run(go)
+    except WorkflowError as e:
+        print(f"flowrt run: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("flowrt run: interrupted", file=sys.stderr)
+        return 130
+    if args.trace:
+        try:
+            tracer.save(args.trace)
+        except OSError as e:
+            print(f"flowrt run: cannot write trace {args.trace}: {e}", file=sys.stderr)
+    if args.json:
+        sys.stdout.write(result.to_json() + "\n")
+        sys.stdout.flush()
+    else:
+        _print_result_human(result, args.traceback)
+        from .progress import summary_line
+
+        print(summary_line(result), file=sys.stderr)
+        if args.trace:
+            print(f"trace written to {args.trace} (open it in https://ui.perfetto.dev)", file=sys.stderr)
+    return EXIT_OK if result.ok else EXIT_STEP_FAILED
+
+
+def cmd_graph(args: argparse.Namespace) -> int:
+    from .loader import load_workflow
+    from .workflow import WorkflowError
+
+    try:
+        wf = load_workflow(args.file, args.workflow)
+        wf.validate()
+    except (WorkflowError, FileNotFoundError) as e:
+        print(f"flowrt graph: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(wf.render(args.format))
+    return EXIT_OK
+
+
+def _bench_dirs() -> list[Path]:
+    dirs = [Path.cwd() / "bench", Path(__file__).resolve().parent.parent / "bench"]
+    seen: list[Path] = []
+    for d in dirs:
+        if d not in seen:
+            seen.append(d)
+    return seen
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    name = args.name
+    candidates = [d / f"{name}.py" for d in _bench_dirs()] if not name.endswith(".py") else [Path(name)]
+    path = next((c for c in candidates if c.is_file()), None)
+    if path is None:
+        known = sorted({p.stem for d in _bench_dirs() if d.is_dir() for p in d.glob("*.py")
+                        if not p.name.startswith("_")})
+        print(f"flowrt bench: no benchmark {name!r} (looked in {', '.join(str(d) for d in _bench_dirs())}); "
+              f"available: {', '.join(known) or 'none'}", file=sys.stderr)
+        return EXIT_USAGE
+    old_argv = sys.argv
+    sys.argv = [str(path), *args.bench_args]
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        sys.argv = old_argv
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------- parser
+def _register_external(sub: Any, module: str) -> None:
+    """``serve`` / ``index`` come from other packages; skipped quietly when they are not importable."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return
+    add = getattr(mod, "add_parser", None)
+    if add is not None:
+        add(sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="flowrt", description="Run multi-step LLM workflows on an in-process "
+                                     "engine with copy-on-write KV sharing.")
+    parser.add_argument("--version", action="version", version=f"flowrt {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("run", help="run a workflow file", description="Run the workflow defined in FILE.")
+    p.add_argument("file", metavar="FILE.py")
+    p.add_argument("--input", "-i", action="append", metavar="NAME=VALUE",
+                   help="a workflow input (repeatable); VALUE is JSON unless the input is annotated str")
+    p.add_argument("--input-file", action="append", metavar="NAME=PATH", help="an input read from a file")
+    p.add_argument("--workflow", "-w", metavar="NAME", help="which workflow, when FILE defines several")
+    p.add_argument("--json", action="store_true",
+                   help='print {"outputs": ..., "errors": ..., "stats": ...} as JSON and nothing else on stdout')
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (Perfetto / chrome://tracing)")
+    p.add_argument("--index", metavar="DIR", help="retrieval index directory, injected as `retriever`")
+    p.add_argument("--no-progress", action="store_true", help="no live progress display")
+    p.add_argument("--traceback", action="store_true", help="print full tracebacks of failed steps")
+    add_engine_arguments(p)
+    p.set_defaults(func=cmd_run)
+
+    g = sub.add_parser("graph", help="print a workflow's DAG", description="Print the DAG of FILE's workflow.")
+    g.add_argument("file", metavar="FILE.py")
+    g.add_argument("--format", "-f", choices=["text", "mermaid", "dot"], default="text")
+    g.add_argument("--workflow", "-w", metavar="NAME")
+    g.set_defaults(func=cmd_graph)
+
+    b = sub.add_parser("bench", help="run a benchmark from bench/", description="Run bench/NAME.py.")
+    b.add_argument("name", metavar="NAME")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS")
+    b.set_defaults(func=cmd_bench)
+
+    _register_external(sub, "flowrt.server.cli")
+    _register_external(sub, "flowrt.retrieval.cli")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    code = args.func(args)
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

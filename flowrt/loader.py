@@ -1,0 +1,70 @@
+"""Loading workflows from Python files (``flowrt run FILE.py``, ``flowrt graph``, the server)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from .workflow import Workflow, WorkflowError
+
+__all__ = ["load_module", "find_workflows", "load_workflow"]
+
+
+def load_module(path: str | Path) -> ModuleType:
+    """Import a Python file as a module (its directory is importable while it loads, so it can import its
+    neighbours)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"workflow file not found: {path}")
+    if p.suffix != ".py":
+        raise WorkflowError(f"workflow file must be a .py file: {path}")
+    resolved = p.resolve()
+    name = f"flowrt_user_{resolved.stem}_{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    if spec is None or spec.loader is None:
+        raise WorkflowError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    parent = str(resolved.parent)
+    added = parent not in sys.path
+    if added:
+        sys.path.insert(0, parent)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    finally:
+        if added:
+            try:
+                sys.path.remove(parent)
+            except ValueError:
+                pass
+    return module
+
+
+def find_workflows(module: ModuleType) -> dict[str, Workflow]:
+    """The module's top-level workflows, by variable name (each also reachable by ``Workflow.name``)."""
+    return {k: v for k, v in vars(module).items() if isinstance(v, Workflow) and not k.startswith("_")}
+
+
+def load_workflow(path: str | Path, name: str | None = None) -> Workflow:
+    """The workflow defined in ``path``: the only one, or the one whose variable or workflow name is
+    ``name``."""
+    found = find_workflows(load_module(path))
+    if not found:
+        raise WorkflowError(f"{path} defines no flowrt Workflow at top level")
+    if name is not None:
+        for var, wf in found.items():
+            if name in (var, wf.name):
+                return wf
+        raise WorkflowError(f"{path} has no workflow named {name!r}; it defines: "
+                            + ", ".join(f"{v} ({w.name!r})" for v, w in found.items()))
+    unique = list({id(w): w for w in found.values()}.values())
+    if len(unique) > 1:
+        raise WorkflowError(f"{path} defines several workflows ({', '.join(found)}); choose one with "
+                            f"--workflow NAME")
+    return unique[0]

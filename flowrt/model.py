@@ -1,0 +1,188 @@
+"""``fr.Model``: the handle steps receive (``llm: fr.Model``) on one shared in-process engine.
+
+``Model`` is both the annotation that asks the executor to inject the model and the object injected::
+
+    @wf.step
+    async def answer(question: str, llm: fr.Model) -> str:
+        t = llm.thread("Q: " + question + "\\nA:")
+        return await t.gen(max_tokens=64, stop="\\n")
+
+Every thread, chat and one-shot call of every step (and of every concurrent run sharing the runtime)
+goes to the same ``AsyncLLM``, so the engine batches them and shares their common prefixes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any, AsyncIterator, Iterable
+
+import anyio
+
+from .trace import current_step, current_tracer
+
+__all__ = ["Model"]
+
+_request_ids = itertools.count(1)
+_ANCHOR = "\n"
+
+
+class Model:
+    """A handle on an ``AsyncLLM`` (``flowrt.engine``) for workflow code.
+
+    ``share_kv=False`` turns the runtime's sharing off (a benchmark baseline): forks become fresh
+    sequences that recompute the whole prompt.
+    """
+
+    def __init__(self, engine: Any, *, share_kv: bool = True) -> None:
+        self.engine = engine
+        self.share_kv = share_kv
+        self.tokenizer = engine.tokenizer
+        self.counters: dict[str, int] = {"chat_turns": 0, "chat_rerenders": 0}
+        self._special_prefix, self._special_suffix = self._find_special_tokens()
+        self._anchor_ids = self.tokenizer(_ANCHOR, add_special_tokens=False)["input_ids"]
+        self._special_ids = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        self._pid = os.getpid()
+
+    def __repr__(self) -> str:
+        return f"<fr.Model {getattr(self.engine, 'model_config', None) or self.engine!r}>"
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    # ------------------------------------------------------------------ threads
+    def thread(self, text: str = "") -> "Thread":
+        """A new thread starting with ``text`` (after the tokenizer's BOS, if it uses one)."""
+        from .thread import Thread
+
+        return Thread(self, text)
+
+    def chat(self, system: str | None = None, *, messages: Iterable[dict[str, Any]] = (),
+             chat_template: str | None = None) -> "ChatThread":
+        """A chat thread rendered through the tokenizer's chat template (a plain ChatML template when the
+        tokenizer has none)."""
+        from .thread import ChatThread
+
+        return ChatThread(self, system=system, messages=messages, chat_template=chat_template)
+
+    async def generate(self, prompt: str, **sampling: Any) -> str:
+        """One-shot completion of ``prompt`` (a throwaway thread; its prefix stays in the prefix cache)."""
+        with self.thread(prompt) as t:
+            return await t.gen(**sampling)
+
+    # ------------------------------------------------------------------ tokenization
+    def _find_special_tokens(self) -> tuple[list[int], list[int]]:
+        """What the tokenizer adds around a text by default (BOS / EOS ids)."""
+        probe = "a"
+        plain = self.tokenizer(probe, add_special_tokens=False)["input_ids"]
+        full = self.tokenizer(probe)["input_ids"]
+        for k in range(len(full) - len(plain) + 1):
+            if full[k:k + len(plain)] == plain:
+                return list(full[:k]), list(full[k + len(plain):])
+        return [], []
+
+    def encode(self, text: str, *, first: bool = False, special_prefix: bool = True) -> list[int]:
+        """Token ids of a piece of a thread.
+
+        ``first``: the thread's first piece, tokenized as a whole text (with the tokenizer's special
+        prefix, e.g. BOS, when ``special_prefix``). Otherwise a continuation: tokenized after an anchor
+        ("\\n") that is then dropped, so SentencePiece tokenizers do not add a word-start "▁" that the
+        full text would not have; tokenizers whose anchor merges with the text fall back to plain encode.
+        """
+        if first:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            return (list(self._special_prefix) if special_prefix else []) + list(ids)
+        if not text:
+            return []
+        a = self._anchor_ids
+        ids = self.tokenizer(_ANCHOR + text, add_special_tokens=False)["input_ids"]
+        if a and ids[:len(a)] == a:
+            return list(ids[len(a):])
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _kv_text(self, co: Any, params: Any) -> str:
+        """The text of a completion's tokens as they sit in the KV cache: the returned text plus a stop
+        string it excludes and a final special token (EOS / end-of-turn) it skips."""
+        text = co.text
+        if co.finish_reason == "stop" and isinstance(co.stop_reason, str) and not params.include_stop_str_in_output:
+            text += co.stop_reason
+        if co.token_ids and params.skip_special_tokens and co.token_ids[-1] in self._special_ids:
+            text += self.tokenizer.convert_ids_to_tokens(co.token_ids[-1])
+        return text
+
+    # ------------------------------------------------------------------ engine calls (traced)
+    def _span(self, kind: str, uncomputed: int) -> tuple[Any, Any]:
+        tracer = current_tracer.get()
+        if tracer is None:
+            return None, None
+        return tracer, tracer.start(kind, "llm", kind=kind, step=current_step.get(), pending_tokens=uncomputed)
+
+    @staticmethod
+    def _span_fields(out: Any) -> dict[str, Any]:
+        prompt = len(out.prompt_token_ids or [])
+        cached = int(out.num_cached_tokens or 0)
+        gen = sum(len(o.token_ids) for o in out.outputs)
+        return {"prompt_tokens": prompt, "cached_tokens": cached, "tokens_computed": max(0, prompt - cached),
+                "generated_tokens": gen,
+                "finish_reason": out.outputs[0].finish_reason if out.outputs else None}
+
+    @staticmethod
+    def _check_finished(out: Any) -> None:
+        for o in out.outputs:
+            if o.finish_reason == "abort":
+                reason = o.stop_reason if isinstance(o.stop_reason, str) else "aborted by the engine"
+                raise RuntimeError(f"generation aborted: {reason}")
+
+    async def _run(self, seq: Any, params: Any, *, kind: str, uncomputed: int = 0) -> Any:
+        rid = f"flowrt-{self._pid}-{next(_request_ids)}"
+        tracer, span = self._span(kind, uncomputed)
+        try:
+            out = await self.engine.generate(seq, params, request_id=rid)
+        except BaseException as e:
+            if isinstance(e, anyio.get_cancelled_exc_class()):
+                try:
+                    self.engine.abort(rid)
+                except Exception:
+                    pass
+            if tracer is not None:
+                tracer.end(span, kind="failed", error=f"{type(e).__name__}: {e}")
+            raise
+        if tracer is not None:
+            tracer.end(span, **self._span_fields(out))
+        self._check_finished(out)
+        return out
+
+    async def _stream(self, seq: Any, params: Any, *, kind: str, uncomputed: int = 0) -> AsyncIterator[Any]:
+        rid = f"flowrt-{self._pid}-{next(_request_ids)}"
+        tracer, span = self._span(kind, uncomputed)
+        out = None
+        try:
+            async for out in self.engine.stream(seq, params, request_id=rid):
+                yield out
+        except BaseException as e:
+            if tracer is not None:
+                tracer.end(span, kind="failed", error=f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            if out is None or not out.finished:
+                try:
+                    self.engine.abort(rid)
+                except Exception:
+                    pass
+            if tracer is not None and out is not None:
+                tracer.end(span, **self._span_fields(out))
+        if out is not None and out.finished:
+            self._check_finished(out)
+
+    async def _prefill(self, seq: Any, uncomputed: int = 0) -> Any:
+        """Compute a sequence's pending tokens (before it is forked)."""
+        from .engine import SamplingParams
+
+        return await self._run(seq, SamplingParams(max_tokens=0), kind="prefill", uncomputed=uncomputed)
+
+
+from .thread import ChatThread, Thread  # noqa: E402  (used in annotations above)

@@ -1,0 +1,623 @@
+"""Threads: prompt states whose KV cache lives in the engine and is shared copy-on-write.
+
+A ``Thread`` is an engine sequence (``EngineSequence``) plus text bookkeeping:
+
+* ``t += text`` appends text. Nothing is tokenized or computed yet: text appended between two model calls
+  is tokenized *as one piece* when the next call (or ``fork``) needs it, so ``t += "a"; t += "b"`` gives
+  the same tokens as ``t += "ab"``. The first piece of a thread gets the tokenizer's special prefix (BOS),
+  later pieces never do.
+* Pieces are joined at token boundaries: tokens already in the KV cache (an earlier piece, generated text)
+  are never re-tokenized. A later piece is tokenized as a continuation (for SentencePiece tokenizers
+  without the leading "▁" a standalone encode would add), so ``" world"`` after ``"Hello"`` is one word
+  token ``▁world``, exactly as in ``"Hello world"``; only a boundary that falls *inside* a word (``"Hel"`` +
+  ``"lo"``) tokenizes differently from the whole text.
+* ``await t.gen(...)`` generates onto the sequence: the returned text excludes a stop string, the KV cache
+  (and ``t.token_ids`` / ``t.text``) keep every generated token.
+* ``t.fork(n)`` returns n threads sharing every KV block so far. Forking is lazy: the shared prefix is
+  computed once, by whichever branch first needs it, and then forked copy-on-write, so
+  ``fr.gather(*(b.gen() for b in t.fork(8)))`` prefills the prompt once, not eight times.
+* ``await t.select(options)`` scores each option by the total log-probability of its tokens (``by="mean"``
+  for the per-token mean) with every option's branch sharing the prefix, and appends the winner.
+* Closing a thread, or dropping its last reference, releases its blocks to the engine's prefix cache.
+
+A thread runs one model call at a time (fork it for parallel work); all its methods must be called from
+the event loop that runs the workflow.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Iterator
+
+import anyio
+
+from .aio import gather
+
+if TYPE_CHECKING:
+    from .model import Model
+
+__all__ = ["Thread", "ChatThread", "DEFAULT_CHAT_TEMPLATE"]
+
+_thread_ids = itertools.count(1)
+
+# Used when the tokenizer has no chat template of its own (e.g. base models): plain ChatML text.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_DEFAULT_TEMPLATE_STOP = "<|im_end|>"
+
+
+class _Base:
+    """A frozen prefix that several threads fork from (the state behind a lazy fork).
+
+    Either ``seq`` holds it, or it is ``parent``'s prefix plus ``extra`` tokens (a fork of a fork that
+    was never materialized). ``users`` counts the threads that will still take a sequence from it; the
+    last one takes ``seq`` itself instead of forking it.
+    """
+
+    __slots__ = ("model", "seq", "uncomputed", "parent", "extra", "users", "lock")
+
+    def __init__(self, model: "Model", *, seq: Any = None, uncomputed: int = 0, parent: "_Base | None" = None,
+                 extra: list[int] | None = None, users: int = 1) -> None:
+        self.model = model
+        self.seq = seq
+        self.uncomputed = uncomputed
+        self.parent = parent
+        self.extra = list(extra or ())
+        self.users = users
+        self.lock = anyio.Lock()
+
+    def token_ids(self) -> list[int]:
+        if self.seq is not None:
+            return self.seq.token_ids
+        assert self.parent is not None
+        return self.parent.token_ids() + self.extra
+
+    def num_tokens(self) -> int:
+        if self.seq is not None:
+            return len(self.seq)
+        assert self.parent is not None
+        return self.parent.num_tokens() + len(self.extra)
+
+    async def acquire(self) -> tuple[Any, int]:
+        """A sequence of its own for one user: (sequence, its number of uncomputed tokens)."""
+        async with self.lock:
+            if self.seq is None:
+                assert self.parent is not None
+                seq, unc = await self.parent.acquire()
+                self.parent = None
+                if self.extra:
+                    seq.append(self.extra)
+                    unc += len(self.extra)
+                self.seq, self.uncomputed = seq, unc
+            self.users -= 1
+            if self.users == 0:  # the last user takes the sequence itself
+                seq, self.seq = self.seq, None
+                return seq, self.uncomputed
+            if not self.model.share_kv:
+                # Sharing off (benchmark baseline): a fresh sequence with the same tokens, computed anew.
+                return self.model.engine.open(self.seq.token_ids), len(self.seq)
+            if self.uncomputed > 1:
+                # Compute the shared prefix once, before forking; forks share its blocks copy-on-write.
+                await self.model._prefill(self.seq, self.uncomputed)
+                self.uncomputed = 0
+            return self.seq.fork(1)[0], self.uncomputed
+
+    def release(self, hard: bool = True) -> None:
+        """A user leaves without taking a sequence (closed, or garbage-collected when ``hard`` is False:
+        then the sequence is only dropped and the engine's own finalizer closes it)."""
+        self.users -= 1
+        if self.users <= 0:
+            if self.seq is not None:
+                seq, self.seq = self.seq, None
+                if hard:
+                    try:
+                        seq.close()
+                    except Exception:
+                        pass
+            elif self.parent is not None:
+                parent, self.parent = self.parent, None
+                parent.release(hard)
+
+
+class Thread:
+    """A prompt state on the model (see the module docstring). Create with ``llm.thread(text)``."""
+
+    _special_prefix = True   # the first piece gets the tokenizer's BOS
+
+    def __init__(self, model: "Model", text: str = "") -> None:
+        if not isinstance(text, str):
+            raise TypeError(f"thread text must be a str, got {type(text).__name__}")
+        self.model = model
+        self.id = next(_thread_ids)
+        self._seq: Any = None           # our own EngineSequence, or
+        self._base: _Base | None = None  # a lazy fork we take a sequence from, or neither (empty)
+        self._uncomputed = 0            # tokens of _seq whose KV is not computed yet
+        self._text = ""                 # text whose tokens are in _seq / _base
+        self._pending = text            # appended, not tokenized yet
+        self._busy = False
+        self._closed = False
+        self.last_output: Any = None    # the engine's RequestOutput of the last gen/stream
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def text(self) -> str:
+        """Everything the thread holds: prompt pieces and generated text (stop strings included)."""
+        return self._text + self._pending
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Token ids of the thread, including the pending text as it will be tokenized."""
+        ids = self._state_ids()
+        if self._pending:
+            ids = ids + self._encode_piece(self._pending, first=not ids)
+        return ids
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("busy" if self._busy else "idle")
+        tail = self.text[-40:]
+        return f"<{type(self).__name__} #{self.id} {state} ...{tail!r}>"
+
+    def _state_ids(self) -> list[int]:
+        if self._seq is not None:
+            return self._seq.token_ids
+        if self._base is not None:
+            return self._base.token_ids()
+        return []
+
+    def _has_tokens(self) -> bool:
+        if self._seq is not None:
+            return len(self._seq) > 0
+        return self._base is not None
+
+    def _encode_piece(self, text: str, *, first: bool) -> list[int]:
+        return self.model.encode(text, first=first, special_prefix=self._special_prefix)
+
+    # ------------------------------------------------------------------ appending / forking
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"thread #{self.id} is closed")
+        if self._busy:
+            raise RuntimeError(f"thread #{self.id} is busy with a model call (one call at a time per "
+                               f"thread; fork it for parallel work)")
+
+    def append(self, text: str) -> "Thread":
+        if not isinstance(text, str):
+            raise TypeError(f"can only append str to a thread, got {type(text).__name__}")
+        self._check_usable()
+        self._pending += text
+        return self
+
+    def __iadd__(self, text: str) -> "Thread":
+        return self.append(text)
+
+    def __add__(self, text: str) -> "Thread":
+        """A fork with ``text`` appended; this thread is unchanged."""
+        if not isinstance(text, str):
+            return NotImplemented
+        child = self.fork(1)[0]
+        child.append(text)
+        return child
+
+    def _push_ids(self, ids: list[int]) -> None:
+        """Append tokens to the thread's state (not to its text)."""
+        if not ids:
+            return
+        if self._seq is not None:
+            self._seq.append(ids)
+            self._uncomputed += len(ids)
+        elif self._base is not None:
+            # Fork of a fork not taken yet: chain a base holding the extra tokens (we are its only user).
+            self._base = _Base(self.model, parent=self._base, extra=ids, users=1)
+        else:
+            self._seq = self.model.engine.open(ids)
+            self._uncomputed = len(ids)
+
+    def _flush(self) -> None:
+        """Tokenize the pending text into the state."""
+        if not self._pending and self._has_tokens():
+            return
+        text = self._pending
+        first = not self._has_tokens()
+        ids = self._encode_piece(text, first=first)
+        if first and not ids:
+            raise ValueError("the thread is empty: append a prompt before calling the model")
+        self._push_ids(ids)
+        self._text += text
+        self._pending = ""
+
+    def _new_like(self) -> "Thread":
+        child = type(self).__new__(type(self))
+        Thread.__init__(child, self.model)
+        return child
+
+    def _fork_raw(self, n: int) -> list["Thread"]:
+        """n children sharing the current state (pending text must be flushed by the caller)."""
+        if self._seq is not None:
+            self._base = _Base(self.model, seq=self._seq, uncomputed=self._uncomputed, users=n + 1)
+            self._seq, self._uncomputed = None, 0
+        elif self._base is not None:
+            self._base.users += n
+        children = []
+        for _ in range(n):
+            c = self._new_like()
+            c._base, c._text = self._base, self._text
+            children.append(c)
+        return children
+
+    def fork(self, n: int = 1) -> list["Thread"]:
+        """n threads that share everything so far (copy-on-write); each then evolves on its own."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"fork needs n >= 1, got {n!r}")
+        self._check_usable()
+        if self._pending or self._has_tokens():
+            self._flush()
+        children = self._fork_raw(n)
+        for c in children:
+            self._copy_extra_state(c)
+        return children
+
+    def copy(self) -> "Thread":
+        return self.fork(1)[0]
+
+    def _copy_extra_state(self, child: "Thread") -> None:
+        pass
+
+    # ------------------------------------------------------------------ model calls
+    @contextmanager
+    def _op(self) -> Iterator[None]:
+        self._check_usable()
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
+
+    async def _materialize(self) -> Any:
+        """Our own sequence with the pending text appended (taking it from a lazy fork if needed)."""
+        self._flush()
+        if self._seq is None:
+            assert self._base is not None
+            base, self._base = self._base, None
+            try:
+                self._seq, self._uncomputed = await base.acquire()
+            except BaseException:
+                base.release()
+                raise
+        return self._seq
+
+    def _params(self, sampling: dict[str, Any]) -> Any:
+        from .engine import SamplingParams
+
+        params = sampling.pop("sampling_params", None)
+        if params is not None:
+            if sampling:
+                raise TypeError("pass either sampling_params= or sampling keywords, not both")
+        else:
+            params = SamplingParams(**sampling)
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: a thread generates one sample; use t.fork(n) for several")
+        return params
+
+    def _record_generation(self, out: Any, params: Any) -> None:
+        self.last_output = out
+        co = out.outputs[0]
+        self._text += self.model._kv_text(co, params)
+        self._uncomputed = 1 if co.token_ids else 0
+
+    async def gen(self, **sampling: Any) -> str:
+        """Generate onto the thread (any SamplingParams field as a keyword: max_tokens, temperature,
+        stop, seed, top_p, ...). Returns the generated text without the stop string; the thread keeps
+        every generated token."""
+        params = self._params(sampling)
+        with self._op():
+            seq = await self._materialize()
+            out = await self.model._run(seq, params, kind="gen", uncomputed=self._uncomputed)
+            self._record_generation(out, params)
+            return out.outputs[0].text
+
+    async def stream(self, **sampling: Any) -> AsyncIterator[str]:
+        """Generate onto the thread, yielding text as it is produced (same keywords as ``gen``).
+
+        Leaving the loop early aborts the request; the tokens generated so far stay in the thread."""
+        params = self._params(sampling)
+        with self._op():
+            seq = await self._materialize()
+            prev = ""
+            final = None
+            try:
+                async for out in self.model._stream(seq, params, kind="stream", uncomputed=self._uncomputed):
+                    final = out
+                    text = out.outputs[0].text
+                    delta = text[len(prev):] if text.startswith(prev) else text
+                    prev = text
+                    if delta:
+                        yield delta
+            finally:
+                if final is not None:
+                    self._record_generation(final, params)
+                    if not final.finished:  # aborted early: the KV holds whatever was generated
+                        self._resync_text()
+
+    def _resync_text(self) -> None:
+        """After an interrupted call the token ids are authoritative; rebuild the text from them."""
+        if self._seq is not None:
+            self._text = self.model.tokenizer.decode(self._seq.token_ids, skip_special_tokens=False)
+            self._uncomputed = 1
+
+    async def scores(self, options: Iterable[str], *, by: str = "total") -> dict[str, float]:
+        """Log-probability of each option as a continuation of the thread (``by="total"``: sum over the
+        option's tokens; ``"mean"``: per-token mean). The thread is unchanged."""
+        result, _ = await self._score(list(options), by=by, keep=False)
+        return result
+
+    async def select(self, options: Iterable[str], *, by: str = "total", append: bool = True) -> str:
+        """The most likely option (see ``scores``; ties go to the earlier option). With ``append`` (the
+        default) the winner is appended to the thread, reusing the KV its scoring computed."""
+        scores, _ = await self._score(list(options), by=by, keep=append)
+        return max(scores, key=lambda o: scores[o])  # dicts keep option order; max keeps the first
+
+    async def _score(self, options: list[str], *, by: str, keep: bool) -> tuple[dict[str, float], str]:
+        from .engine import SamplingParams
+
+        if by not in ("total", "mean"):
+            raise ValueError(f"by must be 'total' or 'mean', got {by!r}")
+        if not options:
+            raise ValueError("select needs at least one option")
+        for o in options:
+            if not isinstance(o, str) or not o:
+                raise ValueError(f"select options must be non-empty strings, got {o!r}")
+        with self._op():
+            pending = self._pending
+            self._pending = ""
+            first = not self._has_tokens()
+            # Tokenize pending text + option together, so that the option's boundary matches the full
+            # text's tokenization (e.g. "Answer: " + "yes" -> "▁yes", not "▁" "yes").
+            joint = [self._encode_piece(pending + o, first=first) for o in options]
+            k = 0
+            shortest = min(len(j) for j in joint)
+            while k < shortest - 1 and all(j[k] == joint[0][k] for j in joint):
+                k += 1
+            if shortest == 0:
+                self._pending = pending
+                raise ValueError("an option tokenizes to nothing")
+            branches: list[Thread] = []
+            holder = None
+            try:
+                holder = self._fork_raw(1)[0]
+                holder._push_ids(joint[0][:k])
+                branches = holder._fork_raw(len(options))
+                holder.close()
+                for b, ids in zip(branches, joint):
+                    b._push_ids(ids[k:])
+                params = SamplingParams(max_tokens=0, prompt_logprobs=0)
+
+                async def score_one(b: Thread, ids: list[int]) -> float:
+                    seq = await b._materialize()
+                    out = await self.model._run(seq, params, kind="select", uncomputed=b._uncomputed)
+                    b._uncomputed = 0
+                    return _sum_logprobs(out.prompt_logprobs or [], ids)
+
+                totals = await gather(*(score_one(b, ids[k:]) for b, ids in zip(branches, joint)))
+            except BaseException:
+                self._pending = pending
+                for b in branches:
+                    b.close()
+                if holder is not None:
+                    holder.close()
+                raise
+            result = {}
+            for o, ids, total in zip(options, joint, totals):
+                if o not in result:
+                    result[o] = total / max(1, len(ids) - k) if by == "mean" else total
+            winner_i = max(range(len(options)), key=lambda i: (result[options[i]], -i))
+            winner = options[winner_i]
+            if keep:
+                self._drop_state()
+                win = branches[winner_i]
+                self._seq, self._uncomputed = win._seq, 0
+                win._seq = None
+                self._text += pending + winner
+                self._pending = ""
+            else:
+                self._pending = pending
+            for b in branches:
+                b.close()
+            return result, winner
+
+    # ------------------------------------------------------------------ closing
+    def _drop_state(self, hard: bool = True) -> None:
+        seq, base = self._seq, self._base
+        self._seq, self._base, self._uncomputed = None, None, 0
+        if seq is not None and hard:
+            try:
+                seq.close()
+            except Exception:
+                pass
+        if base is not None:
+            base.release(hard)
+
+    def close(self) -> None:
+        """Release the thread's KV blocks (to the prefix cache). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._drop_state()
+
+    def __enter__(self) -> "Thread":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Garbage collection may run anywhere (even inside the engine's locked step): only drop the
+        # references; the EngineSequence finalizer hands the blocks back at the engine's next step.
+        try:
+            if not self._closed:
+                self._closed = True
+                self._drop_state(hard=False)
+        except Exception:
+            pass
+
+
+def _sum_logprobs(entries: list[Any], ids: list[int]) -> float:
+    """Sum of the log-probabilities of ``ids``, the last tokens scored in ``entries``."""
+    if not ids:
+        return 0.0
+    tail = entries[-len(ids):]
+    if len(tail) < len(ids):
+        raise RuntimeError(f"the engine scored {len(entries)} tokens, expected at least {len(ids)}")
+    total = 0.0
+    for tok, entry in zip(ids, tail):
+        if entry is None:
+            continue  # the very first token of a sequence has no context to score it
+        lp = entry.get(tok)
+        if lp is None:
+            raise RuntimeError(f"the engine's prompt logprobs lack token {tok}")
+        v = lp.logprob if hasattr(lp, "logprob") else float(lp)
+        total += v if math.isfinite(v) else -1e30
+    return total
+
+
+class ChatThread(Thread):
+    """A conversation rendered through the model's chat template.
+
+    ``c.system(...)``, ``c.user(...)`` and ``c.message(role, content)`` add messages (nothing runs);
+    ``await c.assistant(**sampling)`` renders the conversation with the generation prompt, generates the
+    reply, records it as an assistant message and returns it. ``c.stream(...)`` and ``c.select(...)`` do
+    the same with streaming / a choice of replies.
+
+    Earlier turns stay byte-stable: each call renders the whole conversation, checks that what the thread
+    already holds is a prefix of it, and appends only the rest, so every turn reuses the KV of all earlier
+    turns. When a template re-renders history differently (some strip earlier reasoning, or trim the
+    reply), the thread falls back to the full rendering in a fresh sequence (shared full blocks still come
+    from the prefix cache); ``llm.counters["chat_rerenders"]`` counts those fallbacks.
+    """
+
+    _special_prefix = False  # chat templates carry their own BOS
+
+    def __init__(self, model: "Model", *, system: str | None = None, messages: Iterable[dict[str, Any]] = (),
+                 chat_template: str | None = None) -> None:
+        super().__init__(model, "")
+        self.messages: list[dict[str, Any]] = [dict(m) for m in messages]
+        if system is not None:
+            self.messages.insert(0, {"role": "system", "content": system})
+        tok = model.tokenizer
+        self.chat_template = chat_template
+        self._fallback_template = chat_template is None and not getattr(tok, "chat_template", None)
+
+    def _copy_extra_state(self, child: "Thread") -> None:
+        assert isinstance(child, ChatThread)
+        child.messages = [dict(m) for m in self.messages]
+        child.chat_template = self.chat_template
+        child._fallback_template = self._fallback_template
+
+    def _new_like(self) -> "Thread":
+        child = super()._new_like()
+        assert isinstance(child, ChatThread)
+        child.messages, child.chat_template, child._fallback_template = [], None, False
+        return child
+
+    # ------------------------------------------------------------------ messages
+    def message(self, role: str, content: str) -> "ChatThread":
+        if not isinstance(content, str):
+            raise TypeError(f"message content must be a str, got {type(content).__name__}")
+        self._check_usable()
+        self.messages.append({"role": role, "content": content})
+        return self
+
+    def system(self, content: str) -> "ChatThread":
+        return self.message("system", content)
+
+    def user(self, content: str) -> "ChatThread":
+        return self.message("user", content)
+
+    def append(self, text: str) -> "ChatThread":
+        raise TypeError("a chat thread holds messages: use c.user(...), c.system(...) or c.message(role, ...) "
+                        "(raw text would not survive the chat template's rendering)")
+
+    def render(self, add_generation_prompt: bool = False) -> str:
+        template = DEFAULT_CHAT_TEMPLATE if self._fallback_template else self.chat_template
+        if not self.messages:
+            return ""
+        return self.model.tokenizer.apply_chat_template(
+            self.messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **({"chat_template": template} if template else {}))
+
+    def _sync(self, add_generation_prompt: bool) -> None:
+        """Bring the thread's text up to the rendering of ``messages``, appending only what is new."""
+        rendered = self.render(add_generation_prompt)
+        current = self._text + self._pending
+        if rendered.startswith(current):
+            self._pending += rendered[len(current):]
+        else:
+            self.model.counters["chat_rerenders"] += 1
+            self._drop_state()
+            self._text, self._pending = "", rendered
+
+    def fork(self, n: int = 1) -> list["Thread"]:
+        self._check_usable()
+        self._sync(add_generation_prompt=False)
+        return super().fork(n)
+
+    # ------------------------------------------------------------------ model calls
+    def _chat_params(self, sampling: dict[str, Any]) -> dict[str, Any]:
+        if self._fallback_template and "stop" not in sampling and "sampling_params" not in sampling:
+            sampling = {**sampling, "stop": [_DEFAULT_TEMPLATE_STOP]}
+        return sampling
+
+    async def assistant(self, **sampling: Any) -> str:
+        """Generate the assistant's reply to the conversation so far and record it."""
+        self._check_usable()
+        self._sync(add_generation_prompt=True)
+        reply = await super().gen(**self._chat_params(sampling))
+        self.messages.append({"role": "assistant", "content": reply})
+        self.model.counters["chat_turns"] += 1
+        return reply
+
+    async def gen(self, **sampling: Any) -> str:  # a chat thread's generation is the assistant turn
+        return await self.assistant(**sampling)
+
+    async def stream(self, **sampling: Any) -> AsyncIterator[str]:
+        self._check_usable()
+        self._sync(add_generation_prompt=True)
+        parts: list[str] = []
+        async for piece in super().stream(**self._chat_params(sampling)):
+            parts.append(piece)
+            yield piece
+        self.messages.append({"role": "assistant", "content": "".join(parts)})
+        self.model.counters["chat_turns"] += 1
+
+    async def select(self, options: Iterable[str], *, by: str = "total", append: bool = True) -> str:
+        """The most likely assistant reply among ``options`` (recorded as the reply when ``append``)."""
+        self._check_usable()
+        self._sync(add_generation_prompt=True)
+        choice = await super().select(options, by=by, append=append)
+        if append:
+            self.messages.append({"role": "assistant", "content": choice})
+        return choice
+
+    async def scores(self, options: Iterable[str], *, by: str = "total") -> dict[str, float]:
+        self._check_usable()
+        before, rerenders = self._pending, self.model.counters["chat_rerenders"]
+        self._sync(add_generation_prompt=True)
+        try:
+            return await super().scores(options, by=by)
+        finally:
+            # Scoring leaves the conversation as it was: drop the generation prompt again (unless the
+            # sync fell back to a fresh rendering, whose pending text is all there is).
+            if self.model.counters["chat_rerenders"] == rerenders and not self._closed:
+                self._pending = before

@@ -1,0 +1,399 @@
+"""Workflows: steps (plain async or sync functions) wired into a DAG by their parameter names.
+
+A step's parameters name
+
+* another step -> that step's result (an edge in the DAG),
+* a resource -> injected (``llm: fr.Model``, ``retriever: fr.Retriever``; see flowrt.resources),
+* anything else -> a workflow input, given to ``run`` (a parameter default makes the input optional).
+
+The graph is a networkx DiGraph, validated every time a step is added: a duplicate step, a cycle, an
+unknown name (when the workflow declares its inputs), a bad ``map=`` or ``after=`` is a ``WorkflowError``
+that names the culprit.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import networkx as nx
+
+from .resources import match_resource, resource_kinds
+
+__all__ = ["Workflow", "Step", "Param", "WorkflowError", "InputSpec"]
+
+
+class WorkflowError(ValueError):
+    """A workflow definition or invocation is invalid (the message names what is wrong)."""
+
+
+_MISSING = inspect.Parameter.empty
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    annotation: Any = _MISSING
+    default: Any = _MISSING
+    resource: str | None = None       # resource name when injected
+
+    @property
+    def has_default(self) -> bool:
+        return self.default is not _MISSING
+
+
+@dataclass
+class Step:
+    name: str
+    fn: Callable[..., Any]
+    params: list[Param]
+    map: str | None = None             # parameter whose value (a list) the step is mapped over
+    retries: int = 0
+    timeout: float | None = None       # seconds, per attempt (per item for mapped steps)
+    retry_delay: float = 0.0
+    max_concurrency: int | None = None  # mapped steps: items in flight at once
+    after: tuple[str, ...] = ()        # ordering-only dependencies (no value passed)
+    is_async: bool = False
+    doc: str = ""
+    # filled by the workflow: names of the steps this one depends on
+    deps: tuple[str, ...] = field(default=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Steps stay callable as the plain functions they wrap (handy in tests)."""
+        return self.fn(*args, **kwargs)
+
+    @property
+    def resources(self) -> list[str]:
+        return [p.resource for p in self.params if p.resource]
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    required: bool
+    annotation: Any = _MISSING
+    steps: tuple[str, ...] = ()        # steps that take it
+
+
+def _resolved_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    target = inspect.unwrap(fn)
+    try:
+        return typing.get_type_hints(target)
+    except Exception:
+        return {}
+
+
+def _is_async_callable(fn: Callable[..., Any]) -> bool:
+    if inspect.iscoroutinefunction(fn):
+        return True
+    call = getattr(fn, "__call__", None)
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
+class Workflow:
+    """A named DAG of steps.
+
+    >>> wf = Workflow("demo")
+    >>> @wf.step
+    ... def double(x: int) -> int: return 2 * x
+    >>> @wf.step
+    ... def inc(double: int) -> int: return double + 1
+    >>> wf.run(x=3).outputs["inc"]
+    7
+    """
+
+    def __init__(self, name: str | None = None, *, inputs: Iterable[str] | None = None,
+                 description: str = "") -> None:
+        self.name = name or "workflow"
+        self.description = description
+        self.declared_inputs: tuple[str, ...] | None = tuple(inputs) if inputs is not None else None
+        self.steps: dict[str, Step] = {}
+        self._graph: nx.DiGraph = nx.DiGraph()
+
+    def __repr__(self) -> str:
+        return f"Workflow({self.name!r}, steps={list(self.steps)})"
+
+    # ------------------------------------------------------------------ definition
+    def step(self, fn: Callable[..., Any] | None = None, *, name: str | None = None, map: str | None = None,
+             retries: int = 0, timeout: float | None = None, retry_delay: float = 0.0,
+             max_concurrency: int | None = None, after: Iterable[str] = ()) -> Any:
+        """Register a step; usable as ``@wf.step`` or ``@wf.step(map="items", retries=2, timeout=30)``.
+
+        ``map``: the name of a parameter holding a list; the step runs once per item (concurrently, at
+        most ``max_concurrency`` at a time) with that parameter bound to the item, and its result is the
+        list of the per-item results, in order. ``retries``: extra attempts after a failure (per item
+        when mapped). ``timeout``: seconds per attempt. ``after``: steps that must finish first although
+        their result is not a parameter.
+        """
+
+        def register(f: Callable[..., Any]) -> Step:
+            return self.add_step(f, name=name, map=map, retries=retries, timeout=timeout,
+                                 retry_delay=retry_delay, max_concurrency=max_concurrency, after=after)
+
+        if fn is not None:
+            return register(fn)
+        return register
+
+    def add_step(self, fn: Callable[..., Any], *, name: str | None = None, map: str | None = None,
+                 retries: int = 0, timeout: float | None = None, retry_delay: float = 0.0,
+                 max_concurrency: int | None = None, after: Iterable[str] = ()) -> Step:
+        if isinstance(fn, Step):
+            fn = fn.fn
+        if not callable(fn):
+            raise WorkflowError(f"workflow {self.name!r}: a step must be a function, got {fn!r}")
+        step_name = name or getattr(fn, "__name__", None)
+        if not step_name or not str(step_name).isidentifier():
+            raise WorkflowError(f"workflow {self.name!r}: step name {step_name!r} is not a Python identifier")
+        if step_name in self.steps:
+            raise WorkflowError(f"workflow {self.name!r}: duplicate step {step_name!r} (a step of that name "
+                                f"is already defined)")
+        if step_name in resource_kinds():
+            raise WorkflowError(f"workflow {self.name!r}: step name {step_name!r} is reserved for the "
+                                f"injected resource of that name")
+        if self.declared_inputs is not None and step_name in self.declared_inputs:
+            raise WorkflowError(f"workflow {self.name!r}: step {step_name!r} has the name of a declared input")
+        if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+            raise WorkflowError(f"step {step_name!r}: generator functions are not steps; return a value")
+        if not isinstance(retries, int) or retries < 0:
+            raise WorkflowError(f"step {step_name!r}: retries must be an int >= 0, got {retries!r}")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise WorkflowError(f"step {step_name!r}: timeout must be a positive number of seconds, got {timeout!r}")
+        if max_concurrency is not None and (not isinstance(max_concurrency, int) or max_concurrency < 1):
+            raise WorkflowError(f"step {step_name!r}: max_concurrency must be an int >= 1")
+
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError) as e:
+            raise WorkflowError(f"step {step_name!r}: cannot read its signature: {e}") from None
+        hints = _resolved_hints(fn)
+        params: list[Param] = []
+        for p in sig.parameters.values():
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                raise WorkflowError(f"step {step_name!r}: *args/**kwargs parameters are not supported "
+                                    f"(parameter {p.name!r}); name each input")
+            if p.kind is p.POSITIONAL_ONLY:
+                raise WorkflowError(f"step {step_name!r}: positional-only parameter {p.name!r} is not supported")
+            ann = hints.get(p.name, p.annotation)
+            params.append(Param(p.name, ann, p.default, match_resource(p.name, ann)))
+        if step_name in {p.name for p in params}:
+            raise WorkflowError(f"step {step_name!r} depends on itself (it has a parameter of its own name)")
+        if map is not None:
+            mp = next((p for p in params if p.name == map), None)
+            if mp is None:
+                raise WorkflowError(f"step {step_name!r}: map={map!r} is not one of its parameters "
+                                    f"({', '.join(p.name for p in params) or 'none'})")
+            if mp.resource:
+                raise WorkflowError(f"step {step_name!r}: map={map!r} names an injected resource")
+        after = tuple(after)
+        step = Step(name=step_name, fn=fn, params=params, map=map, retries=retries,
+                    timeout=float(timeout) if timeout is not None else None, retry_delay=float(retry_delay),
+                    max_concurrency=max_concurrency, after=after, is_async=_is_async_callable(fn),
+                    doc=inspect.getdoc(fn) or "")
+
+        old_steps = dict(self.steps)
+        self.steps[step_name] = step
+        try:
+            self._rebuild()
+        except WorkflowError:
+            self.steps = old_steps
+            self._rebuild()
+            raise
+        return step
+
+    # ------------------------------------------------------------------ graph
+    def _rebuild(self) -> None:
+        g = nx.DiGraph()
+        for s in self.steps.values():
+            g.add_node(s.name, kind="step")
+        declared = set(self.declared_inputs or ())
+        for inp in declared:
+            g.add_node(inp, kind="input")
+        for s in self.steps.values():
+            deps: list[str] = []
+            for p in s.params:
+                if p.resource:
+                    continue
+                if p.name in self.steps:
+                    deps.append(p.name)
+                    g.add_edge(p.name, s.name)
+                else:
+                    if self.declared_inputs is not None and p.name not in declared and not p.has_default:
+                        raise WorkflowError(
+                            f"step {s.name!r}: unknown name {p.name!r}: it is not a step, a declared input "
+                            f"({', '.join(sorted(declared)) or 'none'}) or a resource "
+                            f"({', '.join(resource_kinds())})")
+                    if not g.has_node(p.name):
+                        g.add_node(p.name, kind="input")
+                    g.add_edge(p.name, s.name)
+            for a in s.after:
+                if a not in self.steps:
+                    # may be defined later; checked in validate()
+                    continue
+                if a not in deps:
+                    deps.append(a)
+                g.add_edge(a, s.name, order_only=True)
+            s.deps = tuple(deps)
+        if not nx.is_directed_acyclic_graph(g):
+            cycle = nx.find_cycle(g)
+            path = " -> ".join([cycle[0][0]] + [v for _, v in cycle])
+            raise WorkflowError(f"workflow {self.name!r}: cycle between steps: {path}")
+        self._graph = g
+
+    @property
+    def graph(self) -> nx.DiGraph:
+        """The DAG: nodes are steps (kind="step") and inputs (kind="input")."""
+        return self._graph.copy()
+
+    def validate(self) -> None:
+        """Checks that need the whole workflow (raised by ``run`` before anything starts)."""
+        if not self.steps:
+            raise WorkflowError(f"workflow {self.name!r} has no steps")
+        for s in self.steps.values():
+            for a in s.after:
+                if a not in self.steps:
+                    raise WorkflowError(f"step {s.name!r}: after={a!r} is not a step of workflow {self.name!r}")
+        self._rebuild()
+
+    @property
+    def inputs(self) -> dict[str, InputSpec]:
+        """Workflow inputs, with whether each is required (no step gives it a default)."""
+        found: dict[str, list[tuple[str, Param]]] = {}
+        for s in self.steps.values():
+            for p in s.params:
+                if not p.resource and p.name not in self.steps:
+                    found.setdefault(p.name, []).append((s.name, p))
+        for name in self.declared_inputs or ():
+            found.setdefault(name, [])
+        out = {}
+        for name, uses in found.items():
+            required = bool(uses) and any(not p.has_default for _, p in uses)
+            if not uses and self.declared_inputs is not None:
+                required = True
+            ann = next((p.annotation for _, p in uses if p.annotation is not _MISSING), _MISSING)
+            out[name] = InputSpec(name, required, ann, tuple(s for s, _ in uses))
+        return out
+
+    @property
+    def resources(self) -> list[str]:
+        """Resource names some step needs (e.g. ``["llm"]``)."""
+        seen: list[str] = []
+        for s in self.steps.values():
+            for r in s.resources:
+                if r not in seen:
+                    seen.append(r)
+        return seen
+
+    def order(self) -> list[str]:
+        """Steps in a topological order (ties broken by definition order)."""
+        order_index = {n: i for i, n in enumerate(self.steps)}
+        g = self._graph.subgraph(self.steps)
+        return list(nx.lexicographical_topological_sort(g, key=lambda n: order_index[n]))
+
+    def sinks(self) -> list[str]:
+        """Steps no other step depends on (the workflow's final results)."""
+        return [n for n in self.order() if not any(v in self.steps for v in self._graph.successors(n))]
+
+    def check_inputs(self, inputs: dict[str, Any]) -> None:
+        specs = self.inputs
+        unknown = [k for k in inputs if k not in specs]
+        if unknown:
+            raise WorkflowError(f"workflow {self.name!r}: unknown input(s) {', '.join(map(repr, unknown))}; "
+                                f"its inputs are: {', '.join(specs) or 'none'}")
+        missing = [n for n, spec in specs.items() if spec.required and n not in inputs]
+        if missing:
+            raise WorkflowError(
+                f"workflow {self.name!r}: missing input(s) {', '.join(map(repr, missing))} "
+                f"(needed by step(s) {', '.join(s for m in missing for s in specs[m].steps) or '-'}); "
+                f"pass them as keyword arguments or `--input NAME=VALUE`")
+
+    # ------------------------------------------------------------------ running
+    def run(self, inputs: dict[str, Any] | None = None, /, *, runtime: Any = None, **kw_inputs: Any) -> Any:
+        """Run synchronously (for scripts): ``result = wf.run(question="...")``.
+
+        Starts a fresh ``fr.Runtime`` (default model, loaded only if a step needs it) unless ``runtime``
+        is given; returns a ``RunResult``.
+        """
+        import anyio
+
+        from .runtime import Runtime
+
+        all_inputs = {**(inputs or {}), **kw_inputs}
+
+        async def main() -> Any:
+            if runtime is not None:
+                return await runtime.run(self, **all_inputs)
+            async with Runtime() as rt:
+                return await rt.run(self, **all_inputs)
+
+        return anyio.run(main)
+
+    # ------------------------------------------------------------------ rendering
+    def render(self, fmt: str = "text") -> str:
+        if fmt == "text":
+            return self._render_text()
+        if fmt == "mermaid":
+            return self._render_mermaid()
+        if fmt == "dot":
+            return self._render_dot()
+        raise WorkflowError(f"unknown graph format {fmt!r} (use text, mermaid or dot)")
+
+    def _step_label(self, s: Step) -> str:
+        bits = []
+        if s.map:
+            bits.append(f"map {s.map}")
+        if s.retries:
+            bits.append(f"retries {s.retries}")
+        if s.timeout:
+            bits.append(f"timeout {s.timeout:g}s")
+        if s.resources:
+            bits.append("uses " + ", ".join(s.resources))
+        bits.append("async" if s.is_async else "sync")
+        return f"{s.name} ({'; '.join(bits)})"
+
+    def _render_text(self) -> str:
+        lines = [f"workflow {self.name}"]
+        specs = self.inputs
+        if specs:
+            lines.append("inputs: " + ", ".join(n + ("" if sp.required else "?") for n, sp in specs.items()))
+        lines.append("steps:")
+        for name in self.order():
+            s = self.steps[name]
+            srcs = list(dict.fromkeys([p.name for p in s.params if not p.resource] + list(s.after)))
+            arrow = f"  <- {', '.join(srcs)}" if srcs else ""
+            lines.append(f"  {self._step_label(s)}{arrow}")
+        sinks = self.sinks()
+        if sinks:
+            lines.append("results: " + ", ".join(sinks))
+        return "\n".join(lines)
+
+    def _render_mermaid(self) -> str:
+        def esc(t: str) -> str:
+            return t.replace('"', "#quot;")
+
+        lines = ["flowchart TD"]
+        for n, data in self._graph.nodes(data=True):
+            if data.get("kind") == "input":
+                lines.append(f'  {n}[/"{esc(n)}"/]')
+            else:
+                lines.append(f'  {n}["{esc(self._step_label(self.steps[n]))}"]')
+        for u, v, data in self._graph.edges(data=True):
+            lines.append(f"  {u} {'-.->' if data.get('order_only') else '-->'} {v}")
+        return "\n".join(lines)
+
+    def _render_dot(self) -> str:
+        def q(t: str) -> str:
+            return '"' + t.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+        lines = [f"digraph {q(self.name)} {{", "  rankdir=TB;"]
+        for n, data in self._graph.nodes(data=True):
+            if data.get("kind") == "input":
+                lines.append(f"  {q(n)} [shape=parallelogram];")
+            else:
+                lines.append(f"  {q(n)} [shape=box, label={q(self._step_label(self.steps[n]))}];")
+        for u, v, data in self._graph.edges(data=True):
+            style = " [style=dashed]" if data.get("order_only") else ""
+            lines.append(f"  {q(u)} -> {q(v)}{style};")
+        lines.append("}")
+        return "\n".join(lines)
