@@ -1,0 +1,218 @@
+"""Paged decode attention: one query token per sequence over its whole paged context.
+
+One program per (sequence, KV head, split). It loads each K/V tile of its KV head once and scores it
+against all the query heads of that group at once (GQA: the group's heads are the rows of a small
+``tl.dot``). Long contexts are cut into ``num_splits`` chunks (split-K, "flash decoding"): each chunk
+writes its normalised partial output and log-sum-exp, and a second kernel merges them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._dispatch import (LOG2E, Kernel, cdiv, dot_precision, dot_upcast, next_pow2, num_sms,  # noqa: F401
+                        tl, tl_dtype, triton)
+
+__all__ = ["paged_decode_attention", "choose_num_splits"]
+
+
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    scale_log2, tokens_per_split, num_splits, num_heads,
+    stride_qb, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < end
+        blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+        within = pos % PAGE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + (blk * stride_kb + within * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + (blk * stride_vb + within * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = p.to(v.dtype)
+        if UPCAST:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if not IS_SPLIT:
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        # part_o: [B, H, num_splits, HEAD_DIM] fp32, part_lse: [B, H, num_splits] fp32 (log2 domain)
+        row = (b.to(tl.int64) * num_heads + heads) * num_splits + split
+        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=o_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+def _reduce_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    row0 = (b.to(tl.int64) * num_heads + h) * num_splits
+    lse = tl.load(part_lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    w = tl.where(s_mask & (lse > float("-inf")), w, 0.0)
+    o = tl.load(part_o_ptr + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    o = tl.where((w > 0.0)[:, None], o, 0.0)
+    total = tl.sum(w, axis=0)
+    total = tl.where(total > 0.0, total, 1.0)
+    res = tl.sum(o * w[:, None], axis=0) / total
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+_DECODE = Kernel(_decode_kernel)
+_REDUCE = Kernel(_reduce_kernel)
+
+# Tokens scored per inner-loop step; 64 keeps register use modest for head_dim 128 on every GPU.
+DECODE_BLOCK_N = 64
+MAX_SPLITS = 32
+MIN_TOKENS_PER_SPLIT = 256
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Split-K factor: split only when batch * num_kv_heads programs would leave SMs idle, and never
+    into chunks shorter than MIN_TOKENS_PER_SPLIT tokens."""
+    programs = batch * num_kv_heads
+    target = 2 * num_sms
+    if programs >= target or max_seq_len < 2 * MIN_TOKENS_PER_SPLIT:
+        return 1
+    want = cdiv(target, programs)
+    most = max_seq_len // MIN_TOKENS_PER_SPLIT
+    return max(1, min(want, most, MAX_SPLITS))
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None,
+                           max_seq_len=None):
+    """``q`` ``[B, H, D]`` (query b at position ``seq_lens[b]-1``) -> ``[B, H, D]`` in ``q.dtype``.
+
+    ``block_tables`` int32 ``[B, max_blocks]``, ``seq_lens`` int32 ``[B]`` (context including the new token,
+    whose K/V are already in the cache; 0 gives a zero row). ``num_splits`` None picks split-K from the
+    GPU's SM count, the batch and ``max_seq_len`` (an upper bound on ``seq_lens``; None means
+    ``block_tables.shape[1] * block_size``; pass it when block tables are padded far beyond the real
+    contexts, e.g. to ``max_model_len``). Needs no host sync; safe under CUDA graphs with fixed ``num_splits``.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, H, D], got shape {tuple(q.shape)}")
+    bsz, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, d = k_cache.shape
+    if v_cache.shape != k_cache.shape or d != head_dim:
+        raise ValueError(f"caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype")
+    if block_tables.dim() != 2 or block_tables.shape[0] != bsz or seq_lens.shape != (bsz,):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} "
+                         f"do not match batch {bsz}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("caches need a unit stride in head_dim")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with unit stride in head_dim")
+    if bsz == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size
+    max_seq_len = max(1, int(max_seq_len))
+    if num_splits is None:
+        sms = num_sms(q.device.index or 0) if q.device.type == "cuda" else 1
+        num_splits = choose_num_splits(bsz, num_kv_heads, max_seq_len, sms)
+    num_splits = max(1, min(int(num_splits), cdiv(max_seq_len, DECODE_BLOCK_N)))
+    tokens_per_split = cdiv(cdiv(max_seq_len, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
+    if num_splits > 1:
+        num_splits = cdiv(max_seq_len, tokens_per_split)
+    if num_splits == 1:
+        tokens_per_split = 1 << 30  # one chunk covers everything
+        part_o = part_lse = out  # unused
+    else:
+        part_o = torch.empty((bsz, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((bsz, num_heads, num_splits), dtype=torch.float32, device=q.device)
+
+    block_d = next_pow2(head_dim)
+    dev = q.device
+    _DECODE.on(dev)[(bsz, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse,
+        float(scale) * LOG2E, tokens_per_split, num_splits, num_heads,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=max(16, next_pow2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE=block_size, BLOCK_N=DECODE_BLOCK_N,
+        IS_SPLIT=num_splits > 1, DOT_PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, dev),
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _REDUCE.on(dev)[(bsz, num_heads)](
+            part_o, part_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
+            BLOCK_S=next_pow2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
+        )
+    return out
