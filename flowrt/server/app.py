@@ -271,8 +271,34 @@ def _clean_logprob(x: float) -> float:
     return -9999.0 if (x is None or math.isinf(x) or math.isnan(x)) else float(x)
 
 
-def _decode_one(tokenizer: Any, tid: int) -> str:
-    return tokenizer.decode([tid])
+_PIECE_WINDOW = 6
+
+
+class _TokenText:
+    """The text each token adds in context, for logprobs: decoding a token alone loses what depends on
+    its neighbours (SentencePiece's leading space), so a token's text is decode(context + [token]) minus
+    decode(context), over a short window of the tokens before it. Alternatives (top logprobs) are
+    decoded in the same context. Special tokens are shown (e.g. "</s>")."""
+
+    def __init__(self, tokenizer: Any, context: list[int]) -> None:
+        self.tok = tokenizer
+        self.ctx = list(context[-_PIECE_WINDOW:])
+        self._base: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def piece(self, tid: int) -> str:
+        if not self.ctx:
+            return self._decode([tid])
+        if self._base is None:
+            self._base = self._decode(self.ctx)
+        full = self._decode(self.ctx + [tid])
+        return full[len(self._base):] if full.startswith(self._base) else self._decode([tid])
+
+    def advance(self, tid: int) -> None:
+        self.ctx = (self.ctx + [tid])[-_PIECE_WINDOW:]
+        self._base = None
 
 
 def _top_entries(lp_dict: dict[int, Any], k: int) -> list[tuple[int, Any]]:
@@ -282,48 +308,54 @@ def _top_entries(lp_dict: dict[int, Any], k: int) -> list[tuple[int, Any]]:
 
 class _CompletionLogprobs:
     """Accumulates the legacy completions `logprobs` object (tokens, token_logprobs, top_logprobs,
-    text_offset); `offset` continues across streamed chunks."""
+    text_offset); the decoding context and `offset` continue across streamed chunks."""
 
-    def __init__(self, tokenizer: Any, k: int) -> None:
-        self.tok = tokenizer
+    def __init__(self, tokenizer: Any, k: int, context: list[int]) -> None:
+        self.text = _TokenText(tokenizer, context)
         self.k = k
         self.offset = 0
 
     def build(self, token_ids: list[int], lps: list[dict[int, Any] | None]) -> dict[str, Any]:
         tokens, values, tops, offsets = [], [], [], []
         for tid, d in zip(token_ids, lps):
-            entry = d.get(tid) if d else None
-            s = entry.decoded_token if entry is not None and entry.decoded_token is not None \
-                else _decode_one(self.tok, tid)
+            s = self.text.piece(tid)
             tokens.append(s)
             offsets.append(self.offset)
             self.offset += len(s)
             if d is None:
                 values.append(None)
                 tops.append(None)
-                continue
-            values.append(_clean_logprob(entry.logprob) if entry is not None else None)
-            top = {(e.decoded_token if e.decoded_token is not None else _decode_one(self.tok, t)):
-                   _clean_logprob(e.logprob) for t, e in _top_entries(d, self.k)}
-            if entry is not None:
-                top.setdefault(s, _clean_logprob(entry.logprob))
-            tops.append(top)
+            else:
+                entry = d.get(tid)
+                values.append(_clean_logprob(entry.logprob) if entry is not None else None)
+                top = {self.text.piece(t): _clean_logprob(e.logprob) for t, e in _top_entries(d, self.k)}
+                if entry is not None:
+                    top.setdefault(s, _clean_logprob(entry.logprob))
+                tops.append(top)
+            self.text.advance(tid)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _chat_logprobs(tokenizer: Any, token_ids: list[int], lps: list[dict[int, Any]], k: int) -> list[dict]:
-    content = []
-    for tid, d in zip(token_ids, lps):
-        entry = d.get(tid) if d else None
-        s = entry.decoded_token if entry is not None and entry.decoded_token is not None \
-            else _decode_one(tokenizer, tid)
-        tops = []
-        for t, e in _top_entries(d or {}, k):
-            ts = e.decoded_token if e.decoded_token is not None else _decode_one(tokenizer, t)
-            tops.append({"token": ts, "logprob": _clean_logprob(e.logprob), "bytes": list(ts.encode("utf-8"))})
-        content.append({"token": s, "logprob": _clean_logprob(entry.logprob if entry is not None else None),
-                        "bytes": list(s.encode("utf-8")), "top_logprobs": tops})
-    return content
+class _ChatLogprobs:
+    """Chat `logprobs.content` entries; the decoding context continues across streamed chunks."""
+
+    def __init__(self, tokenizer: Any, k: int, context: list[int]) -> None:
+        self.text = _TokenText(tokenizer, context)
+        self.k = k
+
+    def build(self, token_ids: list[int], lps: list[dict[int, Any]]) -> list[dict[str, Any]]:
+        content = []
+        for tid, d in zip(token_ids, lps):
+            s = self.text.piece(tid)
+            entry = (d or {}).get(tid)
+            tops = []
+            for t, e in _top_entries(d or {}, self.k):
+                ts = self.text.piece(t)
+                tops.append({"token": ts, "logprob": _clean_logprob(e.logprob), "bytes": list(ts.encode("utf-8"))})
+            content.append({"token": s, "logprob": _clean_logprob(entry.logprob if entry is not None else None),
+                            "bytes": list(s.encode("utf-8")), "top_logprobs": tops})
+            self.text.advance(tid)
+        return content
 
 
 class _Delta:
@@ -504,7 +536,8 @@ def create_app(engine: Any, *, served_model_name: str | list[str] | None = None,
             return job.prompt_text
 
         def logprob_builder(job: _Job, out: Any) -> tuple[_CompletionLogprobs, dict[str, Any] | None]:
-            b = _CompletionLogprobs(tok, req.logprobs or 0)
+            """A builder for one choice's logprobs, and the echoed prompt's logprobs when echo is set."""
+            b = _CompletionLogprobs(tok, req.logprobs or 0, [] if req.echo else job.prompt_ids)
             echo_lp = None
             if req.echo:
                 plps = out.prompt_logprobs or [None] * len(job.prompt_ids)
@@ -541,10 +574,10 @@ def create_app(engine: Any, *, served_model_name: str | list[str] | None = None,
         holdback = max((len(s) for s in (params_stop(req.stop))), default=1) - 1
         include_usage = req.include_usage
 
-        def chunk(choices: list[dict], usage: dict | None = None, with_usage_key: bool = True) -> str:
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
             d: dict[str, Any] = {"id": base, "object": "text_completion", "created": created, "model": model,
                                  "choices": choices}
-            if include_usage and with_usage_key:
+            if include_usage:
                 d["usage"] = usage
             return P.sse(d)
 
@@ -571,7 +604,9 @@ def create_app(engine: Any, *, served_model_name: str | list[str] | None = None,
                             text = delta.text(ci, o.text, o.finish_reason is not None)
                             lp = None
                             if req.logprobs is not None:
-                                b = builders.setdefault(ci, _CompletionLogprobs(tok, req.logprobs))
+                                if ci not in builders:
+                                    builders[ci] = _CompletionLogprobs(tok, req.logprobs, job.prompt_ids)
+                                b = builders[ci]
                                 ids, lps = delta.tokens(ci, o)
                                 lp = b.build(ids, lps)
                                 if head_lp is not None:
@@ -583,8 +618,8 @@ def create_app(engine: Any, *, served_model_name: str | list[str] | None = None,
                                 choices.append({"index": ci, "text": head + text, "logprobs": lp,
                                                 "finish_reason": fin,
                                                 **({"stop_reason": o.stop_reason} if fin else {})})
-                        if choices:
-                            yield chunk(choices)
+                        for c in choices:  # one choice per chunk, as OpenAI streams n > 1
+                            yield chunk([c])
                 if include_usage:
                     yield chunk([], _usage_of(finals, jobs))
                 yield P.SSE_DONE
@@ -638,7 +673,7 @@ def create_app(engine: Any, *, served_model_name: str | list[str] | None = None,
             out = finals[0]
             choices = []
             for o in out.outputs:
-                lp = {"content": _chat_logprobs(tok, list(o.token_ids), list(o.logprobs or []), k)} \
+                lp = {"content": _ChatLogprobs(tok, k, ids).build(list(o.token_ids), list(o.logprobs or []))} \
                     if k is not None else None
                 choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text},
                                 "logprobs": lp, "finish_reason": _finish_reason(o), "stop_reason": o.stop_reason})
@@ -657,10 +692,12 @@ def create_app(engine: Any, *, served_model_name: str | list[str] | None = None,
 
         async def events() -> AsyncIterator[str]:
             delta = _Delta(holdback)
+            lp_builders: dict[int, _ChatLogprobs] = {}
             final = None
             try:
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(req.n)])
+                for i in range(req.n):
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
                 async with contextlib.aclosing(_merged(st, [job], params, t0)) as it:
                     async for _, out in it:
                         if out.finished:
@@ -670,8 +707,10 @@ def create_app(engine: Any, *, served_model_name: str | list[str] | None = None,
                             text = delta.text(o.index, o.text, o.finish_reason is not None)
                             lp = None
                             if k is not None:
-                                ids, lps = delta.tokens(o.index, o)
-                                lp = {"content": _chat_logprobs(tok, ids, lps, k)}
+                                if o.index not in lp_builders:
+                                    lp_builders[o.index] = _ChatLogprobs(tok, k, ids)
+                                new_ids, lps = delta.tokens(o.index, o)
+                                lp = {"content": lp_builders[o.index].build(new_ids, lps)}
                             fin = o.finish_reason if (o.finish_reason is not None
                                                       and o.index not in delta.done) else None
                             if fin is not None:
@@ -680,8 +719,8 @@ def create_app(engine: Any, *, served_model_name: str | list[str] | None = None,
                                 choices.append({"index": o.index, "delta": {"content": text} if text else {},
                                                 "logprobs": lp, "finish_reason": fin,
                                                 **({"stop_reason": o.stop_reason} if fin else {})})
-                        if choices:
-                            yield chunk(choices)
+                        for c in choices:  # one choice per chunk, as OpenAI streams n > 1
+                            yield chunk([c])
                 if include_usage:
                     yield chunk([], _usage_of({0: final} if final is not None else {}, [job]))
                 yield P.SSE_DONE

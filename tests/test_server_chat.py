@@ -1,0 +1,154 @@
+"""/v1/chat/completions on a tiny random Llama whose tokenizer has a ChatML chat template.
+
+The model is built in the test (stories260K's tokenizer + a chat template, random weights), so its output
+is noise: the tests check the protocol (template, streaming, usage, n, logprobs, cached tokens), not text.
+"""
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from flowrt.server.background import BackgroundServer
+
+STORIES = Path(__file__).parent / "models" / "stories260K"
+MODEL = "tiny-chat"
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SYSTEM = "You are a helpful assistant who tells short stories about a little girl named Lily and her dog. " * 2
+MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me a story."}]
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-chat")
+    tok = AutoTokenizer.from_pretrained(STORIES)
+    tok.chat_template = CHATML
+    tok.save_pretrained(d)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                      rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(chat_model_dir):
+    from flowrt.engine import AsyncLLM
+    from flowrt.server.app import create_app
+
+    engine = AsyncLLM(model=str(chat_model_dir), seed=0, dtype="float32")
+    app = create_app(engine, served_model_name=MODEL, model_path=str(chat_model_dir))
+    srv = BackgroundServer(app).start()
+    srv.engine = engine
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _prompt_len(server, messages):
+    text = server.engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    return len(server.engine.tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_chat_completion(server, client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.model == MODEL
+    (c,) = r.choices
+    assert c.message.role == "assistant" and isinstance(c.message.content, str)
+    assert c.finish_reason == "length"
+    assert r.usage.prompt_tokens == _prompt_len(server, MESSAGES)
+    assert r.usage.completion_tokens == 8
+    # max_completion_tokens is the newer name of max_tokens
+    r2 = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert r2.choices[0].message.content == c.message.content
+    # content given as text parts is the same prompt
+    parts = [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "Tell me "},
+                                                        {"type": "text", "text": "a story."}]}]
+    r3 = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert r3.choices[0].message.content == c.message.content
+
+
+def test_chat_stream_with_usage(server, client):
+    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == 10
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt ran just before
+
+
+def test_chat_cached_tokens_for_shared_system_prompt(client):
+    first = [{"role": "system", "content": SYSTEM + " Be brief."}, {"role": "user", "content": "Hello?"}]
+    second = [{"role": "system", "content": SYSTEM + " Be brief."}, {"role": "user", "content": "A poem?"}]
+    client.chat.completions.create(model=MODEL, messages=first, max_tokens=2)
+    r = client.chat.completions.create(model=MODEL, messages=second, max_tokens=2)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_chat_n2_stream_interleaves(client):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=1.0,
+                                                 seed=3, n=2, stream=True, extra_body={"ignore_eos": True}))
+    seen = [c.choices[0].index for c in chunks if c.choices]
+    assert set(seen) == {0, 1}
+    finished = sorted(ch.index for c in chunks for ch in c.choices if ch.finish_reason)
+    assert finished == [0, 1]
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=1.0, seed=3, n=2,
+                                       extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 12
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)  # greedy
+        assert entry.bytes == list(entry.token.encode())
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logprobs=False)
+    assert r.choices[0].logprobs is None
+
+
+def test_chat_errors(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])
+    assert "role" in e.value.body["param"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 600}])
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=MESSAGES)
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES,
+                                                               "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
