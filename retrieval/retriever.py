@@ -578,7 +578,9 @@ class Retriever:
                 f"{sum(len(d['ids']) for d in docs.values())} chunks listed by documents; rebuild the index"
             )
 
-        r = cls(embedder=embedder if embedder is not None else emb_name, chunking=chunking, params=vindex.params, dim=dim, path=p)
+        r = cls(embedder=embedder, chunking=chunking, params=vindex.params, dim=dim, path=p)
+        if embedder is None:  # resolved on first use, so an index can be inspected without its model
+            r._embedder_spec = r.embedder_name = emb_name
         r._vindex = vindex
         r._chunks = {c.id: c for c in chunks}
         r._docs = docs
