@@ -40,7 +40,7 @@ class ServerState:
     max_body_bytes: int
     metrics: ServerMetrics
     workflows: dict[str, Any] = field(default_factory=dict)
-    workflow_runner: Callable[..., Any] | None = None
+    workflow_runtime: Any = None
     created: int = field(default_factory=P.now)
     shutting_down: bool = False
 
@@ -411,13 +411,14 @@ def _usage_of(finals: dict[int, Any], jobs: list[_Job]) -> dict[str, Any]:
 
 def create_app(engine: Any, *, served_model_name: str | list[str] | None = None, model_path: str | None = None,
                api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               workflows: dict[str, Any] | None = None, workflow_runner: Callable[..., Any] | None = None,
+               workflows: dict[str, Any] | None = None, workflow_runtime: Any = None,
                owns_engine: bool = False) -> FastAPI:
     """The OpenAI-compatible app over `engine` (a flowrt.engine.AsyncLLM).
 
     served_model_name: the name(s) clients must pass as `model` (default: the model directory's name, or
     "flowrt"). api_key: when set, every /v1 request needs `Authorization: Bearer <key>`.
-    workflows: name -> workflow object served at POST /v1/workflows/{name}/runs (see flowrt.server.workflows).
+    workflows: name -> fr.Workflow served at POST /v1/workflows/{name}/runs (see flowrt.server.workflows);
+    workflow_runtime: the fr.Runtime they run on (default: one over `engine`).
     owns_engine: shut the engine down when the app shuts down.
     """
     from flowrt.engine import SamplingParams  # the engine is imported only when an app is built
@@ -429,7 +430,7 @@ def create_app(engine: Any, *, served_model_name: str | list[str] | None = None,
         raise ValueError("served_model_name must name at least one model")
     st = ServerState(engine=engine, served_model_names=names, model_root=model_path, api_key=api_key,
                      max_body_bytes=max_body_bytes, metrics=ServerMetrics(engine.stats),
-                     workflows=dict(workflows or {}), workflow_runner=workflow_runner)
+                     workflows=dict(workflows or {}), workflow_runtime=workflow_runtime)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

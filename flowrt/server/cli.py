@@ -20,49 +20,25 @@ logger = logging.getLogger("flowrt.server")
 
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
-# Engine keywords (engine/API.md, EngineArgs) exposed as options: name -> (type, help)
-_ENGINE_OPTIONS: dict[str, tuple[Any, str]] = {
-    "dtype": (str, "weights and activations dtype: auto, float32, float16, bfloat16 (default auto)"),
-    "block_size": (int, "tokens per KV-cache block (default 16)"),
-    "max_num_seqs": (int, "most sequences in one batch (default 256)"),
-    "max_num_batched_tokens": (int, "token budget of one engine step (default 2048)"),
-    "kv_cache_memory": (None, "memory for the KV cache, e.g. 2147483648 or 2GiB (default: the engine's choice)"),
-    "num_kv_blocks": (int, "number of KV-cache blocks (overrides --kv-cache-memory)"),
-    "max_model_len": (int, "context length (default: the model's)"),
-    "attention_backend": (str, "auto, torch or triton (default auto)"),
-    "seed": (int, "engine seed (default 0)"),
-}
-
-
-def _number_or_str(value: str) -> int | float | str:
-    for cast in (int, float):
-        with contextlib.suppress(ValueError):
-            return cast(value)
-    return value
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="Hugging Face model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    from flowrt.cli import add_engine_arguments  # --model and the engine's options, shared with `flowrt run`
+
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: reachable from this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", default=os.environ.get("FLOWRT_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $FLOWRT_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None,
-                   help="the model name clients pass as `model` (default: the model's directory name)")
+                   help="the model name clients pass as `model` (default: the model's directory or file name)")
     p.add_argument("--workflow", action="extend", nargs="+", default=[], metavar="FILE",
                    help="workflow file(s) to serve at POST /v1/workflows/{name}/runs")
+    p.add_argument("--index", metavar="DIR", help="retrieval index directory for served workflows (`retriever`)")
     p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
                    help="largest request body accepted; larger ones get 413 (default 16 MiB)")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM before they are aborted (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    g = p.add_argument_group("engine options")
-    for name, (typ, help_) in _ENGINE_OPTIONS.items():
-        g.add_argument("--" + name.replace("_", "-"), dest=name, type=typ or _number_or_str, default=None,
-                       help=help_)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep released KV blocks in the prefix cache (default on)")
+    add_engine_arguments(p)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -72,13 +48,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_arguments(p)
     p.set_defaults(func=run, handler=run)
     return p
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kw = {name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name, None) is not None}
-    if getattr(args, "enable_prefix_caching", None) is not None:
-        kw["enable_prefix_caching"] = args.enable_prefix_caching
-    return kw
 
 
 def _server_class() -> type:
@@ -119,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("binding %s: the server is reachable from other machines%s", args.host,
                        "" if args.api_key else " and no --api-key is set")
 
+    from flowrt.cli import engine_kwargs_from_args
     from flowrt.engine import AsyncLLM, default_model_path
 
     from .app import create_app
@@ -131,13 +101,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"flowrt serve: {e}", file=sys.stderr)
         return 2
     try:
-        engine = AsyncLLM(model=model_path, **engine_kwargs(args))
+        engine = AsyncLLM(model=model_path, **engine_kwargs_from_args(args))
     except (ValueError, OSError) as e:  # bad engine options (pydantic names the field), missing model
         print(f"flowrt serve: cannot start the engine: {e}", file=sys.stderr)
         return 2
     try:
+        runtime = None
+        if workflows:
+            from flowrt.runtime import Runtime
+
+            runtime = Runtime(model=engine, index=args.index)
         app = create_app(engine, served_model_name=args.served_model_name, model_path=model_path,
-                         api_key=args.api_key, max_body_bytes=args.max_body_bytes, workflows=workflows)
+                         api_key=args.api_key, max_body_bytes=args.max_body_bytes, workflows=workflows,
+                         workflow_runtime=runtime)
         st = app.state.flowrt
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                                 timeout_graceful_shutdown=args.graceful_timeout)
