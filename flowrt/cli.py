@@ -123,22 +123,45 @@ def _print_result_human(result: Any, show_tb: bool) -> None:
                 err.print("  " + line, style="dim", markup=False, highlight=False)
 
 
+class _LoadFailed(Exception):
+    pass
+
+
+def _load(args: argparse.Namespace, cmd: str) -> Any:
+    """The workflow of args.file; errors raised by the user's module get its traceback and exit 2."""
+    import traceback
+
+    from .loader import load_workflow
+    from .workflow import WorkflowError
+
+    try:
+        return load_workflow(args.file, args.workflow)
+    except (WorkflowError, FileNotFoundError):
+        raise
+    except Exception as e:
+        tb = traceback.format_exception(type(e), e, e.__traceback__)
+        print(f"flowrt {cmd}: error: cannot load {args.file}:", file=sys.stderr)
+        print("".join(tb).rstrip(), file=sys.stderr)
+        raise _LoadFailed() from e
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     import anyio
 
     from .executor import RunObserver
-    from .loader import load_workflow
     from .runtime import Runtime
     from .trace import Tracer
     from .workflow import WorkflowError
 
     try:
-        wf = load_workflow(args.file, args.workflow)
+        wf = _load(args, "run")
         inputs = parse_inputs(args.input or [], args.input_file or [], wf)
         wf.validate()
         wf.check_inputs(inputs)
     except (UsageError, WorkflowError, FileNotFoundError) as e:
         print(f"flowrt run: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except _LoadFailed:
         return EXIT_USAGE
 
     runtime = Runtime(args.model, index=args.index, **engine_kwargs_from_args(args))
@@ -185,14 +208,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
-    from .loader import load_workflow
     from .workflow import WorkflowError
 
     try:
-        wf = load_workflow(args.file, args.workflow)
+        wf = _load(args, "graph")
         wf.validate()
     except (WorkflowError, FileNotFoundError) as e:
         print(f"flowrt graph: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except _LoadFailed:
         return EXIT_USAGE
     print(wf.render(args.format))
     return EXIT_OK

@@ -385,10 +385,14 @@ class Thread:
             first = not self._has_tokens()
             # Tokenize pending text + option together, so that the option's boundary matches the full
             # text's tokenization (e.g. "Answer: " + "yes" -> "▁yes", not "▁" "yes").
+            # The shared part is what the options and the context alone tokenize alike; everything after
+            # it is scored (so a score is the log-probability of the option's text, whole).
             joint = [self._encode_piece(pending + o, first=first) for o in options]
+            context = self._encode_piece(pending, first=first) if (pending or first) else []
             k = 0
             shortest = min(len(j) for j in joint)
-            while k < shortest - 1 and all(j[k] == joint[0][k] for j in joint):
+            limit = min(shortest - 1, len(context))
+            while k < limit and all(j[k] == context[k] for j in joint):
                 k += 1
             if shortest == 0:
                 self._pending = pending

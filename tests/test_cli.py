@@ -1,0 +1,187 @@
+"""The flowrt CLI: run (--json end to end on stories260K), graph, bench, exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from flowrt.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = str(ROOT / "tests" / "models" / "stories260K")
+ENGINE = ["--model", MODEL, "--dtype", "float32", "--num-kv-blocks", "256"]
+
+
+def write(tmp_path: Path, name: str, src: str) -> str:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(src))
+    return str(p)
+
+
+PLAIN = """
+    import flowrt as fr
+
+    wf = fr.Workflow("plain")
+
+    @wf.step
+    def words(text: str) -> list:
+        print("this goes to stderr under --json")
+        return text.split()
+
+    @wf.step(map="words")
+    def upper(words: str) -> str:
+        return words.upper()
+
+    @wf.step
+    def count(words: list, times: int = 1) -> int:
+        return len(words) * times
+
+    @wf.step
+    def broken(count: int, fail: bool = False) -> int:
+        if fail:
+            raise RuntimeError("asked to fail")
+        return count
+
+    @wf.step
+    def after_broken(broken: int) -> int:
+        return broken + 1
+"""
+
+
+def run_json(capsys, args):
+    code = main(args)
+    out = capsys.readouterr()
+    return code, json.loads(out.out), out.err
+
+
+def test_run_json_plain_steps_and_input_parsing(tmp_path, capsys):
+    f = write(tmp_path, "plain.py", PLAIN)
+    code, d, err = run_json(capsys, ["run", f, "--input", "text=1 2 3", "--input", "times=2", "--json"])
+    assert code == 0
+    assert set(d) == {"outputs", "errors", "stats"}
+    # `text` is annotated str: kept as a string even though "1 2 3" is not JSON; times parses as JSON
+    assert d["outputs"] == {"words": ["1", "2", "3"], "upper": ["1", "2", "3"], "count": 6, "broken": 6,
+                            "after_broken": 7}
+    assert d["errors"] == {} and d["stats"]["steps_completed"] == 5
+    assert "this goes to stderr" in err
+
+
+def test_run_exit_code_and_errors_when_a_step_fails(tmp_path, capsys):
+    f = write(tmp_path, "plain.py", PLAIN)
+    code, d, _ = run_json(capsys, ["run", f, "-i", "text=a b", "-i", "fail=true", "--json"])
+    assert code == 1
+    assert d["errors"]["broken"] == "RuntimeError: asked to fail"
+    assert d["errors"]["after_broken"].startswith("skipped")
+    assert d["outputs"]["count"] == 2  # the other branches' results are kept
+    # human output: results on stdout, errors (with traceback tail) and a summary on stderr
+    code = main(["run", f, "-i", "text=a b", "-i", "fail=true", "--no-progress"])
+    out = capsys.readouterr()
+    assert code == 1 and "count" in out.out and "broken failed" in out.err and "asked to fail" in out.err
+    assert "raise RuntimeError" in out.err and "steps done" in out.err
+
+
+def test_run_usage_errors_exit_2(tmp_path, capsys):
+    f = write(tmp_path, "plain.py", PLAIN)
+    assert main(["run", f]) == 2
+    assert "missing input(s) 'text'" in capsys.readouterr().err
+    assert main(["run", f, "-i", "text=x", "-i", "nope=1"]) == 2
+    assert "unknown input(s) 'nope'" in capsys.readouterr().err
+    assert main(["run", f, "-i", "textx"]) == 2
+    assert "NAME=VALUE" in capsys.readouterr().err
+    assert main(["run", str(tmp_path / "missing.py")]) == 2
+    assert "not found" in capsys.readouterr().err
+    two = write(tmp_path, "two.py", """
+        import flowrt as fr
+        a = fr.Workflow("first")
+        b = fr.Workflow("second")
+        @a.step
+        def x() -> int: return 1
+        @b.step
+        def y() -> int: return 2
+    """)
+    assert main(["run", two]) == 2
+    assert "several workflows" in capsys.readouterr().err
+    code, d, _ = run_json(capsys, ["run", two, "--workflow", "second", "--json"])
+    assert code == 0 and d["outputs"] == {"y": 2}
+    assert main(["run", two, "--workflow", "third"]) == 2
+    assert "no workflow named 'third'" in capsys.readouterr().err
+
+
+def test_input_file_and_trace(tmp_path, capsys):
+    f = write(tmp_path, "plain.py", PLAIN)
+    (tmp_path / "in.txt").write_text("x y z w")
+    trace = tmp_path / "trace.json"
+    code, d, _ = run_json(capsys, ["run", f, "--input-file", f"text={tmp_path / 'in.txt'}", "--json",
+                                   "--trace", str(trace)])
+    assert code == 0 and d["outputs"]["count"] == 4
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["name"] for e in events if e["ph"] == "X"} >= {"words", "count", "upper[3]"}
+
+
+def test_graph_formats(tmp_path, capsys):
+    f = write(tmp_path, "plain.py", PLAIN)
+    assert main(["graph", f]) == 0
+    out = capsys.readouterr().out
+    assert "workflow plain" in out and "upper (map words; sync)  <- words" in out
+    assert main(["graph", f, "--format", "mermaid"]) == 0
+    assert "words --> upper" in capsys.readouterr().out
+    assert main(["graph", f, "-f", "dot"]) == 0
+    assert '"broken" -> "after_broken";' in capsys.readouterr().out
+    bad = write(tmp_path, "bad.py", """
+        import flowrt as fr
+        wf = fr.Workflow("bad")
+        @wf.step
+        def a(b): return b
+        @wf.step
+        def b(a): return a
+    """)
+    assert main(["graph", bad]) == 2  # the error surfaces when the file is imported
+    assert "cycle between steps: a -> b -> a" in capsys.readouterr().err
+    broken = write(tmp_path, "broken.py", "import flowrt as fr\nraise ImportError('no such thing')\n")
+    assert main(["run", broken]) == 2
+    err = capsys.readouterr().err
+    assert "cannot load" in err and "ImportError: no such thing" in err
+
+
+def test_bench_unknown_name(capsys):
+    assert main(["bench", "no_such_bench_xyz"]) == 2
+    assert "no benchmark 'no_such_bench_xyz'" in capsys.readouterr().err
+
+
+def test_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for cmd in ("run", "graph", "bench"):
+        assert cmd in out
+    assert main([]) == 2
+
+
+def test_run_json_end_to_end_on_stories260k(tmp_path):
+    """The real command in a fresh process: the README's self-consistency example on the test model."""
+    pytest.importorskip("flowrt.engine")
+    trace = tmp_path / "sc.trace.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "flowrt.cli", "run", str(ROOT / "workflows" / "self_consistency.py"),
+         "--input", "question=Tom has 3 apples and buys 5 more. How many apples does he have?",
+         "--input", "samples=4", "--input", "max_tokens=8", "--json", "--trace", str(trace), *ENGINE],
+        capture_output=True, text=True, timeout=300, env=env, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)  # stdout is exactly one JSON object
+    assert set(d) == {"outputs", "errors", "stats"} and d["errors"] == {}
+    assert len(d["outputs"]["solve"]) == 4 and isinstance(d["outputs"]["vote"], str)
+    st = d["stats"]
+    assert st["run_llm_calls"] == 5  # one shared prefill + 4 samples
+    assert st["kv_blocks_used"] == 0 and st["open_sequences"] == 0
+    # the prompt was computed once: well under 4 copies of it
+    prompt_len = st["run_prompt_tokens"] // 5
+    assert st["run_tokens_computed"] < 2 * prompt_len
+    assert json.loads(trace.read_text())["traceEvents"]
