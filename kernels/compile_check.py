@@ -66,11 +66,10 @@ def configurations():
                         dict(cfg, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
                              BLOCK_N=decode_attention.DECODE_BLOCK_N, IS_SPLIT=True), 4))
             for max_q in (512, 1):
-                bg, bq, bm, nw = prefill_attention._tile_config(group, max_q, d, dt)
+                bg, bq, bm, bn, nw = prefill_attention._tile_config(group, max_q, d, dt)
                 out.append((f"prefill {dt} d={d} g={group} max_q={max_q}", prefill_attention._PREFILL,
                             dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, bt_ptr=i32, qsl_ptr=i32, seq_lens_ptr=i32, out_ptr=dt),
-                            dict(cfg, GROUP=group, BLOCK_G=bg, BLOCK_Q=bq, BLOCK_M=bm,
-                                 BLOCK_N=prefill_attention.PREFILL_BLOCK_N), nw))
+                            dict(cfg, GROUP=group, BLOCK_G=bg, BLOCK_Q=bq, BLOCK_M=bm, BLOCK_N=bn), nw))
             if dt == torch.float32:
                 break  # fp32 is slow to compile; one head dim is enough
         out.append((f"reduce {dt}", decode_attention._REDUCE, dict(part_o_ptr=f32, part_lse_ptr=f32, out_ptr=dt),

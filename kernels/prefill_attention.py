@@ -140,14 +140,18 @@ PREFILL_BLOCK_N = 64   # keys per inner step
 
 
 def _tile_config(group: int, max_query_len: int, head_dim: int, dtype: torch.dtype):
+    """(BLOCK_G, BLOCK_Q, BLOCK_M, BLOCK_N, num_warps) for a launch."""
     block_g = next_pow2(group)
-    block_m = PREFILL_BLOCK_M if head_dim <= 128 and dtype != torch.float32 else 64
+    block_n = PREFILL_BLOCK_N
+    block_m = PREFILL_BLOCK_M if head_dim <= 128 else 64
+    if dtype == torch.float32:  # exact fp32 dots are unrolled FMAs: small tiles (registers, compile time)
+        block_m, block_n = 32, 32
     # Short queries (decode rows, small chunks): shrink the tile to what the longest query needs.
     block_m = max(16, min(block_m, next_pow2(max(1, max_query_len) * block_g)))
     block_m = max(block_m, block_g)
     block_q = max(1, block_m // block_g)
     num_warps = 8 if block_m >= 128 else 4
-    return block_g, block_q, block_m, num_warps
+    return block_g, block_q, block_m, block_n, num_warps
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
@@ -188,7 +192,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
 
     group = num_heads // num_kv_heads
     dev = q.device
-    block_g, block_q, block_m, num_warps = _tile_config(group, int(max_query_len), head_dim, q.dtype)
+    block_g, block_q, block_m, block_n, num_warps = _tile_config(group, int(max_query_len), head_dim, q.dtype)
     grid = (num_tokens // block_q + bsz, num_kv_heads)
     _PREFILL.on(dev)[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
@@ -199,7 +203,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
-        PAGE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N,
+        PAGE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, dev),
         num_warps=num_warps, num_stages=2,
     )

@@ -319,3 +319,18 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-m", "flowrt.kernels.compile_check", "--arch", "90", "--quick"],
                           env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU, run bench/gpu_check.py for real")
+def test_gpu_check_script_smoke():
+    """bench/gpu_check.py --smoke runs the one-shot GPU script's every code path on tiny CPU shapes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--dtype", "fp16"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "all checks passed" in proc.stdout
