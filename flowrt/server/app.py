@@ -512,7 +512,7 @@ def create_app(engine: Any, *, served_model_name: str | list[str] | None = None,
         jobs: list[_Job] = []
         for i, p in enumerate(req.prompts()):
             if isinstance(p, str):
-                ids, text = list(tok.encode(p)), p
+                ids, text = await _encode(tok, p, True), p
             else:
                 vocab = len(tok)
                 bad = next((t for t in p if t < 0 or t >= vocab), None)
@@ -655,7 +655,7 @@ def create_app(engine: Any, *, served_model_name: str | list[str] | None = None,
                                            **(req.chat_template_kwargs or {}))
         except Exception as e:  # noqa: BLE001 - template errors (e.g. raise_exception in the template)
             raise bad_request(f"Could not apply the chat template: {e}", param="messages") from None
-        ids = list(tok.encode(text, add_special_tokens=False))
+        ids = await _encode(tok, text, False)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         job = _Job(0, ids, text, base)
         max_tokens = _max_tokens(len(ids), req.requested_max_tokens, "messages")
@@ -740,6 +740,15 @@ def create_app(engine: Any, *, served_model_name: str | list[str] | None = None,
     from . import workflows as _wf  # noqa: PLC0415 - keeps the workflow runtime optional
     _wf.install(app, st)
     return app
+
+
+_LONG_TEXT = 8192  # characters; longer texts are tokenized off the event loop
+
+
+async def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) <= _LONG_TEXT:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    return list(await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens))
 
 
 def params_stop(stop: str | list[str] | None) -> list[str]:
