@@ -257,10 +257,12 @@ async def _collect(st: ServerState, request: Request, jobs: list[_Job], params: 
         disc.cancel()
         await asyncio.gather(disc, return_exceptions=True)
     if gen.cancelled():
-        request.state._state[_ABORTED_KEY] = True  # noqa: SLF001 - scope["state"], read by _Guard
-        st.metrics.aborted.inc()
+        _mark_aborted(st, request)
         return None
-    return gen.result()
+    try:
+        return gen.result()
+    except ValueError as e:  # the engine refused the request (pydantic ValidationError is a ValueError)
+        raise from_exception(e) from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -758,7 +760,8 @@ def params_stop(stop: str | list[str] | None) -> list[str]:
 
 
 def _mark_aborted(st: ServerState, request: Request) -> None:
-    request.state._state[_ABORTED_KEY] = True  # noqa: SLF001
+    """Counts an aborted request; _Guard reports it with status 499 (request.state is scope["state"])."""
+    setattr(request.state, _ABORTED_KEY, True)
     st.metrics.aborted.inc()
 
 
