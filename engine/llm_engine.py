@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 
 from . import detokenizer
@@ -32,6 +33,21 @@ from .sequence import Request, Sequence, SeqStatus
 logger = logging.getLogger("flowrt.engine")
 
 _DTYPE_SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+DEFAULT_KV_CAP = 2 << 30
+
+
+def zeros_lazy(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose pages the OS maps only when first written (calloc through numpy), so a large
+    KV pool costs resident memory only for the blocks actually used. Zeros matter: masked attention
+    multiplies unused slots by 0, and garbage there could be NaN."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = _DTYPE_SIZE[dtype]
+    arr = np.zeros(shape, dtype={4: np.float32, 2: np.int16}[size])
+    t = torch.from_numpy(arr)
+    return t if dtype == torch.float32 else t.view(dtype)
 
 
 def _available_memory() -> int:
@@ -65,7 +81,11 @@ class LLMEngine:
         self.eos_ids = cfg.eos_token_ids
         self.block_size = bs = args.block_size
 
-        kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
+        if args.kv_cache_dtype != "auto":
+            kv_dtype = getattr(torch, args.kv_cache_dtype)
+        else:
+            # On CPU attention runs in float32; a float32 cache saves a conversion pass per layer and step.
+            kv_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         block_bytes = cfg.kv_bytes_per_token * _DTYPE_SIZE[kv_dtype] * bs
         if args.num_kv_blocks is not None:
             num_blocks = args.num_kv_blocks
@@ -74,11 +94,12 @@ class LLMEngine:
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory={args.kv_cache_memory} bytes is less than one KV block ({block_bytes})")
         else:
-            # A quarter of free memory, but no more than every sequence slot at full length needs.
+            # A quarter of free memory up to 2 GiB, and no more than every sequence slot at full length needs.
             want = args.max_num_seqs * -(-max_len // bs)
-            num_blocks = max(1, min(int(_available_memory() * 0.25) // block_bytes, want))
-        self.kv = torch.zeros(
-            (cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim), dtype=kv_dtype, device=self.device
+            budget = min(int(_available_memory() * 0.25), DEFAULT_KV_CAP)
+            num_blocks = max(1, min(budget // block_bytes, want))
+        self.kv = zeros_lazy(
+            (cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim), kv_dtype, self.device
         )
         logger.info(
             "flowrt engine: %s, %s on %s, %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, loaded in %.2fs",

