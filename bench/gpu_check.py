@@ -190,7 +190,10 @@ def run_decode(K, dtype, t0, budget):
             q = torch.randn((bsz, H, D), dtype=dtype, device=dev, generator=gen)
             scale = D**-0.5
             splits = K.choose_num_splits(bsz, HKV, ctx, num_sms())
-            run = lambda: K.paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, scale, max_seq_len=ctx)  # noqa: E731
+
+            def run():
+                return K.paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, scale, max_seq_len=ctx)
+
             out = run()
             nref = min(bsz, 4)
             ref = K.paged_decode_attention_ref(q[:nref], k_cache, v_cache, bt[:nref], seq_lens[:nref], scale)
@@ -331,7 +334,8 @@ def run_cache_ops(K, dtype, t0, budget):
             FAILURES.append("write_kv mismatch")
         ms = bench_ms(lambda: K.write_kv(key, val, kc, vc, slots))
         nbytes = 2 * 2 * t * HKV * D * esize
-        print(f"write_kv  T={t}: {ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s (read+write)  {'ok' if ok else 'FAIL'}")
+        print(f"write_kv  T={t}: {ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s (read+write)  "
+              f"{'ok' if ok else 'FAIL'}")
         del kc, vc, kc2, vc2
         empty_cache()
 
@@ -412,8 +416,8 @@ def main(argv=None) -> int:
     else:
         props = torch.cuda.get_device_properties(0)
         where = f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB"
-    print(f"gpu_check: {where}; torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}; kernels from "
-          f"{Path(K.__file__).parent}")
+    print(f"gpu_check: {where}; torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}; "
+          f"kernels from {Path(K.__file__).parent}")
     if not K.HAS_TRITON:
         print(f"gpu_check: triton is not importable: {K.TRITON_IMPORT_ERROR}")
         return 2

@@ -42,7 +42,8 @@ _WRITE_KV = Kernel(_write_kv_kernel)
 
 def _check_cache(name, cache):
     if cache.dim() != 4:
-        raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(cache.shape)}")
+        raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got shape {tuple(cache.shape)}")
     if cache.stride(-1) != 1:
         raise ValueError(f"{name} must have a unit stride in head_dim, got strides {cache.stride()}")
     tl_dtype(cache.dtype)
@@ -134,7 +135,8 @@ def _block_layout(cache, block_dim):
     expected = 1
     for size, stride in zip(reversed(inner), reversed(cache.stride()[block_dim + 1 :])):
         if size != 1 and stride != expected:
-            raise ValueError(f"each KV block must be contiguous; got shape {tuple(cache.shape)} strides {cache.stride()}")
+            raise ValueError(f"each KV block must be contiguous; got shape {tuple(cache.shape)} "
+                             f"strides {cache.stride()}")
         expected *= size
         numel *= size
     return cache.stride(block_dim), numel

@@ -248,6 +248,31 @@ def test_chunked_prefill_through_cache_matches_sdpa(dtype):
     close(out.cpu(), want.transpose(0, 1), dtype, "chunked prefill vs sdpa")
 
 
+@pytest.mark.slow
+def test_random_batches_property():
+    """Random ragged batches (hypothesis): prefill and decode kernels equal the reference in fp32."""
+    hyp = pytest.importorskip("hypothesis")
+    st = hyp.strategies
+
+    seq = st.tuples(st.integers(0, 70), st.integers(0, 200))  # (new tokens, cached prefix)
+
+    @hyp.settings(max_examples=6, deadline=None, derandomize=True, database=None)
+    @hyp.given(st.lists(seq, min_size=1, max_size=5), st.sampled_from([1, 3, 4, 8]), st.sampled_from([64, 80]),
+               st.sampled_from([16, 32]), st.integers(1, 4))
+    def check(seqs, gqa, d, bs, splits):
+        seqs = [(q, q + p) for q, p in seqs if q + p > 0] or [(1, 1)]
+        bt = Batch(seqs, gqa, 1, d, bs, torch.float32, seed=len(seqs) + d)
+        args = (bt.q, bt.k_cache, bt.v_cache, bt.block_tables, bt.query_start_loc, bt.seq_lens, bt.scale,
+                bt.max_query_len)
+        close(K.paged_prefill_attention(*args), K.paged_prefill_attention_ref(*args), torch.float32, f"{seqs}")
+        qd = bt.q[: len(seqs)] if bt.q.shape[0] >= len(seqs) else torch.randn(len(seqs), gqa, d, device=DEVICE)
+        dargs = (qd, bt.k_cache, bt.v_cache, bt.block_tables, bt.seq_lens, bt.scale)
+        close(K.paged_decode_attention(*dargs, num_splits=splits), K.paged_decode_attention_ref(*dargs),
+              torch.float32, f"decode {seqs}")
+
+    check()
+
+
 # ----------------------------------------------------------------------------------------------- block copies
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
 def test_copy_blocks(dtype):
