@@ -45,7 +45,7 @@ class Model:
         self._pid = os.getpid()
 
     def __repr__(self) -> str:
-        return f"<fr.Model {getattr(self.engine, 'model_config', None) or self.engine!r}>"
+        return f"<fr.Model on {type(self.engine).__name__}{'' if self.share_kv else ' (sharing off)'}>"
 
     @property
     def max_model_len(self) -> int:
@@ -122,12 +122,15 @@ class Model:
         return tracer, tracer.start(kind, "llm", kind=kind, step=current_step.get(), pending_tokens=uncomputed)
 
     @staticmethod
-    def _span_fields(out: Any) -> dict[str, Any]:
+    def _span_fields(out: Any, uncomputed: int) -> dict[str, Any]:
+        """Token counts of one request. ``cached_tokens`` (KV reused, as the engine reports it) splits
+        into tokens already in the thread's own sequence and prefix-cache hits."""
         prompt = len(out.prompt_token_ids or [])
         cached = int(out.num_cached_tokens or 0)
+        own = max(0, prompt - uncomputed)
         gen = sum(len(o.token_ids) for o in out.outputs)
         return {"prompt_tokens": prompt, "cached_tokens": cached, "tokens_computed": max(0, prompt - cached),
-                "generated_tokens": gen,
+                "prefix_cache_hit_tokens": max(0, cached - own), "generated_tokens": gen,
                 "finish_reason": out.outputs[0].finish_reason if out.outputs else None}
 
     @staticmethod
@@ -152,7 +155,7 @@ class Model:
                 tracer.end(span, kind="failed", error=f"{type(e).__name__}: {e}")
             raise
         if tracer is not None:
-            tracer.end(span, **self._span_fields(out))
+            tracer.end(span, **self._span_fields(out, uncomputed))
         self._check_finished(out)
         return out
 
@@ -174,7 +177,7 @@ class Model:
                 except Exception:
                     pass
             if tracer is not None and out is not None:
-                tracer.end(span, **self._span_fields(out))
+                tracer.end(span, **self._span_fields(out, uncomputed))
         if out is not None and out.finished:
             self._check_finished(out)
 

@@ -324,7 +324,12 @@ class Thread:
         params = self._params(sampling)
         with self._op():
             seq = await self._materialize()
-            out = await self.model._run(seq, params, kind="gen", uncomputed=self._uncomputed)
+            n_before = len(seq)
+            try:
+                out = await self.model._run(seq, params, kind="gen", uncomputed=self._uncomputed)
+            except BaseException:
+                self._after_interrupt(n_before)
+                raise
             self._record_generation(out, params)
             return out.outputs[0].text
 
@@ -335,6 +340,7 @@ class Thread:
         params = self._params(sampling)
         with self._op():
             seq = await self._materialize()
+            n_before = len(seq)
             prev = ""
             final = None
             try:
@@ -346,15 +352,24 @@ class Thread:
                     if delta:
                         yield delta
             finally:
-                if final is not None:
+                if final is not None and final.finished:
                     self._record_generation(final, params)
-                    if not final.finished:  # aborted early: the KV holds whatever was generated
-                        self._resync_text()
+                else:  # left early or failed: the KV holds whatever was generated
+                    self.last_output = final
+                    self._after_interrupt(n_before)
 
-    def _resync_text(self) -> None:
-        """After an interrupted call the token ids are authoritative; rebuild the text from them."""
-        if self._seq is not None:
-            self._text = self.model.tokenizer.decode(self._seq.token_ids, skip_special_tokens=False)
+    def _after_interrupt(self, n_before: int) -> None:
+        """A call was cancelled or failed part way: the tokens it generated stay in the sequence (their
+        ids are authoritative); add their text to the thread's text."""
+        seq = self._seq
+        if seq is None:
+            return
+        try:
+            new = seq.token_ids[n_before:]
+        except Exception:
+            return
+        if new:
+            self._text += self.model.tokenizer.decode(new, skip_special_tokens=False)
             self._uncomputed = 1
 
     async def scores(self, options: Iterable[str], *, by: str = "total") -> dict[str, float]:

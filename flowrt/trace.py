@@ -5,7 +5,8 @@ Layout of the exported trace: process 1 holds the workflow steps, process 2 the 
 overlap in time are put on different rows ("lanes"), so a step that fans out eight generations shows
 eight parallel rows. Each LLM span carries its step, kind (gen / stream / select / prefill),
 ``prompt_tokens``, ``tokens_computed`` (prefill work actually done), ``cached_tokens`` (prompt tokens whose
-KV was reused: already in the thread or a prefix-cache hit) and ``generated_tokens``. Counter tracks
+KV was reused), of which ``prefix_cache_hit_tokens`` came from the prefix cache (the rest were already in
+the thread's own sequence), and ``generated_tokens``. Counter tracks
 record the engine's KV blocks in use after each LLM call.
 """
 
@@ -27,7 +28,7 @@ current_step: contextvars.ContextVar[str | None] = contextvars.ContextVar("flowr
 
 _PIDS = {"step": 1, "llm": 2}
 _PROCESS_NAMES = {1: "workflow steps", 2: "LLM calls"}
-LLM_TOTAL_KEYS = ("prompt_tokens", "tokens_computed", "cached_tokens", "generated_tokens")
+LLM_TOTAL_KEYS = ("prompt_tokens", "tokens_computed", "cached_tokens", "prefix_cache_hit_tokens", "generated_tokens")
 
 
 @dataclass

@@ -185,3 +185,37 @@ def test_run_json_end_to_end_on_stories260k(tmp_path):
     prompt_len = st["run_prompt_tokens"] // 5
     assert st["run_tokens_computed"] < 2 * prompt_len
     assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_progress_display_renders():
+    from io import StringIO
+
+    from rich.console import Console
+
+    import flowrt as fr
+    from flowrt.progress import ProgressDisplay
+
+    wf = fr.Workflow("shown")
+
+    @wf.step
+    def a(x):
+        return x
+
+    @wf.step
+    def b(a):
+        return a
+
+    ob = fr.RunObserver(wf)
+    ob.on_status("a", "running")
+    ob.items["a"] = (1, 3)
+    buf = StringIO()
+    console = Console(file=buf, width=120, force_terminal=False)
+    stats = {"generated_tokens": 10, "num_kv_blocks": 100, "kv_blocks_used": 25, "prefix_cache_query_tokens": 50,
+             "prefix_cache_hit_tokens": 25}
+    disp = ProgressDisplay(ob, lambda: stats, console=console)
+    with disp:
+        pass
+    console.print(disp.render())
+    text = buf.getvalue()
+    assert "shown: 0 done, 1 running, 1 pending" in text and "1/3 items" in text
+    assert "KV: 25/100 blocks (25%)" in text and "prefix-cache hits: 50%" in text

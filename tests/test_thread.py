@@ -414,3 +414,34 @@ def test_chat_without_template_uses_chatml_text(llm):
         c.close()
 
     anyio.run(main)
+
+
+def test_step_timeout_aborts_the_llm_call_and_keeps_the_thread_consistent(llm, engine):
+    wf = fr.Workflow("times-out")
+    seen = {}
+
+    @wf.step(timeout=0.3)
+    async def long(llm: fr.Model) -> str:
+        t = llm.thread("Once upon a time")
+        seen["t"] = t
+        return await t.gen(max_tokens=450, temperature=0, ignore_eos=True)
+
+    @wf.step
+    async def short(llm: fr.Model) -> str:
+        with llm.thread("Once upon a time") as t:
+            return await t.gen(max_tokens=3, temperature=0)
+
+    async def main():
+        r = await fr.Runtime(resources={"llm": llm}).run(wf)
+        assert r.errors["long"].kind == "timeout" and r.outputs["short"]
+        await anyio.sleep(0.1)
+        assert engine.stats()["num_running"] == 0
+        t = seen.pop("t")
+        # the tokens generated before the timeout stay, and the text matches them
+        assert len(t.token_ids) > 5
+        assert t.text.startswith("Once upon a time")
+        more = await t.gen(max_tokens=2, temperature=0)  # still usable
+        assert t.text.endswith(more)
+        t.close()
+
+    anyio.run(main)

@@ -87,7 +87,7 @@ def test_tracer_spans_and_unfinished_spans():
     assert {e["name"] for e in xs} == {"outer", "inner", "never-ends"}
     assert next(e for e in xs if e["name"] == "never-ends")["args"]["unfinished"] is True
     assert tr.llm_totals == {"llm_calls": 1, "prompt_tokens": 5, "tokens_computed": 3, "cached_tokens": 2,
-                             "generated_tokens": 4}
+                             "prefix_cache_hit_tokens": 0, "generated_tokens": 4}
     tr.end(dangling)
     with pytest.raises(KeyError):
         with tr.span("boom"):
@@ -125,6 +125,7 @@ def test_llm_calls_are_spans_with_token_counts():
         assert a["prompt_tokens"] == a["tokens_computed"] + a["cached_tokens"]
     gens = [e["args"] for e in llm if e["args"]["kind"] == "gen"]
     assert all(g["generated_tokens"] == 3 and g["cached_tokens"] > 10 for g in gens)  # shared prompt reused
+    assert all(g["prefix_cache_hit_tokens"] == 0 for g in gens)  # reused through the fork, not the cache
     assert r.stats["run_llm_calls"] == len(llm)
     assert r.stats["run_generated_tokens"] == 9
     assert "prefill_tokens_computed" in r.stats and "kv_blocks_used" in r.stats  # engine stats
