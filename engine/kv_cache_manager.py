@@ -70,6 +70,31 @@ class KVCacheManager:
             self.stats.prefix_cache_hit_tokens += hits * bs
         return hits * bs
 
+    def first_missing_hash(self, seq: Sequence) -> bytes | None:
+        """Hash of the first full block that match_prefix would not find in the cache (None if none)."""
+        if not self.pool.enable_prefix_caching:
+            return None
+        bs = self.block_size
+        start = len(seq.block_table)
+        if seq.num_computed_tokens != start * bs:
+            return None
+        max_blocks = (seq.num_tokens - 1) // bs
+        self._ensure_hashes(seq, max_blocks)
+        for i in range(start, max_blocks):
+            if self.pool.lookup(seq.block_hashes[i]) is None:
+                return seq.block_hashes[i]
+        return None
+
+    def uncomputed_full_hashes(self, seq: Sequence) -> list[bytes]:
+        """Hashes of the full blocks this sequence has yet to compute (work in flight)."""
+        bs = self.block_size
+        full = seq.num_tokens // bs
+        first = seq.num_computed_tokens // bs
+        if first >= full:
+            return []
+        self._ensure_hashes(seq, full)
+        return seq.block_hashes[first:full]
+
     def register_full_blocks(self, seq: Sequence) -> None:
         """After a step: make newly completed full blocks findable by later requests."""
         if not self.pool.enable_prefix_caching:

@@ -84,8 +84,10 @@ class LLMEngine:
         if args.kv_cache_dtype != "auto":
             kv_dtype = getattr(torch, args.kv_cache_dtype)
         else:
-            # On CPU attention runs in float32; a float32 cache saves a conversion pass per layer and step.
-            kv_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+            # The torch backend on CPU computes attention in float32; a float32 cache saves a conversion
+            # pass per layer and step. The kernels read the cache in the model's dtype.
+            cpu_torch = self.device.type == "cpu" and args.resolved_backend(self.device) == "torch"
+            kv_dtype = torch.float32 if cpu_torch else self.dtype
         block_bytes = cfg.kv_bytes_per_token * _DTYPE_SIZE[kv_dtype] * bs
         if args.num_kv_blocks is not None:
             num_blocks = args.num_kv_blocks

@@ -111,26 +111,38 @@ class Scheduler:
                 i += 1
         if preempted:
             return batch
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.request is None or seq.request.prompt_logprobs is None:  # scoring needs every logit
+        # Blocks that running sequences are about to compute: a waiting sequence whose next uncached block
+        # is among them waits a step and then finds it in the prefix cache instead of computing it again.
+        inflight: set[bytes] = set()
+        if self.kv.pool.enable_prefix_caching:
+            for seq in self.running:
+                inflight.update(self.kv.uncomputed_full_hashes(seq))
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            scoring = seq.request is not None and seq.request.prompt_logprobs is not None
+            if inflight and not scoring and self.kv.first_missing_hash(seq) in inflight:
+                continue
+            if not scoring:  # scoring needs the logits of every token, so it cannot skip any
                 self.kv.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, n, batch.plan):
                 if not (self._release_idle() or self._release_waiting(keep=seq)):
                     break
             else:
-                self.waiting.popleft()
+                self.waiting.remove(seq)
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 budget -= n
+                if self.kv.pool.enable_prefix_caching:
+                    inflight.update(self.kv.uncomputed_full_hashes(seq))
                 continue
             self.kv.free(seq)  # hold nothing while waiting; its full blocks stay in the prefix cache
             if not self.running and not batch.seqs:
                 # Nothing else holds memory, so it can never fit: hand it back to fail its request.
-                self.waiting.popleft()
+                self.waiting.remove(seq)
                 self.unfit.append(seq)
                 continue
             break
