@@ -484,12 +484,12 @@ class LLMEngine:
             req.on_output(req)
 
     def _fail_unfit(self, seq: Sequence) -> None:
-        seq.finish_reason = "abort"
-        seq.stop_reason = "the sequence does not fit in the KV cache"
+        """A sequence that outgrew the whole KV pool ends like one that reached max_model_len."""
+        logger.warning("sequence %d (%d tokens) no longer fits in the KV cache; ending it", seq.seq_id, seq.num_tokens)
+        seq.finish_reason = "length"
         req = seq.request
         self._retire(seq)
         if req is not None and all(s.finish_reason is not None for s in req.seqs):
-            req.aborted = True
             self._finish_request(req)
 
     # ---- outputs and stats --------------------------------------------------------------------------

@@ -72,6 +72,7 @@ def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
+@torch.inference_mode()
 def sample(
     logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...], generator: torch.Generator
 ) -> SampleResult:

@@ -143,6 +143,7 @@ class Scheduler:
             if not self.running and not batch.seqs:
                 # Nothing else holds memory, so it can never fit: hand it back to fail its request.
                 self.waiting.remove(seq)
+                seq.status = SeqStatus.FINISHED
                 self.unfit.append(seq)
                 continue
             break

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The one prepared GPU session: kernel checks + benchmarks (bench/gpu_check.py) and the engine on the GPU
+# (bench/gpu_engine_check.py). Makes flowrt importable without installing it (package-dir mapping by links).
+# Extra wheels (pydantic etc.), if carried in .whl/, are installed to /tmp/site first.
+set -u
+cd "$(dirname "$0")/.."
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+rm -rf /tmp/pkg && mkdir -p /tmp/pkg/flowrt
+cp -r flowrt/. /tmp/pkg/flowrt/
+for p in engine kernels retrieval; do ln -s "$PWD/$p" "/tmp/pkg/flowrt/$p"; done
+export PYTHONPATH=/tmp/pkg:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+timeout 260 python3 bench/gpu_check.py --budget 100 --pytest-timeout 100 2>&1 | tee "${OUT:-/tmp}/gpu_check.log"
+timeout 120 python3 bench/gpu_engine_check.py 2>&1 | tee "${OUT:-/tmp}/gpu_engine.log"
