@@ -65,6 +65,9 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, req: dict
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # the server failed the request after the stream started
+                stats["errors"].append(chunk["error"].get("message"))
+                return
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             if not chunk["choices"] or not chunk["choices"][0]["text"]:
@@ -109,6 +112,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "flowrt.server", "--port", str(port), "--log-level", "warning",
            "--served-model-name", args.model]
+    if args.server_model:
+        cmd += ["--model", args.server_model]
     for opt in ("dtype", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "attention_backend", "device"):
         value = getattr(args, opt)
         if value is not None:
@@ -137,6 +142,7 @@ def main() -> int:
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--url", help="benchmark this running server instead of starting flowrt serve")
     ap.add_argument("--model", default="default", help="model name sent in requests")
+    ap.add_argument("--server-model", metavar="PATH", help="model the started server loads (default: the default model)")
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn from [3, vocab)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
