@@ -162,16 +162,19 @@ class Embedder:
             import sys
 
             progress = len(items) > 512 and sys.stderr.isatty()
+        # Longest first, so each batch pads to similar lengths (and a too-long batch fails early).
+        order = sorted(range(len(items)), key=lambda i: -len(items[i]))
         out = []
         with self._lock, _progress(len(items), description, enabled=bool(progress)) as advance:
             for i in range(0, len(items), bs):
-                batch = items[i : i + bs]
+                batch = [items[j] for j in order[i : i + bs]]
                 vecs = model.encode(
                     batch, batch_size=bs, show_progress_bar=False, convert_to_numpy=True, normalize_embeddings=True
                 )
                 out.append(np.asarray(vecs, dtype=np.float32))
                 advance(len(batch))
-        arr = np.ascontiguousarray(np.concatenate(out, axis=0), dtype=np.float32)
+        arr = np.empty((len(items), out[0].shape[1]), dtype=np.float32)
+        arr[order] = np.concatenate(out, axis=0)
         return arr[0] if single else arr
 
 
