@@ -388,8 +388,7 @@ def run_pytest(timeout):
     print(lines[-1] if lines else "(no output)")
     if proc.returncode != 0:
         FAILURES.append(f"pytest exit {proc.returncode}")
-        if not failed:
-            print("\n".join(lines[-40:]))
+        print("\n".join(ln[:300] for ln in lines[-40:]))
 
 
 def main(argv=None) -> int:

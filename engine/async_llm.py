@@ -77,6 +77,10 @@ class AsyncLLM:
         return self.engine.max_model_len
 
     @property
+    def model_path(self) -> str:
+        return self.engine.model_path
+
+    @property
     def model_config(self):
         return self.engine.model_config
 
@@ -130,19 +134,22 @@ class AsyncLLM:
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> RequestOutput:
         """Runs one request to completion and returns its final output."""
         out = None
-        async for out in self._run(prompt, params, request_id, stream=False):
+        async for out in self._submit(prompt, params, request_id, stream=False):
             pass
         return out
 
-    async def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative snapshots after every step that changed the request; the last has finished=True."""
-        async for out in self._run(prompt, params, request_id, stream=True):
-            yield out
+    def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative snapshots after every step that changed the request; the last has finished=True.
+
+        The request is validated and queued when stream() is called (a bad request raises here, before
+        any iteration), so a server can answer 400 before it starts a response. Call it from a coroutine.
+        """
+        return self._submit(prompt, params, request_id, stream=True)
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
 
-    async def _run(self, prompt, params, request_id, stream: bool) -> AsyncIterator[RequestOutput]:
+    def _submit(self, prompt, params, request_id, stream: bool) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         eng = self.engine
@@ -159,11 +166,14 @@ class AsyncLLM:
             except RuntimeError:  # the caller's loop is closed: nobody is listening
                 pass
 
-        target = prompt._seq if isinstance(prompt, EngineSequence) else prompt
         if self._stopping:
             raise RuntimeError("the engine is shut down")
+        target = prompt._seq if isinstance(prompt, EngineSequence) else prompt
         req = eng.add_request(target, params, request_id, on_output=on_output, stream=stream)
         self._wakeup.set()
+        return self._results(req, queue)
+
+    async def _results(self, req, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         try:
             while True:
                 item = await queue.get()
@@ -174,7 +184,7 @@ class AsyncLLM:
                     return
         finally:
             if not req.finished:
-                eng.abort(req.request_id)
+                self.engine.abort(req.request_id)
 
     # ---- open sequences ---------------------------------------------------------------------------
     def open(self, token_ids=()) -> EngineSequence:

@@ -51,13 +51,14 @@ class TorchAttentionBackend:
         slens = meta.seq_lens_list
         dec = [b for b, q in enumerate(qlens) if q == 1]
         p = meta.prepared
+        dev = meta.seq_lens.device
         if dec:
-            dec_t = torch.tensor(dec, dtype=torch.long)
+            dec_t = torch.tensor(dec, dtype=torch.long, device=dev)
             rows = meta.query_start_loc[dec_t].long()
             lens = meta.seq_lens[dec_t].long()
             nblk = (max(slens[b] for b in dec) + bs - 1) // bs
             blocks = meta.block_tables[dec_t, :nblk].long().reshape(-1)
-            valid = torch.arange(nblk * bs)[None, :] < lens[:, None]
+            valid = torch.arange(nblk * bs, device=dev)[None, :] < lens[:, None]
             p["decode"] = (rows, blocks, nblk, valid[:, None, None, :])
         pre = []
         qsl = meta.query_start_loc.tolist()
@@ -69,9 +70,9 @@ class TorchAttentionBackend:
                 pre.append((s, s + q, None, None))  # nothing cached before: attend to the fresh K/V
                 continue
             nblk = (ctx + bs - 1) // bs
-            slots = (meta.block_tables[b, :nblk].long()[:, None] * bs + torch.arange(bs)).reshape(-1)[:ctx]
-            qpos = torch.arange(ctx - q, ctx)
-            mask = torch.arange(ctx)[None, :] <= qpos[:, None]
+            slots = (meta.block_tables[b, :nblk].long()[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)[:ctx]
+            qpos = torch.arange(ctx - q, ctx, device=dev)
+            mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]
             pre.append((s, s + q, slots, mask))
         p["prefill"] = pre
 
@@ -83,7 +84,7 @@ class TorchAttentionBackend:
         vflat = v_cache.view(-1, Hkv, D)
         kflat.index_copy_(0, meta.slot_mapping, k.to(kflat.dtype))
         vflat.index_copy_(0, meta.slot_mapping, v.to(vflat.dtype))
-        out = torch.empty(T, H, D, dtype=q.dtype)
+        out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
         prep = meta.prepared
         if "decode" in prep:
             # Gather whole blocks (one contiguous row each), then one fused SDPA over the decode rows.

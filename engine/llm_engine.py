@@ -119,7 +119,7 @@ class LLMEngine:
         self.open_seqs: dict[int, Sequence] = {}
         self._pending_closes: collections.deque[Sequence] = collections.deque()
         self._req_ids = itertools.count()
-        self.counters = dict(prompt_tokens=0, prefill_tokens_computed=0, generated_tokens=0, steps=0)
+        self.counters = dict(prompt_tokens=0, prefill_tokens_computed=0, decode_tokens_computed=0, generated_tokens=0, steps=0)
 
     # ---- input validation ---------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -358,8 +358,11 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # aborted or closed while the model ran
+            # A decode computes one just-sampled token; everything else (prompts, appended text,
+            # recomputation after preemption) is prefill.
+            kind = "decode_tokens_computed" if n == 1 and seq.num_computed_tokens >= seq.prompt_len else "prefill_tokens_computed"
+            self.counters[kind] += n
             seq.num_computed_tokens += n
-            self.counters["prefill_tokens_computed"] += n
             self.kv_manager.register_full_blocks(seq)
             touched[seq.request.request_id] = seq.request
         for seq, first_row, pos in plp_rows:

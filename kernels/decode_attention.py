@@ -193,7 +193,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
         part_o = torch.empty((bsz, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((bsz, num_heads, num_splits), dtype=torch.float32, device=q.device)
 
-    block_d = next_pow2(head_dim)
+    block_d = max(16, next_pow2(head_dim))  # tl.dot needs K >= 16; masked lanes are zero
     dev = q.device
     _DECODE.on(dev)[(bsz, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse,

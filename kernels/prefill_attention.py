@@ -202,7 +202,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),  # tl.dot needs K >= 16
         PAGE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, dev),
         num_warps=num_warps, num_stages=2,

@@ -1,0 +1,121 @@
+"""AsyncLLM: concurrent callers, streaming, abort, bad requests isolated, open sequences."""
+
+import asyncio
+
+import pydantic
+import pytest
+
+from flowrt.engine import AsyncLLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(stories_path):
+    eng = AsyncLLM(stories_path, dtype="float32")
+    yield eng
+    eng.shutdown()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_concurrent_requests_match_sequential(engine):
+    prompts = ["Once upon a time", "The dog", "Lily went to the park and", "A big red ball"]
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    async def main():
+        together = await asyncio.gather(*(engine.generate(x, p) for x in prompts))
+        alone = [await engine.generate(x, p) for x in prompts]
+        return together, alone
+
+    together, alone = run(main())
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_streaming_is_cumulative_and_ends_finished(engine):
+    async def main():
+        snaps = []
+        async for out in engine.stream("Once upon a time", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)):
+            snaps.append((list(out.outputs[0].token_ids), out.outputs[0].text, out.finished))
+        return snaps
+
+    snaps = run(main())
+    assert snaps[-1][2] and not any(f for _, _, f in snaps[:-1])
+    lens = [len(t) for t, _, _ in snaps]
+    assert lens == sorted(lens) and lens[-1] == 8
+    assert all(snaps[-1][1].startswith(txt) for _, txt, _ in snaps)
+
+
+def test_bad_request_is_rejected_alone(engine):
+    async def main():
+        good = asyncio.create_task(engine.generate("Once upon a time", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))
+        await asyncio.sleep(0.01)
+        with pytest.raises(ValueError, match="empty"):
+            await engine.generate("", SamplingParams(max_tokens=3))
+        with pytest.raises(ValueError, match="max_model_len"):
+            engine.stream({"prompt_token_ids": [1] * 5000}, SamplingParams(max_tokens=3))  # raises before iterating
+        with pytest.raises(pydantic.ValidationError):
+            await engine.generate("x", SamplingParams(temperature=-3))
+        return await good
+
+    out = run(main())
+    assert len(out.outputs[0].token_ids) == 20
+
+
+def test_abort_and_cancellation_release_blocks(engine):
+    async def main():
+        params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+        got = []
+
+        async def consume():
+            async for out in engine.stream("Once upon a time", params, request_id="to-abort"):
+                got.append(out)
+
+        task = asyncio.create_task(consume())
+        while not got:
+            await asyncio.sleep(0.01)
+        engine.abort("to-abort")
+        await task
+        assert got[-1].finished and got[-1].outputs[0].finish_reason == "abort"
+        # a caller that goes away (task cancelled) aborts its request too
+        t2 = asyncio.create_task(engine.generate("The dog", params))
+        await asyncio.sleep(0.05)
+        t2.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t2
+        for _ in range(100):
+            if engine.stats()["kv_blocks_used"] == 0 and engine.stats()["num_running"] == 0:
+                break
+            await asyncio.sleep(0.02)
+
+    run(main())
+    s = engine.stats()
+    assert s["kv_blocks_used"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
+
+
+def test_open_sequences_from_async_callers(engine):
+    async def main():
+        tok = engine.tokenizer
+        seq = engine.open(tok("Once upon a time").input_ids)
+        await engine.generate(seq, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+        n0 = len(seq)
+        kids = seq.fork(4)
+        outs = await asyncio.gather(*(engine.generate(k, SamplingParams(max_tokens=6, temperature=1.0, seed=i, ignore_eos=True))
+                                      for i, k in enumerate(kids)))
+        assert all(len(k) == n0 + 6 for k in kids) and len(seq) == n0
+        assert all(k.token_ids[:n0] == seq.token_ids for k in kids)
+        with pytest.raises(ValueError, match="n must be 1"):
+            await engine.generate(seq, SamplingParams(n=2))
+        del kids, outs  # garbage collection closes the sequences
+        seq.close()
+        seq.close()  # idempotent
+        with pytest.raises(ValueError, match="closed"):
+            await engine.generate(seq, SamplingParams(max_tokens=1))
+
+    run(main())
+    import gc
+
+    gc.collect()
+    s = engine.stats()
+    assert s["open_sequences"] == 0 and s["kv_blocks_used"] == 0
