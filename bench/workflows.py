@@ -156,7 +156,7 @@ def worker_flowrt(args, sharing: bool) -> dict:
                              "prompt_tokens_computed": tot_["tokens_computed"],
                              "prompt_tokens": tot_["prompt_tokens"],
                              "generated_tokens": tot_["generated_tokens"], "llm_calls": tot_["llm_calls"],
-                             "engine_tokens_computed": s1["prefill_tokens_computed"] - s0["prefill_tokens_computed"],
+                             "engine_prefill_tokens_computed": s1["prefill_tokens_computed"] - s0["prefill_tokens_computed"],
                              "engine_steps": s1["steps"] - s0["steps"], "cow_copies": s1["cow_copies"] - s0["cow_copies"],
                              "kv_blocks_peak": s1["kv_blocks_peak"]}
             st = llm.stats()
