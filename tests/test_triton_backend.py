@@ -7,10 +7,17 @@ import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import torch  # noqa: E402
+
 from flowrt import kernels  # noqa: E402
 from flowrt.engine import LLMEngine, SamplingParams  # noqa: E402
+from flowrt.kernels import _dispatch  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON, reason=f"triton unavailable: {kernels.TRITON_IMPORT_ERROR}")
+pytestmark = [
+    pytest.mark.skipif(not kernels.HAS_TRITON, reason=f"triton unavailable: {kernels.TRITON_IMPORT_ERROR}"),
+    pytest.mark.skipif(not torch.cuda.is_available() and not _dispatch.can_interpret(),
+                       reason="no CUDA, and triton was imported before TRITON_INTERPRET=1 was set"),
+]
 
 
 def run(eng, target, params):

