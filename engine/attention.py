@@ -59,7 +59,8 @@ class TorchAttentionBackend:
             nblk = (max(slens[b] for b in dec) + bs - 1) // bs
             blocks = meta.block_tables[dec_t, :nblk].long().reshape(-1)
             valid = torch.arange(nblk * bs, device=dev)[None, :] < lens[:, None]
-            p["decode"] = (rows, blocks, nblk, valid[:, None, None, :])
+            all_rows = len(dec) == len(qlens)  # a pure decode step: rows are 0..B-1 in order
+            p["decode"] = (None if all_rows else rows, blocks, nblk, valid[:, None, None, :])
         pre = []
         qsl = meta.query_start_loc.tolist()
         for b, q in enumerate(qlens):
@@ -89,15 +90,18 @@ class TorchAttentionBackend:
         if "decode" in prep:
             # Gather whole blocks (one contiguous row each), then one fused SDPA over the decode rows.
             rows, blocks, nblk, valid = prep["decode"]
-            B = rows.shape[0]
+            B = valid.shape[0]
             kd = k_cache.view(k_cache.shape[0], -1).index_select(0, blocks).view(B, nblk * k_cache.shape[1], Hkv, D)
             vd = v_cache.view(v_cache.shape[0], -1).index_select(0, blocks).view(B, nblk * v_cache.shape[1], Hkv, D)
-            qd = q.index_select(0, rows).float().unsqueeze(2)  # [B, H, 1, D]
+            qd = (q if rows is None else q.index_select(0, rows)).float().unsqueeze(2)  # [B, H, 1, D]
             od = F.scaled_dot_product_attention(
                 qd, kd.float().transpose(1, 2), vd.float().transpose(1, 2), attn_mask=valid, scale=scale,
                 enable_gqa=H != Hkv,
             )
-            out.index_copy_(0, rows, od.view(B, H, D).to(q.dtype))
+            od = od.view(B, H, D).to(q.dtype)
+            if rows is None:
+                return od
+            out.index_copy_(0, rows, od)
         for s, e, slots, mask in prep["prefill"]:
             qs = q[s:e].float().transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if slots is None:

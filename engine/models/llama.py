@@ -77,16 +77,15 @@ class LlamaLayer(nn.Module):
         T = h.shape[0]
         x = rms_norm(h, self.input_norm, cfg.rms_norm_eps)
         qkv = F.linear(x, self.qkv, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, cfg.num_heads, cfg.head_dim)
-        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(T, H + Hkv, D)
         if cfg.qk_norm:
-            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        attn = backend.forward(q, k, v, k_cache, v_cache, meta, cfg.head_dim**-0.5)
+            qk = torch.cat([rms_norm(qk[:, :H], self.q_norm, cfg.rms_norm_eps),
+                            rms_norm(qk[:, H:], self.k_norm, cfg.rms_norm_eps)], dim=1)
+        qk = qk * cos + rotate_half(qk) * sin  # q and k heads rotated together: one pass
+        q, k = qk.split([H, Hkv], dim=1)
+        attn = backend.forward(q, k, v.view(T, Hkv, D), k_cache, v_cache, meta, D**-0.5)
         h = h + F.linear(attn.reshape(T, -1), self.o)
         x = rms_norm(h, self.post_norm, cfg.rms_norm_eps)
         gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
