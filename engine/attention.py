@@ -37,10 +37,11 @@ class AttentionMetadata:
 class TorchAttentionBackend:
     """Reads K/V through block tables with gathers; computes attention in float32.
 
-    Decode rows (one new token) of all sequences are batched into one masked SDPA over their gathered
-    blocks; sequences with
-    several new tokens (prefill chunks) each get one scaled_dot_product_attention call, with a causal
-    mask offset by their cached prefix. Attention stays per sequence: never one dense mask over the batch.
+    Decode rows (one new token) are batched into one masked SDPA over their gathered blocks; decode rows
+    whose sequences share leading blocks (forks, prefix-cache hits) are grouped and read that shared prefix
+    once for the whole group (cascade attention). Sequences with several new tokens (prefill chunks) each
+    get one SDPA call with a causal mask offset by their cached prefix. Attention stays per sequence (or
+    per shared prefix): never one dense mask over the batch.
     """
 
     name = "torch"
@@ -52,14 +53,31 @@ class TorchAttentionBackend:
         dec = [b for b, q in enumerate(qlens) if q == 1]
         p = meta.prepared
         dev = meta.seq_lens.device
-        if dec:
-            dec_t = torch.tensor(dec, dtype=torch.long, device=dev)
+        plain = dec
+        p["cascade"] = []
+        if len(dec) > 1:
+            plain = []
+            for members, n_common in self._shared_prefix_groups(meta, dec):
+                if n_common == 0:
+                    plain.extend(members)
+                    continue
+                m_t = torch.tensor(members, dtype=torch.long, device=dev)
+                rows = meta.query_start_loc[m_t].long()
+                lens = meta.seq_lens[m_t].long()
+                nblk = (max(slens[b] for b in members) + bs - 1) // bs
+                common = meta.block_tables[members[0], :n_common].long()
+                suffix = meta.block_tables[m_t, n_common:nblk].long().reshape(-1)
+                pos = n_common * bs + torch.arange((nblk - n_common) * bs, device=dev)
+                valid = pos[None, :] < lens[:, None]
+                p["cascade"].append((rows, common, suffix, nblk - n_common, valid[:, None, None, :]))
+        if plain:
+            dec_t = torch.tensor(plain, dtype=torch.long, device=dev)
             rows = meta.query_start_loc[dec_t].long()
             lens = meta.seq_lens[dec_t].long()
-            nblk = (max(slens[b] for b in dec) + bs - 1) // bs
+            nblk = (max(slens[b] for b in plain) + bs - 1) // bs
             blocks = meta.block_tables[dec_t, :nblk].long().reshape(-1)
             valid = torch.arange(nblk * bs, device=dev)[None, :] < lens[:, None]
-            all_rows = len(dec) == len(qlens)  # a pure decode step: rows are 0..B-1 in order
+            all_rows = len(plain) == len(qlens)  # a pure decode step: rows are 0..B-1 in order
             p["decode"] = (None if all_rows else rows, blocks, nblk, valid[:, None, None, :])
         pre = []
         qsl = meta.query_start_loc.tolist()
@@ -76,6 +94,26 @@ class TorchAttentionBackend:
             mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]
             pre.append((s, s + q, slots, mask))
         p["prefill"] = pre
+
+    @staticmethod
+    def _shared_prefix_groups(meta: AttentionMetadata, dec: list[int]) -> list[tuple[list[int], int]]:
+        """Decode sequences grouped by their first KV block, with the number of leading full blocks that
+        every member holds in common (the same physical blocks: forks and prefix-cache hits)."""
+        bs = meta.block_size
+        tables = meta.block_tables
+        by_first: dict[int, list[int]] = {}
+        for b in dec:
+            by_first.setdefault(int(tables[b, 0]), []).append(b)
+        groups = []
+        for members in by_first.values():
+            if len(members) < 2:
+                groups.append((members, 0))
+                continue
+            limit = min(meta.seq_lens_list[b] for b in members) // bs  # full blocks within every context
+            t = tables[members, :limit]
+            same = (t == t[:1]).all(dim=0).int().cumprod(0)
+            groups.append((members, int(same.sum()) if limit else 0))
+        return groups
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T,H,D], k/v [T,Hkv,D] (new tokens); writes k/v into the caches, returns [T,H,D]."""
@@ -102,6 +140,8 @@ class TorchAttentionBackend:
             if rows is None:
                 return od
             out.index_copy_(0, rows, od)
+        for rows, common, suffix, nsuf, valid in prep["cascade"]:
+            out.index_copy_(0, rows, self._cascade(q, k_cache, v_cache, rows, common, suffix, nsuf, valid, scale))
         for s, e, slots, mask in prep["prefill"]:
             qs = q[s:e].float().transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if slots is None:
@@ -115,6 +155,38 @@ class TorchAttentionBackend:
             )
             out[s:e] = o[0].transpose(0, 1).to(q.dtype)
         return out
+
+    @staticmethod
+    def _cascade(q, k_cache, v_cache, rows, common, suffix, nsuf, valid, scale) -> torch.Tensor:
+        """Decode attention for sequences that share their first blocks: the shared prefix's K/V is read
+        once for all of them (one matrix product over all their queries), each sequence's own suffix
+        separately, and the two partial softmaxes are merged by their log-sum-exp."""
+        N, bs, Hkv, D = k_cache.shape
+        B = rows.shape[0]
+        H = q.shape[1]
+        G = H // Hkv
+        qg = q.index_select(0, rows).float().view(B, Hkv, G, D)
+        # shared prefix: [Hkv, B*G, D] x [Hkv, D, P]
+        kp = k_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float()
+        vp = v_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float()
+        sp = torch.matmul(qg.permute(1, 0, 2, 3).reshape(Hkv, B * G, D), kp.permute(1, 2, 0)).mul_(scale)
+        mp = sp.amax(dim=-1, keepdim=True)
+        pp = torch.exp(sp - mp)
+        op = torch.matmul(pp, vp.transpose(0, 1))  # [Hkv, B*G, D]
+        lp = pp.sum(dim=-1, keepdim=True)
+        mp, lp, op = (t.view(Hkv, B, G, -1).transpose(0, 1) for t in (mp, lp, op))  # -> [B, Hkv, G, *]
+        # own suffix: [B, Hkv, G, D] x [B, Hkv, D, L]
+        ks = k_cache.view(N, -1).index_select(0, suffix).view(B, nsuf * bs, Hkv, D).float()
+        vs = v_cache.view(N, -1).index_select(0, suffix).view(B, nsuf * bs, Hkv, D).float()
+        ss = torch.matmul(qg, ks.permute(0, 2, 3, 1)).mul_(scale).masked_fill_(~valid, float("-inf"))
+        ms = ss.amax(dim=-1, keepdim=True)  # finite: the new token itself is always in the suffix
+        ps = torch.exp(ss - ms)
+        os_ = torch.matmul(ps, vs.transpose(1, 2))
+        ls = ps.sum(dim=-1, keepdim=True)
+        m = torch.maximum(mp, ms)
+        a, b = torch.exp(mp - m), torch.exp(ms - m)
+        o = (op * a + os_ * b) / (lp * a + ls * b)
+        return o.reshape(B, H, D).to(q.dtype)
 
     @staticmethod
     def copy_blocks(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
