@@ -131,11 +131,10 @@ class TorchAttentionBackend:
             B = valid.shape[0]
             kd = k_cache.view(k_cache.shape[0], -1).index_select(0, blocks).view(B, nblk * k_cache.shape[1], Hkv, D)
             vd = v_cache.view(v_cache.shape[0], -1).index_select(0, blocks).view(B, nblk * v_cache.shape[1], Hkv, D)
-            qd = (q if rows is None else q.index_select(0, rows)).float().unsqueeze(2)  # [B, H, 1, D]
-            od = F.scaled_dot_product_attention(
-                qd, kd.float().transpose(1, 2), vd.float().transpose(1, 2), attn_mask=valid, scale=scale,
-                enable_gqa=H != Hkv,
-            )
+            # The G query heads of a KV head are G query rows against that head's keys: K/V are read once
+            # per KV head, and the math runs in the cache's dtype (accumulating in float32).
+            qd = (q if rows is None else q.index_select(0, rows)).to(k_cache.dtype).view(B, Hkv, H // Hkv, D)
+            od = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=valid, scale=scale)
             od = od.view(B, H, D).to(q.dtype)
             if rows is None:
                 return od

@@ -81,13 +81,9 @@ class LLMEngine:
         self.eos_ids = cfg.eos_token_ids
         self.block_size = bs = args.block_size
 
-        if args.kv_cache_dtype != "auto":
-            kv_dtype = getattr(torch, args.kv_cache_dtype)
-        else:
-            # The torch backend on CPU computes attention in float32; a float32 cache saves a conversion
-            # pass per layer and step. The kernels read the cache in the model's dtype.
-            cpu_torch = self.device.type == "cpu" and args.resolved_backend(self.device) == "torch"
-            kv_dtype = torch.float32 if cpu_torch else self.dtype
+        # "auto": the model's dtype. On CPU the decode attention runs in the cache's dtype (SDPA accumulates
+        # in float32), so a bfloat16 cache halves both the memory and the bytes each step gathers.
+        kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
         block_bytes = cfg.kv_bytes_per_token * _DTYPE_SIZE[kv_dtype] * bs
         if args.num_kv_blocks is not None:
             num_blocks = args.num_kv_blocks

@@ -66,4 +66,5 @@ def load_model(
     del tensors
     model.to(device)
     model.eval()
+    model.pack_cpu_weights()
     return LoadedModel(cfg, model, tokenizer, time.perf_counter() - t0)

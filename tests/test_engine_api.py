@@ -174,3 +174,16 @@ def test_model_errors(tmp_path, stories_path):
         LLM(str(bad))
     with pytest.raises(pydantic.ValidationError, match="dtype"):
         LLM(stories_path, dtype="int8")
+
+
+def test_random_sampling_follows_the_distribution():
+    from flowrt.engine.sampler import sample
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    seqs = [_req(temperature=1.0) for _ in range(4000)]
+    g = torch.Generator().manual_seed(0)
+    logits = torch.log(probs).expand(len(seqs), -1).clone()
+    toks = torch.tensor(sample(logits, seqs, (), g).token_ids)
+    freq = torch.bincount(toks, minlength=5).float() / len(seqs)
+    assert freq[4] == 0  # zero-probability tokens are never drawn
+    assert torch.allclose(freq, probs, atol=0.03), freq
