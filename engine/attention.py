@@ -34,6 +34,20 @@ class AttentionMetadata:
         return len(self.query_lens_list)
 
 
+def _partial_softmax(scores: torch.Tensor, v: torch.Tensor):
+    """Softmax over part of the keys, kept unnormalized: (row max, sum of exp, exp-weighted values)."""
+    m = scores.amax(dim=-1, keepdim=True)
+    p = torch.exp(scores - m)
+    return m, p.sum(dim=-1, keepdim=True), torch.matmul(p, v)
+
+
+def _merge(m1, l1, o1, m2, l2, o2) -> torch.Tensor:
+    """Attention output over the union of two key sets, from their partial softmaxes."""
+    m = torch.maximum(m1, m2)
+    a, b = torch.exp(m1 - m), torch.exp(m2 - m)
+    return (o1 * a + o2 * b) / (l1 * a + l2 * b)
+
+
 class TorchAttentionBackend:
     """Reads K/V through block tables with gathers; computes attention in float32.
 
@@ -80,25 +94,41 @@ class TorchAttentionBackend:
             all_rows = len(plain) == len(qlens)  # a pure decode step: rows are 0..B-1 in order
             p["decode"] = (None if all_rows else rows, blocks, nblk, valid[:, None, None, :])
         pre = []
+        p["cascade_prefill"] = []
         qsl = meta.query_start_loc.tolist()
-        for b, q in enumerate(qlens):
-            if q == 1:
-                continue
-            s, ctx = qsl[b], slens[b]
+        chunks = [b for b, q in enumerate(qlens) if q > 1 and slens[b] > q]
+        alone = set(b for b, q in enumerate(qlens) if q > 1) - set(chunks)
+        if len(chunks) > 1:
+            for members, n_common in self._shared_prefix_groups(meta, chunks):
+                if n_common == 0 or len(members) < 2:
+                    alone.update(members)
+                    continue
+                own = []
+                for b in members:
+                    s, q, ctx = qsl[b], qlens[b], slens[b]
+                    blocks = meta.block_tables[b, n_common : (ctx + bs - 1) // bs].long()
+                    kpos = n_common * bs + torch.arange(ctx - n_common * bs, device=dev)
+                    mask = kpos[None, :] <= torch.arange(ctx - q, ctx, device=dev)[:, None]
+                    own.append((s, s + q, blocks, mask))
+                rows = torch.cat([torch.arange(a, e, device=dev) for a, e, _, _ in own])
+                p["cascade_prefill"].append((rows, meta.block_tables[members[0], :n_common].long(), own))
+        else:
+            alone.update(chunks)
+        for b in sorted(alone):
+            s, q, ctx = qsl[b], qlens[b], slens[b]
             if ctx == q:
                 pre.append((s, s + q, None, None))  # nothing cached before: attend to the fresh K/V
                 continue
-            nblk = (ctx + bs - 1) // bs
-            slots = (meta.block_tables[b, :nblk].long()[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)[:ctx]
+            blocks = meta.block_tables[b, : (ctx + bs - 1) // bs].long()
             qpos = torch.arange(ctx - q, ctx, device=dev)
             mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]
-            pre.append((s, s + q, slots, mask))
+            pre.append((s, s + q, blocks, mask))
         p["prefill"] = pre
 
     @staticmethod
     def _shared_prefix_groups(meta: AttentionMetadata, dec: list[int]) -> list[tuple[list[int], int]]:
-        """Decode sequences grouped by their first KV block, with the number of leading full blocks that
-        every member holds in common (the same physical blocks: forks and prefix-cache hits)."""
+        """Sequences grouped by their first KV block, with the number of leading full blocks that every
+        member holds in common (the same physical blocks: forks and prefix-cache hits), before its new tokens."""
         bs = meta.block_size
         tables = meta.block_tables
         by_first: dict[int, list[int]] = {}
@@ -109,7 +139,8 @@ class TorchAttentionBackend:
             if len(members) < 2:
                 groups.append((members, 0))
                 continue
-            limit = min(meta.seq_lens_list[b] for b in members) // bs  # full blocks within every context
+            # full blocks that precede every member's new tokens
+            limit = min(meta.seq_lens_list[b] - meta.query_lens_list[b] for b in members) // bs
             t = tables[members, :limit]
             same = (t == t[:1]).all(dim=0).int().cumprod(0)
             groups.append((members, int(same.sum()) if limit else 0))
@@ -141,12 +172,17 @@ class TorchAttentionBackend:
             out.index_copy_(0, rows, od)
         for rows, common, suffix, nsuf, valid in prep["cascade"]:
             out.index_copy_(0, rows, self._cascade(q, k_cache, v_cache, rows, common, suffix, nsuf, valid, scale))
-        for s, e, slots, mask in prep["prefill"]:
+        N = k_cache.shape[0]
+        for rows, common, own in prep["cascade_prefill"]:
+            self._cascade_prefill(q, k_cache, v_cache, rows, common, own, scale, out)
+        for s, e, blocks, mask in prep["prefill"]:
             qs = q[s:e].float().transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            if slots is None:
+            if blocks is None:
                 ks, vs = k[s:e], v[s:e]
-            else:
-                ks, vs = kflat[slots], vflat[slots]
+            else:  # whole blocks (contiguous rows) gathered, then cut to the context
+                ctx = mask.shape[1]
+                ks = k_cache.view(N, -1).index_select(0, blocks).view(-1, Hkv, D)[:ctx]
+                vs = v_cache.view(N, -1).index_select(0, blocks).view(-1, Hkv, D)[:ctx]
             ks = ks.float().transpose(0, 1).unsqueeze(0)
             vs = vs.float().transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
@@ -169,23 +205,41 @@ class TorchAttentionBackend:
         kp = k_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float()
         vp = v_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float()
         sp = torch.matmul(qg.permute(1, 0, 2, 3).reshape(Hkv, B * G, D), kp.permute(1, 2, 0)).mul_(scale)
-        mp = sp.amax(dim=-1, keepdim=True)
-        pp = torch.exp(sp - mp)
-        op = torch.matmul(pp, vp.transpose(0, 1))  # [Hkv, B*G, D]
-        lp = pp.sum(dim=-1, keepdim=True)
+        mp, lp, op = _partial_softmax(sp, vp.transpose(0, 1))  # [Hkv, B*G, *]
         mp, lp, op = (t.view(Hkv, B, G, -1).transpose(0, 1) for t in (mp, lp, op))  # -> [B, Hkv, G, *]
         # own suffix: [B, Hkv, G, D] x [B, Hkv, D, L]
         ks = k_cache.view(N, -1).index_select(0, suffix).view(B, nsuf * bs, Hkv, D).float()
         vs = v_cache.view(N, -1).index_select(0, suffix).view(B, nsuf * bs, Hkv, D).float()
         ss = torch.matmul(qg, ks.permute(0, 2, 3, 1)).mul_(scale).masked_fill_(~valid, float("-inf"))
-        ms = ss.amax(dim=-1, keepdim=True)  # finite: the new token itself is always in the suffix
-        ps = torch.exp(ss - ms)
-        os_ = torch.matmul(ps, vs.transpose(1, 2))
-        ls = ps.sum(dim=-1, keepdim=True)
-        m = torch.maximum(mp, ms)
-        a, b = torch.exp(mp - m), torch.exp(ms - m)
-        o = (op * a + os_ * b) / (lp * a + ls * b)
-        return o.reshape(B, H, D).to(q.dtype)
+        ms, ls, os_ = _partial_softmax(ss, vs.transpose(1, 2))  # ms finite: the new token is in the suffix
+        return _merge(mp, lp, op, ms, ls, os_).reshape(B, H, D).to(q.dtype)
+
+    @staticmethod
+    def _cascade_prefill(q, k_cache, v_cache, rows, common, own, scale, out) -> None:
+        """Prefill chunks of sequences that share cached leading blocks: every query row of the group
+        attends the shared prefix in one matrix product (no mask: the prefix precedes all of them); each
+        sequence then attends its own remaining context causally; the parts merge by log-sum-exp."""
+        N, bs, Hkv, D = k_cache.shape
+        R, H = rows.shape[0], q.shape[1]
+        G = H // Hkv
+        qg = q.index_select(0, rows).float().view(R, Hkv, G, D)
+        kp = k_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float()
+        vp = v_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float()
+        sp = torch.matmul(qg.permute(1, 0, 2, 3).reshape(Hkv, R * G, D), kp.permute(1, 2, 0)).mul_(scale)
+        mp, lp, op = _partial_softmax(sp, vp.transpose(0, 1))
+        mp, lp, op = (t.view(Hkv, R, G, -1).permute(1, 0, 2, 3) for t in (mp, lp, op))  # [R, Hkv, G, *]
+        r0 = 0
+        for s, e, blocks, mask in own:
+            n, L = e - s, mask.shape[1]
+            ko = k_cache.view(N, -1).index_select(0, blocks).view(-1, Hkv, D)[:L].float()
+            vo = v_cache.view(N, -1).index_select(0, blocks).view(-1, Hkv, D)[:L].float()
+            qo = qg[r0 : r0 + n].permute(1, 0, 2, 3)  # [Hkv, n, G, D]
+            so = torch.matmul(qo, ko.permute(1, 2, 0)[:, None]).mul_(scale)  # [Hkv, n, G, L]
+            so.masked_fill_(~mask[None, :, None, :], float("-inf"))
+            mo, lo, oo = _partial_softmax(so, vo.transpose(0, 1)[:, None])
+            o = _merge(*(t[r0 : r0 + n] for t in (mp, lp, op)), *(t.permute(1, 0, 2, 3) for t in (mo, lo, oo)))
+            out[s:e] = o.reshape(n, H, D).to(q.dtype)
+            r0 += n
 
     @staticmethod
     def copy_blocks(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -56,3 +56,23 @@ def test_mixed_prefill_and_decode_matches_reference():
     ref = paged_prefill_attention_ref(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.25,
                                       meta.max_query_len)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_chunks_sharing_a_cached_prefix_match_reference():
+    torch.manual_seed(2)
+    bs, Hkv, G, D, N = 8, 2, 4, 16, 96
+    perm = torch.randperm(N).tolist()
+    shared = perm[:4]
+    tables = [shared + perm[4:7], shared + perm[7:9], shared[:3] + perm[9:12], perm[12:16], shared + perm[16:18]]
+    seq_lens, q_lens = [50, 44, 40, 30, 35], [10, 12, 9, 7, 1]
+    meta = make_meta(tables, seq_lens, q_lens, bs)
+    be = TorchAttentionBackend()
+    be.prepare(meta)
+    assert len(meta.prepared["cascade_prefill"]) == 1  # the three chunks over the shared blocks
+    kc, vc = torch.randn(N, bs, Hkv, D), torch.randn(N, bs, Hkv, D)
+    T = sum(q_lens)
+    q, k, v = torch.randn(T, Hkv * G, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+    out = be.forward(q, k, v, kc, vc, meta, 0.3)
+    ref = paged_prefill_attention_ref(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.3,
+                                      meta.max_query_len)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
