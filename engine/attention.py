@@ -34,18 +34,28 @@ class AttentionMetadata:
         return len(self.query_lens_list)
 
 
-def _partial_softmax(scores: torch.Tensor, v: torch.Tensor):
-    """Softmax over part of the keys, kept unnormalized: (row max, sum of exp, exp-weighted values)."""
-    m = scores.amax(dim=-1, keepdim=True)
-    p = torch.exp(scores - m)
-    return m, p.sum(dim=-1, keepdim=True), torch.matmul(p, v)
+def _attend(q, k, v, scale: float, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over part of the keys: (normalized output, log-sum-exp of the scores [..., 1]).
+
+    q [B, h, Lq, D], k/v [B, h, Lk, D], bias additive and broadcastable to [B, h, Lq, Lk]. On CPU this is
+    the fused flash kernel, which also returns the log-sum-exp; elsewhere plain products.
+    """
+    if q.device.type == "cpu":
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                            scale=scale)
+        return o, lse.unsqueeze(-1)
+    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if bias is not None:
+        s = s + bias
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    return torch.matmul(torch.exp(s - lse), v), lse
 
 
-def _merge(m1, l1, o1, m2, l2, o2) -> torch.Tensor:
-    """Attention output over the union of two key sets, from their partial softmaxes."""
-    m = torch.maximum(m1, m2)
-    a, b = torch.exp(m1 - m), torch.exp(m2 - m)
-    return (o1 * a + o2 * b) / (l1 * a + l2 * b)
+def _merge(o1, lse1, o2, lse2) -> torch.Tensor:
+    """Attention output over the union of two key sets, from each part's output and log-sum-exp."""
+    m = torch.maximum(lse1, lse2)
+    a, b = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    return (o1 * a + o2 * b) / (a + b)
 
 
 class TorchAttentionBackend:
@@ -82,8 +92,9 @@ class TorchAttentionBackend:
                 common = meta.block_tables[members[0], :n_common].long()
                 suffix = meta.block_tables[m_t, n_common:nblk].long().reshape(-1)
                 pos = n_common * bs + torch.arange((nblk - n_common) * bs, device=dev)
-                valid = pos[None, :] < lens[:, None]
-                p["cascade"].append((rows, common, suffix, nblk - n_common, valid[:, None, None, :]))
+                bias = torch.zeros(len(members), 1, 1, pos.shape[0], device=dev)
+                bias.masked_fill_(~(pos[None, :] < lens[:, None])[:, None, None, :], float("-inf"))
+                p["cascade"].append((rows, common, suffix, nblk - n_common, bias))
         if plain:
             dec_t = torch.tensor(plain, dtype=torch.long, device=dev)
             rows = meta.query_start_loc[dec_t].long()
@@ -108,9 +119,9 @@ class TorchAttentionBackend:
                     s, q, ctx = qsl[b], qlens[b], slens[b]
                     blocks = meta.block_tables[b, n_common : (ctx + bs - 1) // bs].long()
                     kpos = n_common * bs + torch.arange(ctx - n_common * bs, device=dev)
-                    mask = kpos[None, :] <= torch.arange(ctx - q, ctx, device=dev)[:, None]
-                    own.append((s, s + q, blocks, mask))
-                rows = torch.cat([torch.arange(a, e, device=dev) for a, e, _, _ in own])
+                    causal = kpos[None, :] <= torch.arange(ctx - q, ctx, device=dev)[:, None]
+                    own.append([s, s + q, blocks, causal, None])  # the additive mask is made by the first layer
+                rows = torch.cat([torch.arange(o[0], o[1], device=dev) for o in own])
                 p["cascade_prefill"].append((rows, meta.block_tables[members[0], :n_common].long(), own))
         else:
             alone.update(chunks)
@@ -170,8 +181,8 @@ class TorchAttentionBackend:
             if rows is None:
                 return od
             out.index_copy_(0, rows, od)
-        for rows, common, suffix, nsuf, valid in prep["cascade"]:
-            out.index_copy_(0, rows, self._cascade(q, k_cache, v_cache, rows, common, suffix, nsuf, valid, scale))
+        for rows, common, suffix, nsuf, bias in prep["cascade"]:
+            out.index_copy_(0, rows, self._cascade(q, k_cache, v_cache, rows, common, suffix, nsuf, bias, scale))
         N = k_cache.shape[0]
         for rows, common, own in prep["cascade_prefill"]:
             self._cascade_prefill(q, k_cache, v_cache, rows, common, own, scale, out)
@@ -192,7 +203,7 @@ class TorchAttentionBackend:
         return out
 
     @staticmethod
-    def _cascade(q, k_cache, v_cache, rows, common, suffix, nsuf, valid, scale) -> torch.Tensor:
+    def _cascade(q, k_cache, v_cache, rows, common, suffix, nsuf, bias, scale) -> torch.Tensor:
         """Decode attention for sequences that share their first blocks: the shared prefix's K/V is read
         once for all of them (one matrix product over all their queries), each sequence's own suffix
         separately, and the two partial softmaxes are merged by their log-sum-exp."""
@@ -201,18 +212,16 @@ class TorchAttentionBackend:
         H = q.shape[1]
         G = H // Hkv
         qg = q.index_select(0, rows).float().view(B, Hkv, G, D)
-        # shared prefix: [Hkv, B*G, D] x [Hkv, D, P]
-        kp = k_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float()
-        vp = v_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float()
-        sp = torch.matmul(qg.permute(1, 0, 2, 3).reshape(Hkv, B * G, D), kp.permute(1, 2, 0)).mul_(scale)
-        mp, lp, op = _partial_softmax(sp, vp.transpose(0, 1))  # [Hkv, B*G, *]
-        mp, lp, op = (t.view(Hkv, B, G, -1).transpose(0, 1) for t in (mp, lp, op))  # -> [B, Hkv, G, *]
-        # own suffix: [B, Hkv, G, D] x [B, Hkv, D, L]
-        ks = k_cache.view(N, -1).index_select(0, suffix).view(B, nsuf * bs, Hkv, D).float()
-        vs = v_cache.view(N, -1).index_select(0, suffix).view(B, nsuf * bs, Hkv, D).float()
-        ss = torch.matmul(qg, ks.permute(0, 2, 3, 1)).mul_(scale).masked_fill_(~valid, float("-inf"))
-        ms, ls, os_ = _partial_softmax(ss, vs.transpose(1, 2))  # ms finite: the new token is in the suffix
-        return _merge(mp, lp, op, ms, ls, os_).reshape(B, H, D).to(q.dtype)
+        # shared prefix: all B*G query rows of a KV head against its P prefix keys, in one kernel call
+        kp = k_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float().transpose(0, 1)[None]
+        vp = v_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float().transpose(0, 1)[None]
+        op, lp = _attend(qg.permute(1, 0, 2, 3).reshape(1, Hkv, B * G, D), kp, vp, scale)
+        op, lp = (t.view(Hkv, B, G, -1).transpose(0, 1) for t in (op, lp))  # -> [B, Hkv, G, *]
+        # own suffix: [B, Hkv, G, D] against each sequence's remaining blocks (the new token included)
+        ks = k_cache.view(N, -1).index_select(0, suffix).view(B, nsuf * bs, Hkv, D).float().transpose(1, 2)
+        vs = v_cache.view(N, -1).index_select(0, suffix).view(B, nsuf * bs, Hkv, D).float().transpose(1, 2)
+        os_, ls = _attend(qg, ks, vs, scale, bias)
+        return _merge(op, lp, os_, ls).reshape(B, H, D).to(q.dtype)
 
     @staticmethod
     def _cascade_prefill(q, k_cache, v_cache, rows, common, own, scale, out) -> None:
@@ -223,21 +232,22 @@ class TorchAttentionBackend:
         R, H = rows.shape[0], q.shape[1]
         G = H // Hkv
         qg = q.index_select(0, rows).float().view(R, Hkv, G, D)
-        kp = k_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float()
-        vp = v_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float()
-        sp = torch.matmul(qg.permute(1, 0, 2, 3).reshape(Hkv, R * G, D), kp.permute(1, 2, 0)).mul_(scale)
-        mp, lp, op = _partial_softmax(sp, vp.transpose(0, 1))
-        mp, lp, op = (t.view(Hkv, R, G, -1).permute(1, 0, 2, 3) for t in (mp, lp, op))  # [R, Hkv, G, *]
+        kp = k_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float().transpose(0, 1)[None]
+        vp = v_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float().transpose(0, 1)[None]
+        op, lp = _attend(qg.permute(1, 0, 2, 3).reshape(1, Hkv, R * G, D), kp, vp, scale)
+        op, lp = (t.view(Hkv, R, G, -1).permute(1, 0, 2, 3) for t in (op, lp))  # [R, Hkv, G, *]
         r0 = 0
-        for s, e, blocks, mask in own:
-            n, L = e - s, mask.shape[1]
-            ko = k_cache.view(N, -1).index_select(0, blocks).view(-1, Hkv, D)[:L].float()
-            vo = v_cache.view(N, -1).index_select(0, blocks).view(-1, Hkv, D)[:L].float()
-            qo = qg[r0 : r0 + n].permute(1, 0, 2, 3)  # [Hkv, n, G, D]
-            so = torch.matmul(qo, ko.permute(1, 2, 0)[:, None]).mul_(scale)  # [Hkv, n, G, L]
-            so.masked_fill_(~mask[None, :, None, :], float("-inf"))
-            mo, lo, oo = _partial_softmax(so, vo.transpose(0, 1)[:, None])
-            o = _merge(*(t[r0 : r0 + n] for t in (mp, lp, op)), *(t.permute(1, 0, 2, 3) for t in (mo, lo, oo)))
+        for entry in own:
+            s, e, blocks, causal, bias = entry
+            n, L = e - s, causal.shape[-1]
+            if bias is None:  # rows are (token, query head of the KV head) pairs, token-major
+                bias = torch.zeros(n * G, L, device=causal.device)
+                entry[4] = bias.masked_fill_(~causal.repeat_interleave(G, dim=0), float("-inf"))
+            ko = k_cache.view(N, -1).index_select(0, blocks).view(-1, Hkv, D)[:L].float().transpose(0, 1)[None]
+            vo = v_cache.view(N, -1).index_select(0, blocks).view(-1, Hkv, D)[:L].float().transpose(0, 1)[None]
+            qo = qg[r0 : r0 + n].permute(1, 0, 2, 3).reshape(1, Hkv, n * G, D)
+            oo, lo = (t.view(Hkv, n, G, -1).permute(1, 0, 2, 3) for t in _attend(qo, ko, vo, scale, bias))
+            o = _merge(op[r0 : r0 + n], lp[r0 : r0 + n], oo, lo)
             out[s:e] = o.reshape(n, H, D).to(q.dtype)
             r0 += n
 
