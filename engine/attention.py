@@ -142,9 +142,10 @@ class TorchAttentionBackend:
         member holds in common (the same physical blocks: forks and prefix-cache hits), before its new tokens."""
         bs = meta.block_size
         tables = meta.block_tables
+        firsts = tables[:, 0].tolist()  # one conversion per step, not one tensor read per sequence
         by_first: dict[int, list[int]] = {}
         for b in dec:
-            by_first.setdefault(int(tables[b, 0]), []).append(b)
+            by_first.setdefault(firsts[b], []).append(b)
         groups = []
         for members in by_first.values():
             if len(members) < 2:

@@ -171,8 +171,6 @@ class LLMEngine:
         seq.output_logprobs = [] if p.logprobs is not None else None
         seq.cumulative_logprob = 0.0
         seq.finish_reason = seq.stop_reason = None
-        seq.stop_text_len = None
-        seq.last_used = time.monotonic()
         detokenizer.start(seq)
 
     def add_request(
@@ -236,7 +234,6 @@ class LLMEngine:
                 if seq.finish_reason is None:
                     seq.finish_reason = "abort"
                     self._retire(seq)
-            req.aborted = True
             self._finish_request(req)
             return True
 
@@ -451,8 +448,7 @@ class LLMEngine:
                 hits = [(i, s) for i, s in hits if i >= 0]
                 if hits:
                     i, s = min(hits)
-                    seq.stop_text_len = i + len(s) if p.include_stop_str_in_output else i
-                    seq.text = text[: seq.stop_text_len]
+                    seq.text = text[: i + len(s) if p.include_stop_str_in_output else i]
                     seq.finish_reason, seq.stop_reason = "stop", s
         if seq.finish_reason is None and n_out >= p.min_tokens:
             if tok in p.stop_token_ids:

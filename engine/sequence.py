@@ -40,7 +40,6 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks of block_table already in the prefix cache
     status: SeqStatus = SeqStatus.IDLE
     persistent: bool = False  # an open handle: keeps its blocks between requests
-    last_used: float = field(default_factory=time.monotonic)
 
     # --- per-request sampling state (reset by Request.attach) ---
     request: "Request | None" = None
@@ -54,7 +53,6 @@ class Sequence:
     text: str = ""
     detok_prefix: int = 0
     detok_read: int = 0
-    stop_text_len: int | None = None  # visible text length when a stop string cut it
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +80,6 @@ class Request:
     scheduled: bool = False  # has been in a step (num_cached_tokens is then known)
     forked: bool = False  # n > 1: the samples have been forked off the prompt's sequence
     finished: bool = False
-    aborted: bool = False
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprob_start: int = 0  # absolute position of the first token whose logprob is reported
     on_output: Callable[["Request"], Any] | None = None  # called (engine thread) after each step

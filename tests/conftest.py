@@ -84,3 +84,20 @@ def _hf_model(model_dir, dtype):
     if key not in _HF_CACHE:
         _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32).eval()
     return _HF_CACHE[key]
+
+
+def serve_model(model_dir: str, **app_kwargs):
+    """Generator for server fixtures: an AsyncLLM on `model_dir` behind the app on a free loopback port;
+    yields the BackgroundServer (with `.engine`), then stops both."""
+    from flowrt.engine import AsyncLLM
+    from flowrt.server.app import create_app
+    from flowrt.server.background import BackgroundServer
+
+    engine = AsyncLLM(model=str(model_dir), seed=0, dtype="float32")
+    srv = BackgroundServer(create_app(engine, **app_kwargs)).start()
+    srv.engine = engine
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        engine.shutdown()

@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flowrt.server.background import BackgroundServer
+from conftest import serve_model
 
 STORIES = Path(__file__).parent / "models" / "stories260K"
 MODEL = "stories260K"
@@ -27,18 +27,8 @@ GREEDY_30 = ", there was a little girl named Lily. She loved to play outside in 
 
 @pytest.fixture(scope="module")
 def server():
-    from flowrt.engine import AsyncLLM
-    from flowrt.server.app import create_app
-
-    engine = AsyncLLM(model=str(STORIES), seed=0, dtype="float32")
-    app = create_app(engine, served_model_name=MODEL, model_path=str(STORIES), api_key=KEY, max_body_bytes=MAX_BODY)
-    srv = BackgroundServer(app).start()
-    srv.engine = engine
-    try:
-        yield srv
-    finally:
-        srv.stop()
-        engine.shutdown()
+    yield from serve_model(STORIES, served_model_name=MODEL, model_path=str(STORIES), api_key=KEY,
+                           max_body_bytes=MAX_BODY)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from flowrt.server.background import BackgroundServer
+from conftest import serve_model
 
 STORIES = Path(__file__).parent / "models" / "stories260K"
 MODEL = "tiny-chat"
@@ -41,18 +41,7 @@ def chat_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(chat_model_dir):
-    from flowrt.engine import AsyncLLM
-    from flowrt.server.app import create_app
-
-    engine = AsyncLLM(model=str(chat_model_dir), seed=0, dtype="float32")
-    app = create_app(engine, served_model_name=MODEL, model_path=str(chat_model_dir))
-    srv = BackgroundServer(app).start()
-    srv.engine = engine
-    try:
-        yield srv
-    finally:
-        srv.stop()
-        engine.shutdown()
+    yield from serve_model(chat_model_dir, served_model_name=MODEL, model_path=str(chat_model_dir))
 
 
 @pytest.fixture(scope="module")

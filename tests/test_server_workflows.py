@@ -8,7 +8,7 @@ import anyio
 import httpx
 import pytest
 
-from flowrt.server.background import BackgroundServer
+from conftest import serve_model
 
 STORIES = Path(__file__).parent / "models" / "stories260K"
 
@@ -40,22 +40,14 @@ WORKFLOW = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from flowrt.engine import AsyncLLM
-    from flowrt.server.app import create_app
     from flowrt.server.workflows import load_workflows
 
     path = tmp_path_factory.mktemp("wf") / "story.py"
     path.write_text(WORKFLOW)
-    engine = AsyncLLM(model=str(STORIES), seed=0, dtype="float32")
     workflows = load_workflows([str(path)])
-    app = create_app(engine, served_model_name="stories260K", workflows=workflows)
-    srv = BackgroundServer(app).start()
-    srv.engine, srv.workflows = engine, workflows
-    try:
+    for srv in serve_model(STORIES, served_model_name="stories260K", workflows=workflows):
+        srv.workflows = workflows
         yield srv
-    finally:
-        srv.stop()
-        engine.shutdown()
 
 
 def test_list_workflows(server):
