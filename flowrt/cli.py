@@ -8,7 +8,7 @@
     flowrt index ...                      # flowrt.retrieval (when installed)
 
 Exit status of ``run``: 0 when every step succeeded, 1 when a step failed (its dependents are skipped;
-every other result is still printed), 2 for a bad command line, workflow file or input.
+every other result is still printed), 2 for a bad command line, workflow file, input or model.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import logging
 import os
 import runpy
 import sys
@@ -68,9 +69,21 @@ def _is_str_annotation(ann: Any) -> bool:
     return ann is str or ann == "str"
 
 
+def _fits(wf: Any, name: str, value: Any) -> bool:
+    from .inputs import coerce_input
+    from .workflow import WorkflowError
+
+    try:
+        coerce_input(wf, name, value)
+    except WorkflowError:
+        return False
+    return True
+
+
 def parse_inputs(pairs: Sequence[str], files: Sequence[str], wf: Any) -> dict[str, Any]:
     """``NAME=VALUE`` pairs: the value is a string for inputs annotated ``str``, otherwise JSON when it
-    parses as JSON (numbers, lists, objects, true/false/null) and the raw string when not.
+    parses as JSON (numbers, lists, objects, true/false/null) and the raw string when not (or when only
+    the string fits the input's type). Types are checked later, by ``Workflow.check_inputs``.
     ``--input-file NAME=PATH`` reads the value from a file (always a string)."""
     specs = wf.inputs
     out: dict[str, Any] = {}
@@ -84,9 +97,12 @@ def parse_inputs(pairs: Sequence[str], files: Sequence[str], wf: Any) -> dict[st
             out[name] = value
             continue
         try:
-            out[name] = json.loads(value)
+            parsed = json.loads(value)
         except ValueError:
             out[name] = value
+            continue
+        # JSON unless only the raw text fits the step's type (e.g. `--input name=123` for `name: str | None`)
+        out[name] = value if not _fits(wf, name, parsed) and _fits(wf, name, value) else parsed
     for pair in files:
         if "=" not in pair:
             raise UsageError(f"--input-file expects NAME=PATH, got {pair!r}")
@@ -102,36 +118,62 @@ def parse_inputs(pairs: Sequence[str], files: Sequence[str], wf: Any) -> dict[st
 def _print_result_human(result: Any, show_tb: bool) -> None:
     from rich.console import Console
     from rich.pretty import Pretty
+    from rich.text import Text
+
+    from .render import printable, unrenderable
 
     out = Console(soft_wrap=True, highlight=False)
     err = Console(stderr=True, highlight=False)
     sinks = set(result.sinks)
     for name, value in result.outputs.items():
-        if isinstance(value, str):
-            out.print(f"[bold]{name}[/bold]{' (result)' if name in sinks else ''}:", value, markup=True)
-        else:
-            out.print(f"[bold]{name}[/bold]{' (result)' if name in sinks else ''}:", Pretty(value), markup=True)
+        label = Text(name, style="bold") + Text(" (result):" if name in sinks else ":")
+        try:  # step results are shown as text, never parsed as rich markup
+            out.print(label, Text(printable(value)) if isinstance(value, str) else Pretty(value))
+        except Exception as e:
+            out.print(label, Text(unrenderable(value, e)))
     for name, e in result.errors.items():
         style = "magenta" if e.kind == "skipped" else "bold red"
-        err.print(f"[{style}]{name} {e.kind}[/{style}]: {e.message}", markup=True, highlight=False)
+        message = e.message.removeprefix(f"{e.kind}: ")  # "x skipped: depends on ...", not "skipped: skipped:"
+        err.print(Text(f"{name} {e.kind}", style=style) + Text(f": {printable(message)}"), highlight=False)
         if e.traceback and e.kind != "skipped":
             tb = e.traceback.rstrip().splitlines()
             shown = tb if show_tb else tb[-6:]
             if not show_tb and len(tb) > 6:
                 err.print("  ... (--traceback shows all)", style="dim")
             for line in shown:
-                err.print("  " + line, style="dim", markup=False, highlight=False)
+                err.print("  " + printable(line), style="dim", markup=False, highlight=False)
 
 
 class _LoadFailed(Exception):
     pass
 
 
+class _EngineFailed(Exception):
+    """The model (--model and the engine options) could not be loaded."""
+
+
+class _StderrHandler(logging.Handler):
+    """Log lines to whatever ``sys.stderr`` is when they are emitted."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def _show_engine_log() -> None:
+    """Show the engine's INFO lines (its start-up line reports the KV cache size) on stderr, once."""
+    log = logging.getLogger("flowrt.engine")
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        log.addHandler(_StderrHandler())
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+
+
 def _load(args: argparse.Namespace, cmd: str) -> Any:
     """The workflow of args.file; errors raised by the user's module get its traceback and exit 2."""
-    import traceback
-
-    from .loader import load_workflow
+    from .loader import format_load_error, load_workflow
     from .workflow import WorkflowError
 
     try:
@@ -139,9 +181,8 @@ def _load(args: argparse.Namespace, cmd: str) -> Any:
     except (WorkflowError, FileNotFoundError):
         raise
     except Exception as e:
-        tb = traceback.format_exception(type(e), e, e.__traceback__)
         print(f"flowrt {cmd}: error: cannot load {args.file}:", file=sys.stderr)
-        print("".join(tb).rstrip(), file=sys.stderr)
+        print(format_load_error(e, args.file), file=sys.stderr)
         raise _LoadFailed() from e
 
 
@@ -157,7 +198,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         wf = _load(args, "run")
         inputs = parse_inputs(args.input or [], args.input_file or [], wf)
         wf.validate()
-        wf.check_inputs(inputs)
+        inputs = wf.check_inputs(inputs)   # typed and converted before anything (the model) loads
     except (UsageError, WorkflowError, FileNotFoundError) as e:
         print(f"flowrt run: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -171,6 +212,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     async def go() -> Any:
         async with runtime:
+            if "llm" in wf.resources:  # a model that cannot load is a usage error, not a skipped step
+                _show_engine_log()   # the engine's start-up line: model, dtype, KV blocks and MiB
+                try:
+                    await runtime.model()
+                except Exception as e:
+                    raise _EngineFailed(f"cannot start the engine: {e}") from e
             if use_progress:
                 from .progress import ProgressDisplay
 
@@ -183,7 +230,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         with redirect:
             result = anyio.run(go)
-    except WorkflowError as e:
+    except (WorkflowError, _EngineFailed) as e:
         print(f"flowrt run: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

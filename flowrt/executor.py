@@ -1,19 +1,18 @@
 """The DAG executor: starts every step whose inputs are ready, concurrently (anyio task group), so the
 engine sees every LLM call that can happen at a given moment and batches them.
 
-* async steps run on the event loop; sync steps run in worker threads (``anyio.to_thread``);
+* async steps run on the event loop; sync steps run in daemon threads (flowrt.worker);
 * a mapped step runs once per item, concurrently (bounded by ``max_concurrency``);
 * ``retries`` re-runs a failed attempt, ``timeout`` bounds each attempt (a sync step that overruns is
-  abandoned: its worker thread finishes in the background, its result is dropped);
+  abandoned: Python cannot stop a thread, so it runs on in the background, its result is dropped, and
+  being a daemon thread it never keeps the process from exiting);
 * a failing step fails alone: steps that depend on it are skipped (with the reason), every other branch
   runs to completion, and the result keeps all that completed next to the error and its traceback.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import time
 import traceback as tb_mod
 from dataclasses import dataclass, field
@@ -21,7 +20,10 @@ from typing import Any, Callable, Protocol
 
 import anyio
 
+from .render import to_jsonable, unrenderable
+from .runscope import RunThreads, current_run_threads
 from .trace import Tracer, current_step, current_tracer
+from .worker import run_sync_abandonable
 from .workflow import Step, Workflow
 
 __all__ = ["RunResult", "StepError", "StepFailed", "RunObserver", "execute", "ResourceProvider", "to_jsonable"]
@@ -88,42 +90,14 @@ class RunResult:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"outputs": {step: result}, "errors": {step: message}, "stats": {...}}`` (JSON-safe)."""
+        """``{"outputs": {step: result}, "errors": {step: message}, "stats": {...}}`` (JSON-safe: a result
+        that cannot be rendered becomes an ``<unrenderable ...>`` placeholder, the others are kept)."""
         return {"outputs": {k: to_jsonable(v) for k, v in self.outputs.items()},
-                "errors": {k: e.message for k, e in self.errors.items()},
+                "errors": {k: to_jsonable(e.message) for k, e in self.errors.items()},
                 "stats": to_jsonable(self.stats)}
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
-
-
-def to_jsonable(v: Any, _depth: int = 0) -> Any:
-    """Best-effort conversion of step results to JSON values (pydantic models, dataclasses, sets, ...;
-    anything else becomes its ``str``)."""
-    if _depth > 50:
-        return repr(v)
-    if v is None or isinstance(v, (bool, int, str)):
-        return v
-    if isinstance(v, float):
-        return v if math.isfinite(v) else str(v)
-    if isinstance(v, dict):
-        return {str(k): to_jsonable(x, _depth + 1) for k, x in v.items()}
-    if isinstance(v, (list, tuple, set, frozenset)):
-        items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
-        return [to_jsonable(x, _depth + 1) for x in items]
-    if hasattr(v, "model_dump") and callable(v.model_dump):
-        try:
-            return to_jsonable(v.model_dump(), _depth + 1)
-        except Exception:
-            pass
-    if dataclasses.is_dataclass(v) and not isinstance(v, type):
-        return to_jsonable(dataclasses.asdict(v), _depth + 1)
-    if hasattr(v, "tolist"):
-        try:
-            return to_jsonable(v.tolist(), _depth + 1)
-        except Exception:
-            pass
-    return str(v)
 
 
 class ResourceProvider(Protocol):
@@ -158,8 +132,16 @@ class RunObserver:
         return out
 
 
+def _message(e: BaseException) -> str:
+    try:
+        text = str(e)
+    except Exception as bad:  # an exception whose __str__ raises must not take the run down
+        text = unrenderable(e, bad)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def _format_exc(e: BaseException) -> tuple[str, str]:
-    msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    msg = _message(e)
     return msg, "".join(tb_mod.format_exception(type(e), e, e.__traceback__))
 
 
@@ -170,7 +152,7 @@ class _StepTimeout(TimeoutError):
 async def _call_once(step: Step, kwargs: dict[str, Any]) -> Any:
     if step.is_async:
         return await step.fn(**kwargs)
-    return await anyio.to_thread.run_sync(lambda: step.fn(**kwargs), abandon_on_cancel=True)
+    return await run_sync_abandonable(lambda: step.fn(**kwargs), name=f"flowrt step {step.name}")
 
 
 async def _attempts(step: Step, kwargs: dict[str, Any], label: str, observer: RunObserver | None,
@@ -193,7 +175,7 @@ async def _attempts(step: Step, kwargs: dict[str, Any], label: str, observer: Ru
             tracer.end(span, status="cancelled")
             raise
         except Exception as e:
-            tracer.end(span, status="error", error=f"{type(e).__name__}: {e}")
+            tracer.end(span, status="error", error=_message(e))
             if attempt >= attempts:
                 e.__flowrt_attempts__ = attempt  # type: ignore[attr-defined]
                 raise
@@ -211,7 +193,7 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
     """Run ``wf`` once. Invalid inputs raise ``WorkflowError`` before any step starts; step failures are
     reported in the result, never raised."""
     wf.validate()
-    wf.check_inputs(inputs)
+    inputs = wf.check_inputs(inputs)
     tracer = tracer or Tracer(stats_fn=stats_fn)
     if tracer.stats_fn is None:
         tracer.stats_fn = stats_fn
@@ -348,30 +330,46 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
     if observer is not None:
         observer.phase = ""
     tok = current_tracer.set(tracer)
+    threads = RunThreads()
+    threads_tok = current_run_threads.set(threads)
     try:
         async with anyio.create_task_group() as tg:
             for name in wf.order():
                 tg.start_soon(run_step, wf.steps[name], name=f"flowrt step {name}")
+    except BaseException:  # cancelled (or interrupted): release the run's KV now, not at garbage collection
+        threads.close_all()
+        raise
     finally:
+        current_run_threads.reset(threads_tok)
         current_tracer.reset(tok)
 
-    # Steps whose resource was missing are reported even though they never ran.
-    stats: dict[str, Any] = {}
-    if stats_fn is not None and "llm" in resources:
-        try:
-            stats.update(stats_fn())
-        except Exception:
-            pass
-    stats.update({
+    stats = _stats(stats_fn if "llm" in resources else None, {
         "elapsed_s": round(time.perf_counter() - t_start, 6),
         "steps_completed": len(outputs),
         "steps_failed": sum(1 for e in errors.values() if e.kind != "skipped"),
         "steps_skipped": sum(1 for e in errors.values() if e.kind == "skipped"),
-        **{f"run_{k}": v for k, v in tracer.llm_totals.items()},
+        **tracer.llm_totals,
     })
     ordered_outputs = {n: outputs[n] for n in wf.order() if n in outputs}
     ordered_errors = {n: errors[n] for n in wf.order() if n in errors}
     return RunResult(wf.name, ordered_outputs, ordered_errors, stats, timings, wf.sinks(), tracer)
+
+
+def _stats(engine_fn: Callable[[], dict[str, Any]] | None, run: dict[str, Any]) -> dict[str, Any]:
+    """``{"engine": {...}, "run": {...}}`` plus the same numbers flat, as before the groups existed.
+
+    The engine's counters (``generated_tokens``, ``kv_blocks_used``, ...) count every request since the
+    engine started, all runs on it together; the run's (``generated_tokens``, ``llm_calls``, ...) count
+    this run's calls only. Flat, engine keys keep their names and run token counters are ``run_``-prefixed.
+    """
+    engine: dict[str, Any] = {}
+    if engine_fn is not None:
+        try:
+            engine = dict(engine_fn())
+        except Exception:  # stats are informative: never fail a finished run over them
+            engine = {}
+    flat_run = {k if k.startswith(("elapsed", "steps_")) else f"run_{k}": v for k, v in run.items()}
+    return {**engine, **flat_run, "engine": engine, "run": run}
 
 
 async def run_workflow(wf: Workflow, provider: ResourceProvider | None = None, /, **inputs: Any) -> RunResult:

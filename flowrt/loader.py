@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import sys
+import traceback
 from pathlib import Path
 from types import ModuleType
 
 from .workflow import Workflow, WorkflowError
 
-__all__ = ["load_module", "find_workflows", "load_workflow"]
+__all__ = ["load_module", "find_workflows", "load_workflow", "format_load_error"]
 
 
 def load_module(path: str | Path) -> ModuleType:
@@ -68,3 +69,16 @@ def load_workflow(path: str | Path, name: str | None = None) -> Workflow:
         raise WorkflowError(f"{path} defines several workflows ({', '.join(found)}); choose one with "
                             f"--workflow NAME")
     return unique[0]
+
+
+def format_load_error(e: BaseException, path: str | Path) -> str:
+    """The error of a workflow file that failed to import, as the user needs it: a SyntaxError as its
+    file, line and caret only; anything else as a traceback that starts at the user's file (flowrt's
+    and importlib's frames above it say nothing about the user's code)."""
+    if isinstance(e, SyntaxError):
+        return "".join(traceback.format_exception_only(type(e), e)).rstrip()
+    user = str(Path(path).resolve())
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != user:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(e), e, tb or e.__traceback__)).rstrip()

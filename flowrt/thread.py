@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Iterator
 
 import anyio
 
 from .aio import gather
+from .runscope import track
 
 if TYPE_CHECKING:
     from .model import Model
@@ -143,12 +144,34 @@ class Thread:
         self._busy = False
         self._closed = False
         self.last_output: Any = None    # the engine's RequestOutput of the last gen/stream
+        self._live: tuple[Any, int, int] | None = None  # a stream in progress: (sequence, start, end) of its tokens
+        track(self)                     # a cancelled run closes the threads it opened
 
     # ------------------------------------------------------------------ introspection
     @property
     def text(self) -> str:
         """Everything the thread holds: prompt pieces and generated text (stop strings included)."""
-        return self._text + self._pending
+        return self._text + self._live_text() + self._pending
+
+    def _live_text(self) -> str:
+        """The text of a stream's tokens so far: what the consumer has seen, and nothing the engine
+        generated after it (so ``text`` matches ``token_ids`` even right after a loop is left early,
+        before the event loop finalizes the stream)."""
+        if self._live is None:
+            return ""
+        seq, start, end = self._live
+        return self._decode_tail(seq.token_ids[:end], start)
+
+    def _decode_tail(self, ids: list[int], start: int) -> str:
+        """The text of ``ids[start:]`` as it reads after ``ids[:start]``: decoded with a few tokens of
+        context, since a SentencePiece tokenizer drops the leading space of a word that starts a decode."""
+        decode = self.model.tokenizer.decode
+        ctx = max(0, start - 4)
+        head = decode(ids[ctx:start], skip_special_tokens=False)
+        full = decode(ids[ctx:], skip_special_tokens=False)
+        if full.startswith(head):
+            return full[len(head):]
+        return decode(ids[start:], skip_special_tokens=False)
 
     @property
     def token_ids(self) -> list[int]:
@@ -171,6 +194,9 @@ class Thread:
         return f"<{type(self).__name__} #{self.id} {state} ...{tail!r}>"
 
     def _state_ids(self) -> list[int]:
+        if self._live is not None:
+            seq, _, end = self._live
+            return seq.token_ids[:end]
         if self._seq is not None:
             return self._seq.token_ids
         if self._base is not None:
@@ -189,6 +215,10 @@ class Thread:
     def _check_usable(self) -> None:
         if self._closed:
             raise RuntimeError(f"thread #{self.id} is closed")
+        if self._busy and self._live is not None:
+            raise RuntimeError(f"thread #{self.id} is still streaming: a stream left early ends when the event "
+                               f"loop finalizes it; `async with contextlib.aclosing(t.stream(...)) as s:` ends it "
+                               f"as the loop is left")
         if self._busy:
             raise RuntimeError(f"thread #{self.id} is busy with a model call (one call at a time per "
                                f"thread; fork it for parallel work)")
@@ -336,22 +366,30 @@ class Thread:
     async def stream(self, **sampling: Any) -> AsyncIterator[str]:
         """Generate onto the thread, yielding text as it is produced (same keywords as ``gen``).
 
-        Leaving the loop early aborts the request; the tokens generated so far stay in the thread."""
+        Leaving the loop early aborts the request (when the event loop finalizes the stream, at once
+        under ``contextlib.aclosing``); the tokens generated so far stay in the thread. Until then
+        ``text`` and ``token_ids`` show what the loop has seen, consistently."""
         params = self._params(sampling)
         with self._op():
             seq = await self._materialize()
             n_before = len(seq)
             prev = ""
             final = None
+            self._live = (seq, n_before, n_before)
+            # aclosing: when this stream is closed, the engine request is aborted then, not at finalization
             try:
-                async for out in self.model._stream(seq, params, kind="stream", uncomputed=self._uncomputed):
-                    final = out
-                    text = out.outputs[0].text
-                    delta = text[len(prev):] if text.startswith(prev) else text
-                    prev = text
-                    if delta:
-                        yield delta
+                outs = self.model._stream(seq, params, kind="stream", uncomputed=self._uncomputed)
+                async with aclosing(outs):
+                    async for out in outs:
+                        final = out
+                        self._live = (seq, n_before, n_before + len(out.outputs[0].token_ids))
+                        text = out.outputs[0].text
+                        delta = text[len(prev):] if text.startswith(prev) else text
+                        prev = text
+                        if delta:
+                            yield delta
             finally:
+                self._live = None
                 if final is not None and final.finished:
                     self._record_generation(final, params)
                 else:  # left early or failed: the KV holds whatever was generated
@@ -365,11 +403,11 @@ class Thread:
         if seq is None:
             return
         try:
-            new = seq.token_ids[n_before:]
+            ids = seq.token_ids
         except Exception:
             return
-        if new:
-            self._text += self.model.tokenizer.decode(new, skip_special_tokens=False)
+        if len(ids) > n_before:
+            self._text += self._decode_tail(ids, n_before)
             self._uncomputed = 1
 
     async def scores(self, options: Iterable[str], *, by: str = "total") -> dict[str, float]:
@@ -614,9 +652,10 @@ class ChatThread(Thread):
         self._check_usable()
         self._sync(add_generation_prompt=True)
         parts: list[str] = []
-        async for piece in super().stream(**self._chat_params(sampling)):
-            parts.append(piece)
-            yield piece
+        async with aclosing(super().stream(**self._chat_params(sampling))) as pieces:
+            async for piece in pieces:
+                parts.append(piece)
+                yield piece
         self.messages.append({"role": "assistant", "content": "".join(parts)})
         self.model.counters["chat_turns"] += 1
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable
 
 import networkx as nx
 
+from .inputs import coerce_inputs
 from .resources import match_resource, resource_kinds
 
 __all__ = ["Workflow", "Step", "Param", "WorkflowError", "InputSpec"]
@@ -295,7 +296,9 @@ class Workflow:
         """Steps no other step depends on (the workflow's final results)."""
         return [n for n in self.order() if not any(v in self.steps for v in self._graph.successors(n))]
 
-    def check_inputs(self, inputs: dict[str, Any]) -> None:
+    def check_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The inputs, validated (none unknown or missing) and converted to the steps' annotations
+        (flowrt.inputs); a ``WorkflowError`` naming the culprit otherwise."""
         specs = self.inputs
         unknown = [k for k in inputs if k not in specs]
         if unknown:
@@ -307,27 +310,42 @@ class Workflow:
                 f"workflow {self.name!r}: missing input(s) {', '.join(map(repr, missing))} "
                 f"(needed by step(s) {', '.join(s for m in missing for s in specs[m].steps) or '-'}); "
                 f"pass them as keyword arguments or `--input NAME=VALUE`")
+        return coerce_inputs(self, inputs)
 
     # ------------------------------------------------------------------ running
     def run(self, inputs: dict[str, Any] | None = None, /, *, runtime: Any = None, **kw_inputs: Any) -> Any:
         """Run synchronously (for scripts): ``result = wf.run(question="...")``.
 
         Starts a fresh ``fr.Runtime`` (default model, loaded only if a step needs it) unless ``runtime``
-        is given; returns a ``RunResult``.
+        is given; returns a ``RunResult``. Inside a running event loop (Jupyter, async code) use
+        ``await wf.arun(...)`` instead.
         """
+        import asyncio
+
         import anyio
 
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise RuntimeError(
+                f"workflow {self.name!r}: wf.run() cannot be called from a running event loop (Jupyter, async "
+                f"code); use `await wf.arun(...)` or `async with fr.Runtime() as rt: await rt.run(wf, ...)`")
+        all_inputs = {**(inputs or {}), **kw_inputs}
+        return anyio.run(lambda: self.arun(all_inputs, runtime=runtime))
+
+    async def arun(self, inputs: dict[str, Any] | None = None, /, *, runtime: Any = None,
+                   **kw_inputs: Any) -> Any:
+        """``wf.run`` for async code: ``result = await wf.arun(question="...")`` (on ``runtime``, or a
+        fresh ``fr.Runtime`` that is closed afterwards)."""
         from .runtime import Runtime
 
         all_inputs = {**(inputs or {}), **kw_inputs}
-
-        async def main() -> Any:
-            if runtime is not None:
-                return await runtime.run(self, **all_inputs)
-            async with Runtime() as rt:
-                return await rt.run(self, **all_inputs)
-
-        return anyio.run(main)
+        if runtime is not None:
+            return await runtime.run(self, all_inputs)
+        async with Runtime() as rt:
+            return await rt.run(self, all_inputs)
 
     # ------------------------------------------------------------------ rendering
     def render(self, fmt: str = "text") -> str:

@@ -185,6 +185,11 @@ def test_run_json_end_to_end_on_stories260k(tmp_path):
     prompt_len = st["run_prompt_tokens"] // 5
     assert st["run_tokens_computed"] < 2 * prompt_len
     assert json.loads(trace.read_text())["traceEvents"]
+    # engine-wide and per-run counters are grouped apart (the flat keys stay, for compatibility)
+    assert st["engine"]["kv_blocks_used"] == 0 and st["engine"]["generated_tokens"] == st["generated_tokens"]
+    assert st["run"]["llm_calls"] == 5 and st["run"]["generated_tokens"] == st["run_generated_tokens"]
+    assert st["run"]["steps_completed"] == 2
+    assert "KV blocks x 16 tokens" in proc.stderr and "MiB" in proc.stderr  # the start-up line
 
 
 def test_progress_display_renders():
@@ -219,3 +224,98 @@ def test_progress_display_renders():
     text = buf.getvalue()
     assert "shown: 0 done, 1 running, 1 pending" in text and "1/3 items" in text
     assert "KV: 25/100 blocks (25%)" in text and "prefix-cache hits: 50%" in text
+
+
+ODD = """
+    import flowrt as fr
+
+    wf = fr.Workflow("odd")
+
+    class NoStr:
+        def __str__(self):
+            raise RuntimeError("no str for you")
+
+        def __repr__(self):
+            raise RuntimeError("no repr either")
+
+    @wf.step
+    def big() -> int:
+        return 10 ** 5000
+
+    @wf.step
+    def nostr() -> object:
+        return NoStr()
+
+    @wf.step
+    def markup() -> str:
+        return "[/oops] not markup"
+
+    @wf.step
+    def lone() -> str:
+        return "half \\ud800 pair"
+
+    @wf.step
+    def fine() -> str:
+        return "still here"
+"""
+
+
+def test_unrenderable_results_do_not_lose_the_others(tmp_path, capsys):
+    f = write(tmp_path, "odd.py", ODD)
+    code, d, _ = run_json(capsys, ["run", f, "--json"])
+    assert code == 0 and d["outputs"]["fine"] == "still here"
+    assert d["outputs"]["big"].startswith("<unrenderable int: Exceeds the limit (4300 digits)")
+    assert d["outputs"]["nostr"] == "<unrenderable NoStr: no str for you>"
+    assert d["outputs"]["lone"] == "half \\ud800 pair"
+    code = main(["run", f, "--no-progress"])  # the human display too
+    out = capsys.readouterr().out
+    assert code == 0 and "fine (result): still here" in out and "[/oops] not markup" in out
+    assert "Exceeds the limit" in out and "half \\ud800 pair" in out
+
+
+LLM_STEP = """
+    import flowrt as fr
+
+    wf = fr.Workflow("agent")
+
+    @wf.step
+    async def agent(question: str, llm: fr.Model, max_turns: int = 3) -> str:
+        return question * max_turns
+"""
+
+
+def test_typed_input_is_checked_before_the_model_loads(tmp_path, capsys):
+    f = write(tmp_path, "agent.py", LLM_STEP)
+    # the model path is bad too: the input error must come first, before anything loads
+    assert main(["run", f, "-i", "question=q", "-i", "max_turns=abc", "--model", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "input 'max_turns' must be int (step 'agent'), got 'abc'" in err and "engine" not in err
+
+
+def test_bad_model_is_one_usage_error(tmp_path, capsys):
+    f = write(tmp_path, "agent.py", LLM_STEP)
+    assert main(["run", f, "-i", "question=q", "--model", str(tmp_path / "nope"), "--json"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "skipped" not in out.err
+    assert "flowrt run: error: cannot start the engine: model path does not exist" in out.err
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((Path(MODEL) / "config.json").read_text())
+    (pickled / "pytorch_model.bin").write_bytes(b"")
+    assert main(["run", f, "-i", "question=q", "--model", str(pickled), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot start the engine" in err and "pickle" in err and "skipped" not in err
+
+
+def test_syntax_error_shows_only_the_users_file(tmp_path, capsys):
+    f = write(tmp_path, "syn.py", "import flowrt as fr\nwf = fr.Workflow('x')\ndef oops(:\n    pass\n")
+    assert main(["run", f]) == 2
+    err = capsys.readouterr().err
+    assert f'File "{Path(f).resolve()}", line 3' in err and "SyntaxError" in err
+    assert "flowrt" not in err.replace(f"flowrt run: error: cannot load {f}", "") and "importlib" not in err
+    (tmp_path / "helper_mod.py").write_text("raise KeyError('inner')\n")
+    f2 = write(tmp_path, "imp.py", "import flowrt as fr\nimport helper_mod\n")
+    assert main(["graph", f2]) == 2
+    err = capsys.readouterr().err
+    assert "helper_mod.py" in err and "KeyError: 'inner'" in err
+    assert "loader.py" not in err and "importlib" not in err

@@ -445,3 +445,83 @@ def test_step_timeout_aborts_the_llm_call_and_keeps_the_thread_consistent(llm, e
         t.close()
 
     anyio.run(main)
+
+
+def test_text_matches_token_ids_right_after_leaving_a_stream(llm):
+    async def main():
+        prompt = unique_prompt(10)
+        t = llm.thread(prompt)
+        n_prompt = len(t.token_ids)
+        seen = ""
+        async for piece in t.stream(max_tokens=200, temperature=0, ignore_eos=True):
+            seen += piece
+            if len(seen) > 8:
+                break
+        # The event loop finalizes the stream (aborting its request) only later; meanwhile text and
+        # token_ids both show what the loop saw.
+        ids, text = t.token_ids, t.text
+        assert len(ids) > n_prompt and text == prompt + seen
+        assert text == prompt + t._decode_tail(ids, n_prompt)
+        with pytest.raises(RuntimeError, match="still streaming.*aclosing"):
+            await t.gen(max_tokens=2)
+        await anyio.sleep(0.2)  # finalized: every generated token and its text are in the thread
+        assert t.text == prompt + t._decode_tail(t.token_ids, n_prompt) and t.text.startswith(prompt + seen)
+        await t.gen(max_tokens=2, temperature=0)
+        t.close()
+
+    anyio.run(main)
+
+
+def test_cancelled_run_releases_sequences_and_blocks_at_once(engine):
+    import asyncio
+    import gc
+
+    wf = fr.Workflow("cancelled")
+    started = asyncio.Event()
+
+    @wf.step
+    async def talk(llm: fr.Model) -> list[str]:
+        t = llm.thread(unique_prompt())
+        await t.gen(max_tokens=4, temperature=0)
+        a, b = t.fork(2)
+        c = llm.chat(system="be brief").user("hi")
+        started.set()
+        return await fr.gather(a.gen(max_tokens=400, ignore_eos=True), b.gen(max_tokens=2), c.assistant(max_tokens=2),
+                               anyio.sleep(60))
+
+    async def main() -> dict:
+        rt = fr.Runtime(model=engine)
+        task = asyncio.create_task(rt.run(wf))
+        await started.wait()
+        await asyncio.sleep(0.1)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(task, 0.2)
+        return engine.stats()
+
+    gc.collect()
+    gc.disable()
+    try:
+        st = asyncio.run(main())
+    finally:
+        gc.enable()
+    assert st["open_sequences"] == 0 and st["kv_blocks_used"] == 0, st
+
+
+def test_aclosing_a_stream_ends_it_as_the_loop_is_left(llm):
+    import contextlib
+
+    async def main():
+        t = llm.thread(unique_prompt(10))
+        async with contextlib.aclosing(t.stream(max_tokens=200, temperature=0, ignore_eos=True)) as s:
+            async for _ in s:
+                break
+        await t.gen(max_tokens=2, temperature=0)  # usable at once, as the README says
+        t.close()
+        c = llm.chat(system="Be brief.").user("Hi")
+        async with contextlib.aclosing(c.stream(max_tokens=200, ignore_eos=True)) as s:
+            async for _ in s:
+                break
+        await c.assistant(max_tokens=2)
+        c.close()
+
+    anyio.run(main)

@@ -362,11 +362,15 @@ def test_map_limits_concurrency_and_fails_on_a_bad_item():
             raise ValueError("three is bad")
         return xs
 
+    @wf.step
+    def word() -> str:
+        return "abc"
+
     @wf.step(map="word")
-    def not_a_list(word: str):
+    def not_a_list(word: str):  # a step's result that is not a list fails the mapped step alone
         return word
 
-    r = run(wf, xs=[1, 2, 3, 4, 5], word="abc")
+    r = run(wf, xs=[1, 2, 3, 4, 5])
     assert r.outputs["limited"] == [1, 2, 3, 4, 5] and live["peak"] == 2
     assert r.errors["picky"].message.startswith("ValueError: three is bad") and "(item 2)" in r.errors["picky"].message
     assert "must be a list" in r.errors["not_a_list"].message
