@@ -86,14 +86,14 @@ def _hf_model(model_dir, dtype):
     return _HF_CACHE[key]
 
 
-def serve_model(model_dir: str, **app_kwargs):
-    """Generator for server fixtures: an AsyncLLM on `model_dir` behind the app on a free loopback port;
-    yields the BackgroundServer (with `.engine`), then stops both."""
+def serve_model(model_dir: str, engine_kwargs: dict | None = None, **app_kwargs):
+    """Generator for server fixtures: an AsyncLLM on `model_dir` (with `engine_kwargs`) behind the app on a
+    free loopback port; yields the BackgroundServer (with `.engine`), then stops both."""
     from flowrt.engine import AsyncLLM
     from flowrt.server.app import create_app
     from flowrt.server.background import BackgroundServer
 
-    engine = AsyncLLM(model=str(model_dir), seed=0, dtype="float32")
+    engine = AsyncLLM(model=str(model_dir), seed=0, dtype="float32", **(engine_kwargs or {}))
     srv = BackgroundServer(create_app(engine, **app_kwargs)).start()
     srv.engine = engine
     try:

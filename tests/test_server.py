@@ -32,6 +32,12 @@ def server():
 
 
 @pytest.fixture(scope="module")
+def tiny_pool_server():
+    """A KV pool of 4 blocks of 16 tokens: a request needing more than 64 tokens can never run."""
+    yield from serve_model(STORIES, engine_kwargs={"num_kv_blocks": 4, "block_size": 16}, served_model_name=MODEL)
+
+
+@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
@@ -81,7 +87,7 @@ def test_completion_greedy_matches_transformers(client):
     assert c.finish_reason == "length" and c.index == 0
     assert r.usage.prompt_tokens == len(PROMPT_IDS) and r.usage.completion_tokens == 30
     assert r.usage.total_tokens == 35
-    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # 5 tokens fill no 16-token block: nothing to reuse
 
 
 def test_completion_token_id_prompt_and_batch(server, client):
@@ -363,3 +369,62 @@ def test_metrics_parse(server, client):
     ttft_count = [s.value for s in fams["flowrt_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
     assert ttft_count[0] > 0
     assert [s.value for s in fams["flowrt_generation_tokens"].samples if s.name.endswith("_total")][0] > 0
+
+
+# ---- requests refused before anything starts ------------------------------------------------------------
+
+
+def test_seed_out_of_range_is_400(server):
+    for seed in (2**64, -(2**63) - 1):
+        for stream in (False, True):
+            r = httpx.post(server.url + "/v1/completions", headers=_auth(), timeout=30,
+                           json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "seed": seed, "stream": stream})
+            err = _error(r, 400)
+            assert err["param"] == "seed", err
+    r = httpx.post(server.url + "/v1/completions", headers=_auth(), timeout=30,
+                   json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "seed": 2**63 - 1, "n": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_streaming_prompt_errors_come_before_the_stream(server):
+    url = server.url + "/v1/completions"
+    for prompt, code in ((PROMPT_IDS * 110, "context_length_exceeded"), ([], None), ([[]], None),
+                         ([PROMPT, [10**6]], None)):
+        r = httpx.post(url, headers=_auth(), timeout=30,
+                       json={"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": True})
+        err = _error(r, 400)  # a JSON error, not a 200 event stream carrying one
+        assert err["param"] == "prompt" and (code is None or err["code"] == code), err
+
+
+def test_prompt_that_cannot_fit_the_kv_pool_is_400_before_the_stream(tiny_pool_server):
+    url = tiny_pool_server.url + "/v1/completions"
+    for stream in (False, True):
+        r = httpx.post(url, timeout=30, json={"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "stream": stream,
+                                              "ignore_eos": True})
+        err = _error(r, 400)
+        assert "64" in err["message"] or "4 blocks" in err["message"] or "KV" in err["message"], err
+    r = httpx.post(url, timeout=30, json={"model": MODEL, "prompt": PROMPT, "max_tokens": 30, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == GREEDY_30
+    assert _wait_idle(tiny_pool_server.engine)["num_running"] == 0
+
+
+def test_chunked_body_over_the_limit_is_413(server):
+    def chunks(total, size=1 << 20):
+        sent = 0
+        while sent < total:
+            yield b" " * min(size, total - sent)
+            sent += size
+
+    url = server.url + "/v1/completions"
+    try:
+        r = httpx.post(url, headers={**_auth(), "content-type": "application/json"}, content=chunks(50 << 20),
+                       timeout=60)
+    except httpx.TransportError:
+        pytest.fail("the server dropped the connection instead of answering 413")
+    err = _error(r, 413)
+    assert err["code"] == "request_too_large"
+    # a chunked body under the limit is served as usual
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 30, "temperature": 0}).encode()
+    r = httpx.post(url, headers={**_auth(), "content-type": "application/json"}, content=iter([body[:10], body[10:]]),
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == GREEDY_30

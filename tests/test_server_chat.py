@@ -4,6 +4,8 @@ The model is built in the test (stories260K's tokenizer + a chat template, rando
 is noise: the tests check the protocol (template, streaming, usage, n, logprobs, cached tokens), not text.
 """
 
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -20,6 +22,11 @@ CHATML = (
 )
 SYSTEM = "You are a helpful assistant who tells short stories about a little girl named Lily and her dog. " * 2
 MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me a story."}]
+# 4e8 loop iterations: minutes of CPU if it were ever rendered
+HOSTILE = "{% for i in range(20000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}x"
+# a few seconds of CPU, then the last message
+SLOW = "{% for i in range(100000) %}{% for j in range(300) %}{% endfor %}{% endfor %}{{ messages[-1]['content'] }}"
+TEMPLATE_THREAD = "flowrt-chat-template"
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +49,12 @@ def chat_model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(chat_model_dir):
     yield from serve_model(chat_model_dir, served_model_name=MODEL, model_path=str(chat_model_dir))
+
+
+@pytest.fixture(scope="module")
+def trusting_server(chat_model_dir):
+    yield from serve_model(chat_model_dir, served_model_name=MODEL, trust_request_chat_template=True,
+                           chat_template_timeout=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +154,58 @@ def test_chat_errors(server, client):
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES,
                                                                "top_logprobs": 2})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def _template_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == TEMPLATE_THREAD]
+
+
+def test_request_chat_template_refused_by_default(server):
+    url = server.url + "/v1/chat/completions"
+    for extra, param in (({"chat_template_kwargs": {"chat_template": HOSTILE}}, "chat_template_kwargs.chat_template"),
+                         ({"chat_template": "{{ 'x' }}"}, "chat_template")):
+        t0 = time.monotonic()
+        r = httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2, **extra}, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and err["code"] == "chat_template_not_allowed"
+        assert "--trust-request-chat-template" in err["message"]
+        assert time.monotonic() - t0 < 5  # refused without rendering it
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_trusted_request_template_is_capped_off_the_event_loop(trusting_server):
+    url = trusting_server.url + "/v1/chat/completions"
+    tok = trusting_server.engine.tokenizer
+    r = httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2,
+                              "chat_template": "{{ messages[-1]['content'] }}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode("Tell me a story.", add_special_tokens=False))
+
+    result = {}
+
+    def slow():
+        result["r"] = httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2,
+                                            "chat_template_kwargs": {"chat_template": SLOW}}, timeout=60)
+
+    caller = threading.Thread(target=slow)
+    caller.start()
+    deadline = time.monotonic() + 10
+    while not _template_threads():  # the server (in this process) renders in its own thread
+        assert time.monotonic() < deadline and caller.is_alive()
+        time.sleep(0.01)
+    latencies = []
+    while caller.is_alive():  # /health answers while the template renders
+        t0 = time.monotonic()
+        assert httpx.get(trusting_server.url + "/health", timeout=10).status_code == 200
+        latencies.append(time.monotonic() - t0)
+    caller.join()
+    assert latencies and max(latencies) < 0.8, latencies  # on the event loop it would wait out the render
+    r = result["r"]
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "chat_template_timeout" and err["param"] == "chat_template_kwargs.chat_template"
+    deadline = time.monotonic() + 5
+    while _template_threads():  # the cap stopped the rendering, it does not run on in the background
+        assert time.monotonic() < deadline, "the template kept rendering after its request got a 400"
+        time.sleep(0.02)

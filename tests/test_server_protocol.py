@@ -7,9 +7,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from flowrt.server import protocol as P
-from flowrt.server.app import _Delta, default_model_name
 from flowrt.server.errors import OpenAIError, from_exception, from_validation_errors
 from flowrt.server.metrics import ServerMetrics
+from flowrt.server.outputs import Delta
+from flowrt.server.state import default_model_name
 
 
 def test_completion_prompts_forms():
@@ -71,11 +72,11 @@ def test_sse_format():
 
 
 def test_delta_holds_back_possible_stop_and_partial_utf8():
-    d = _Delta(holdback=2)
+    d = Delta(holdback=2)
     assert d.text(0, "hello", finished=False) == "hel"
     assert d.text(0, "hello wor", finished=False) == "lo w"
     assert d.text(0, "hello world", finished=True) == "orld"
-    d = _Delta(holdback=0)
+    d = Delta(holdback=0)
     assert d.text(1, "ab\ufffd", finished=False) == "ab"
     assert d.text(1, "abé", finished=False) == "é"
 

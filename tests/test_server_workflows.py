@@ -38,13 +38,44 @@ WORKFLOW = textwrap.dedent('''
 ''')
 
 
+# Results that cannot be rendered as they are: each becomes a placeholder, the others survive.
+ODD = textwrap.dedent('''
+    import flowrt as fr
+
+    wf = fr.Workflow("odd")
+
+    class Mute:
+        def __str__(self):
+            raise RuntimeError("no words")
+
+        __repr__ = __str__
+
+    @wf.step
+    def huge() -> int:
+        return 10 ** 5000
+
+    @wf.step
+    def mute() -> object:
+        return Mute()
+
+    @wf.step
+    def lone() -> str:
+        return "a\\ud800b"
+
+    @wf.step
+    def fine(huge: int, mute: object) -> str:
+        return "still here"
+''')
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from flowrt.server.workflows import load_workflows
 
-    path = tmp_path_factory.mktemp("wf") / "story.py"
-    path.write_text(WORKFLOW)
-    workflows = load_workflows([str(path)])
+    d = tmp_path_factory.mktemp("wf")
+    (d / "story.py").write_text(WORKFLOW)
+    (d / "odd.py").write_text(ODD)  # also a `wf` variable: served side by side, by Workflow name
+    workflows = load_workflows([str(d / "story.py"), str(d / "odd.py")])
     for srv in serve_model(STORIES, served_model_name="stories260K", workflows=workflows):
         srv.workflows = workflows
         yield srv
@@ -53,7 +84,7 @@ def server(tmp_path_factory):
 def test_list_workflows(server):
     data = httpx.get(server.url + "/v1/workflows").json()["data"]
     by_id = {w["id"]: w for w in data}
-    assert set(by_id) == {"story", "broken"}
+    assert set(by_id) == {"story", "broken", "odd"}
     assert by_id["story"]["inputs"] == {"start": {"required": True, "type": "str"}}
     assert by_id["story"]["steps"] == ["draft", "branches", "shout"]
 
@@ -76,9 +107,9 @@ def test_run_returns_flowrt_run_json(server):
     assert set(body["stats"]) == set(expected["stats"])
     assert body["outputs"]["shout"] == {"draft": body["outputs"]["draft"].upper(), "n": 2}
     assert body["outputs"]["draft"].startswith(", there was a little girl")
-    # the variable name is an alias
-    assert httpx.post(server.url + "/v1/workflows/wf/runs", json={"inputs": {"start": "Hi"}},
-                      timeout=60).status_code == 200
+    # endpoints are named by fr.Workflow(name) only, not by the variable (every example's is `wf`)
+    r = httpx.post(server.url + "/v1/workflows/wf/runs", json={"inputs": {"start": "Hi"}}, timeout=60)
+    assert r.status_code == 404 and "served: story, broken, odd" in r.json()["error"]["message"]
 
 
 def test_run_stream_step_events(server):
@@ -109,3 +140,35 @@ def test_run_errors(server):
     r = httpx.post(url.format("broken"), json={"inputs": {"x": 3}}, timeout=30)
     assert r.status_code == 200
     assert "cannot handle 3" in r.json()["errors"]["explode"]
+
+
+def test_unrenderable_results_do_not_lose_the_run(server):
+    url = server.url + "/v1/workflows/odd/runs"
+    r = httpx.post(url, json={}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    with httpx.stream("POST", url, json={"stream": True}, timeout=30) as s:
+        assert s.status_code == 200
+        data = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    streamed = json.loads(data[-2])
+    assert streamed["type"] == "result"
+    for out in (body["outputs"], streamed["outputs"]):
+        assert out["fine"] == "still here"
+        assert out["huge"].startswith("<unrenderable int") and out["mute"].startswith("<unrenderable Mute")
+        assert out["lone"].startswith("a") and out["lone"].endswith("b")
+    assert body["errors"] == streamed["errors"] == {}
+
+
+def test_workflow_name_clash_is_reported(tmp_path):
+    from flowrt.server.workflows import load_workflows
+    from flowrt.workflow import WorkflowError
+
+    examples = Path(__file__).parent.parent / "workflows"
+    a, b = str(examples / "self_consistency.py"), str(examples / "map_reduce.py")
+    assert set(load_workflows([a, b])) == {"self-consistency", "map-reduce"}  # both hold it in `wf`
+    copy = tmp_path / "copy.py"
+    copy.write_text((examples / "map_reduce.py").read_text())
+    with pytest.raises(WorkflowError, match=r"two served workflows are named 'map-reduce' \(in .*map_reduce\.py and "
+                                            r".*copy\.py\)"):
+        load_workflows([b, str(copy)])

@@ -1,20 +1,29 @@
-"""``flowrt serve``: the OpenAI-compatible server from the command line.
+"""Serve a model (and optionally workflows) over HTTP with an OpenAI-compatible API.
 
-flowrt's CLI registers the subcommand with ``add_parser(subparsers)``; ``python -m flowrt.server`` runs it
-on its own. SIGTERM (or Ctrl-C) shuts down gracefully: new connections are refused, in-flight requests
-get ``--graceful-timeout`` seconds to finish, the rest are aborted, and the process exits 0.
+The model runs in this process on flowrt's continuous-batching engine; any OpenAI client can use it
+(base URL http://HOST:PORT/v1). Endpoints:
+
+  POST /v1/completions                 text completions (streaming, n, logprobs, echo)
+  POST /v1/chat/completions            chat through the model's chat template (streaming, n, logprobs)
+  GET  /v1/models                      the served model name(s)
+  POST /v1/workflows/NAME/runs         run a served workflow (--workflow); GET /v1/workflows lists them
+  GET  /health                         200 when serving, 503 while shutting down
+  GET  /metrics                        Prometheus metrics
+
+SIGTERM or Ctrl-C drains: /health and new requests get 503, requests in flight get --graceful-timeout
+seconds to finish, the rest end early (streams close with finish_reason "abort" and [DONE]), and the
+process exits 0. A second signal exits at once (status 1).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
-import signal
 import sys
-import threading
-from typing import Any, Iterator
+from typing import Any
+
+from .defaults import DEFAULT_CHAT_TEMPLATE_TIMEOUT, DEFAULT_GRACEFUL_TIMEOUT, DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger("flowrt.server")
 
@@ -24,60 +33,40 @@ _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from flowrt.cli import add_engine_arguments  # --model and the engine's options, shared with `flowrt run`
 
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: reachable from this machine only)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: reachable from this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 picks a free one)")
-    p.add_argument("--api-key", default=os.environ.get("FLOWRT_API_KEY"),
+    p.add_argument("--api-key", default=os.environ.get("FLOWRT_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $FLOWRT_API_KEY, else none)")
-    p.add_argument("--served-model-name", default=None,
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name clients pass as `model` (default: the model's directory or file name)")
     p.add_argument("--workflow", action="extend", nargs="+", default=[], metavar="FILE",
-                   help="workflow file(s) to serve at POST /v1/workflows/{name}/runs")
+                   help="workflow file(s) to serve; each workflow at POST /v1/workflows/NAME/runs, NAME being "
+                        "its fr.Workflow(NAME)")
     p.add_argument("--index", metavar="DIR", help="retrieval index directory for served workflows (`retriever`)")
-    p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body accepted; larger ones get 413 (default 16 MiB)")
-    p.add_argument("--graceful-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on SIGTERM before they are aborted (default 30)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat template sent in a chat request (`chat_template`, "
+                        "`chat_template_kwargs.chat_template`); off by default: a template is code the server "
+                        "runs, so only enable this for trusted clients")
+    p.add_argument("--chat-template-timeout", type=float, default=DEFAULT_CHAT_TEMPLATE_TIMEOUT, metavar="SECONDS",
+                   help="longest a chat template may take to render; slower requests get 400 (default %(default)g)")
+    p.add_argument("--graceful-timeout", type=float, default=DEFAULT_GRACEFUL_TIMEOUT, metavar="SECONDS",
+                   help="on SIGTERM, how long in-flight requests get to finish before they are ended early "
+                        "(default %(default)g)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server and access log verbosity (default info)")
     add_engine_arguments(p)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Registers `serve` on flowrt's CLI (an argparse subparsers object)."""
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server over the in-process engine",
+    p = subparsers.add_parser("serve", help="serve a model (and workflows) over an OpenAI-compatible HTTP API",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run, handler=run)
     return p
-
-
-def _server_class() -> type:
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn's server, except that a SIGTERM/SIGINT it handled ends the process with status 0 instead
-        of being re-raised, and /health turns 503 as soon as shutdown starts."""
-
-        on_exit_signal: Any = None
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            handled = (signal.SIGINT, signal.SIGTERM)
-            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-            try:
-                yield
-            finally:
-                for sig, handler in original.items():
-                    signal.signal(sig, handler)
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if self.on_exit_signal is not None:
-                self.on_exit_signal()
-            super().handle_exit(sig, frame)
-
-    return Server
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from flowrt.engine import AsyncLLM, default_model_path
 
     from .app import create_app
+    from .shutdown import STOP_FLUSH_SECONDS, DrainingServer
     from .workflows import load_workflows
 
     model_path = args.model if args.model is not None else str(default_model_path())
@@ -113,18 +103,13 @@ def run(args: argparse.Namespace) -> int:
             runtime = Runtime(model=engine, index=args.index)
         app = create_app(engine, served_model_name=args.served_model_name, model_path=model_path,
                          api_key=args.api_key, max_body_bytes=args.max_body_bytes, workflows=workflows,
-                         workflow_runtime=runtime)
-        st = app.state.flowrt
+                         workflow_runtime=runtime, trust_request_chat_template=args.trust_request_chat_template,
+                         chat_template_timeout=args.chat_template_timeout)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
-                                timeout_graceful_shutdown=args.graceful_timeout)
-        server = _server_class()(config)
-
-        def on_exit_signal() -> None:
-            st.shutting_down = True
-
-        server.on_exit_signal = on_exit_signal
+                                timeout_graceful_shutdown=STOP_FLUSH_SECONDS)
+        server = DrainingServer(config, app.state.flowrt, grace=args.graceful_timeout)
         server.run()
-        if not server.started:
+        if not server.started or server.forced:
             return 1
     finally:
         engine.shutdown()

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .errors import bad_request
 
 MAX_LOGPROBS = 20
+# A seed seeds a torch generator per sample (seed + sample index): int64 keeps every one in range.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class _Request(BaseModel):
@@ -35,7 +37,7 @@ class _SamplingFields(_Request):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stream: bool = False
@@ -159,6 +161,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused unless the server trusts request templates
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> "ChatCompletionRequest":

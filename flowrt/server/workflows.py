@@ -1,51 +1,50 @@
-"""Workflows as endpoints: ``POST /v1/workflows/{name}/runs``.
+"""Workflows as endpoints: ``POST /v1/workflows/{name}/runs`` and ``GET /v1/workflows``.
 
 Body ``{"inputs": {...}, "stream": false}``. Runs the workflow on the server's engine (through an
 ``fr.Runtime`` sharing it, so workflow steps batch with API requests) and returns the same JSON as
 ``flowrt run --json``: ``{"outputs": {...}, "errors": {...}, "stats": {...}}`` (200 even when a step
 failed: the failure is in ``errors``, as with ``flowrt run``). With ``"stream": true`` the response is
 Server-Sent Events: ``step`` events as steps start and finish, a final ``result`` event holding the JSON
-above, then ``data: [DONE]``. ``GET /v1/workflows`` lists the served workflows and their inputs.
+above, then ``data: [DONE]``. Each workflow is served under its own name, ``fr.Workflow("name")``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import logging
 import threading
 import time
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
 
 from . import protocol as P
 from .errors import OpenAIError, bad_request
+from .state import ServerState, State
+from .streaming import SSEResponse, guarded, until_disconnect
 
-logger = logging.getLogger("flowrt.server")
+router = APIRouter(prefix="/v1")
 
 
 def load_workflows(files: list[str]) -> dict[str, Any]:
-    """name -> workflow from workflow files (loaded as `flowrt run FILE` loads them). Each workflow is
-    served under its ``Workflow`` name and, when different, the variable that holds it."""
-    if not files:
-        return {}
+    """name -> workflow from workflow files (loaded as `flowrt run FILE` loads them), named by their
+    ``Workflow`` name (not the variable holding them: every example calls its workflow ``wf``)."""
     from flowrt.loader import find_workflows, load_module
     from flowrt.workflow import WorkflowError
 
     out: dict[str, Any] = {}
+    origin: dict[str, str] = {}
     for path in files:
         found = find_workflows(load_module(path))
         if not found:
             raise WorkflowError(f"{path} defines no flowrt Workflow at top level")
-        for var, wf in found.items():
+        for wf in {id(w): w for w in found.values()}.values():
             wf.validate()
-            for name in dict.fromkeys((wf.name, var)):
-                if name in out and out[name] is not wf:
-                    raise WorkflowError(f"two served workflows are named {name!r} ({path})")
-                out[name] = wf
+            if wf.name in out:
+                raise WorkflowError(f"two served workflows are named {wf.name!r} (in {origin[wf.name]} and "
+                                    f"{path}); endpoints are named by fr.Workflow(name), so rename one")
+            out[wf.name], origin[wf.name] = wf, path
     return out
 
 
@@ -84,113 +83,100 @@ def _observer_class() -> type:
     return StreamingObserver
 
 
-def install(app: FastAPI, st: Any) -> None:
-    def runtime() -> Any:
-        if st.workflow_runtime is None:
-            from flowrt.runtime import Runtime
+class _Run:
+    """One workflow run as a task that the server can stop when it shuts down (then its result is a 503
+    saying so, not a cut connection)."""
 
-            st.workflow_runtime = Runtime(model=st.engine)  # shares the server's engine; does not own it
-        return st.workflow_runtime
+    def __init__(self, st: ServerState, wf: Any, inputs: dict[str, Any], observer: Any = None) -> None:
+        self.st = st
+        self.stopped = False
+        self.task = asyncio.create_task(_runtime(st).execute(wf, inputs, observer=observer))
+        self.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+        st.stoppers.add(self.stop)
 
-    def unique() -> dict[str, Any]:
-        seen: dict[int, str] = {}
-        for name, wf in st.workflows.items():
-            seen.setdefault(id(wf), name)
-        return {name: st.workflows[name] for name in seen.values()}
+    def stop(self) -> None:
+        self.stopped = True
+        self.task.cancel()
 
-    @app.get("/v1/workflows")
-    async def list_workflows() -> dict:
-        return {"object": "list", "data": [_describe(n, wf) for n, wf in unique().items()]}
+    def close(self) -> None:
+        self.st.stoppers.discard(self.stop)
+        self.task.cancel()  # a no-op once it is done
 
-    @app.post("/v1/workflows/{name}/runs")
-    async def run_workflow(name: str, req: P.WorkflowRunRequest, request: Request) -> Response:
-        wf = st.workflows.get(name)
-        if wf is None:
-            known = ", ".join(unique()) or "none"
-            raise OpenAIError(f"Unknown workflow '{name}' (served: {known}).", 404, param="name",
-                              code="workflow_not_found")
-        if st.shutting_down:
-            raise OpenAIError("The server is shutting down.", 503)
+    async def result(self) -> dict[str, Any]:
+        """The run's ``flowrt run --json`` dict; a 400 for bad inputs, a 503 when shutdown stopped it."""
         from flowrt.workflow import WorkflowError
 
         try:
-            wf.check_inputs(req.inputs)
+            result = await self.task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self.stopped and not (current is not None and current.cancelling()):
+                raise OpenAIError("The server shut down before the workflow run finished.", 503) from None
+            raise
         except WorkflowError as e:
             raise bad_request(str(e), param="inputs") from None
-        rt = runtime()
+        return result.to_dict()
 
-        if not req.stream:
-            task = asyncio.create_task(rt.execute(wf, dict(req.inputs)))
-            disc = asyncio.create_task(_wait_for_disconnect(request))
-            try:
-                await asyncio.wait({task, disc}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for t in (task, disc):
-                    if not t.done():
-                        t.cancel()
-                await asyncio.gather(task, disc, return_exceptions=True)
-            if task.cancelled():
-                _mark_aborted(st, request)
-                return Response(status_code=499)
-            try:
-                result = task.result()
-            except WorkflowError as e:
-                raise bad_request(str(e), param="inputs") from None
-            return JSONResponse(result.to_dict())
 
+def _runtime(st: ServerState) -> Any:
+    if st.workflow_runtime is None:
+        from flowrt.runtime import Runtime
+
+        st.workflow_runtime = Runtime(model=st.engine)  # shares the server's engine; does not own it
+    return st.workflow_runtime
+
+
+@router.get("/workflows")
+async def list_workflows(st: State) -> dict:
+    return {"object": "list", "data": [_describe(n, wf) for n, wf in st.workflows.items()]}
+
+
+@router.post("/workflows/{name}/runs")
+async def run_workflow(name: str, req: P.WorkflowRunRequest, request: Request, st: State) -> Response:
+    from flowrt.workflow import WorkflowError
+
+    wf = st.workflows.get(name)
+    if wf is None:
+        known = ", ".join(st.workflows) or "none"
+        raise OpenAIError(f"Unknown workflow '{name}' (served: {known}).", 404, param="name",
+                          code="workflow_not_found")
+    try:
+        wf.check_inputs(req.inputs)
+    except WorkflowError as e:
+        raise bad_request(str(e), param="inputs") from None
+    if req.stream:
         queue: asyncio.Queue = asyncio.Queue()
-        observer = _observer_class()(wf, queue, asyncio.get_running_loop())
+        run = _Run(st, wf, dict(req.inputs), _observer_class()(wf, queue, asyncio.get_running_loop()))
+        events = guarded(st, request, _events(wf, run, queue), f"workflow {wf.name} run")
+        return SSEResponse(events, on_close=run.close)
+    run = _Run(st, wf, dict(req.inputs))
+    try:
+        done, result = await until_disconnect(st, request, run.result())
+    finally:
+        run.close()
+    return JSONResponse(result) if done else Response(status_code=499)
 
-        async def events() -> AsyncIterator[str]:
-            task = asyncio.create_task(rt.execute(wf, dict(req.inputs), observer=observer))
-            try:
-                yield _event("run", {"type": "run", "workflow": wf.name, "steps": list(wf.steps)})
-                while True:
-                    getter = asyncio.create_task(queue.get())
-                    await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                    if getter.done():
-                        yield _event("step", getter.result())
-                        continue
-                    getter.cancel()
-                    await asyncio.gather(getter, return_exceptions=True)
-                    while not queue.empty():
-                        yield _event("step", queue.get_nowait())
-                    break
-                try:
-                    result = task.result()
-                    yield _event("result", {"type": "result", **result.to_dict()})
-                except WorkflowError as e:
-                    yield bad_request(str(e), param="inputs").sse()
-                yield P.SSE_DONE
-            except (asyncio.CancelledError, GeneratorExit):
-                _mark_aborted(st, request)
-                raise
-            except Exception as e:  # noqa: BLE001
-                logger.exception("workflow %s run failed", wf.name)
-                yield OpenAIError(f"{type(e).__name__}: {e}", 500).sse()
-                yield P.SSE_DONE
-            finally:
-                if not task.done():
-                    task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+async def _events(wf: Any, run: _Run, queue: asyncio.Queue) -> AsyncIterator[str]:
+    yield _event("run", {"type": "run", "workflow": wf.name, "steps": list(wf.steps)})
+    while not run.task.done():
+        getter = asyncio.create_task(queue.get())
+        await asyncio.wait({getter, run.task}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            yield _event("step", getter.result())
+        else:
+            getter.cancel()
+            await asyncio.gather(getter, return_exceptions=True)
+            if not getter.cancelled():  # it got an event just as the run ended
+                yield _event("step", getter.result())
+    while not queue.empty():
+        yield _event("step", queue.get_nowait())
+    try:
+        yield _event("result", {"type": "result", **await run.result()})
+    except OpenAIError as e:
+        yield e.sse()
+    yield P.SSE_DONE
 
 
 def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _mark_aborted(st: Any, request: Request) -> None:
-    from .app import _mark_aborted as mark
-
-    mark(st, request)

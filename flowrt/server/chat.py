@@ -1,0 +1,107 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template, then one engine request."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from . import protocol as P
+from .generation import Job, Submission, sampling_params
+from .outputs import ChatLogprobs, Delta, stop_holdback, usage_of
+from .prompts import encode, max_tokens_for
+from .state import State
+from .streaming import SSEResponse, guarded, until_disconnect
+from .templates import render_chat
+
+router = APIRouter(prefix="/v1")
+
+
+@dataclass
+class _Chat:
+    """One chat request once validated: what both the JSON and the streamed answer need."""
+    req: P.ChatCompletionRequest
+    tokenizer: Any
+    id: str
+    model: str
+    top_logprobs: int | None  # None: no logprobs
+    created: int = field(default_factory=P.now)
+
+    def logprobs(self, job: Job) -> ChatLogprobs:
+        return ChatLogprobs(self.tokenizer, self.top_logprobs or 0, job.prompt_ids)
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        d: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                             "model": self.model, "choices": choices}
+        if self.req.include_usage:
+            d["usage"] = usage
+        return P.sse(d)
+
+
+@router.post("/chat/completions")
+async def chat_completions(req: P.ChatCompletionRequest, request: Request, st: State) -> Response:
+    t0 = time.perf_counter()
+    st.check_model(req.model)
+    req.check_unsupported()
+    text = await render_chat(st, req)
+    ids = await encode(st.tokenizer, text, False, "messages")
+    base = f"chatcmpl-{uuid.uuid4().hex}"
+    job = Job(0, ids, text, base)
+    kw = req.sampling_kwargs(max_tokens_for(st, len(ids), req.requested_max_tokens, "messages"))
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    if k is not None:
+        kw["logprobs"] = k
+    c = _Chat(req, st.tokenizer, base, st.model_name(req.model), k)
+    sub = Submission(st, [job], sampling_params(kw), t0)
+    if req.stream:
+        return SSEResponse(guarded(st, request, _events(c, sub), f"chat stream {base}"), on_close=sub.close)
+    try:
+        done, finals = await until_disconnect(st, request, sub.finals())
+    finally:
+        sub.close()
+    if not done:
+        return Response(status_code=499)
+    choices = []
+    for o in finals[0].outputs:
+        lp = ({"content": c.logprobs(job).build(list(o.token_ids), list(o.logprobs or []))}
+              if k is not None else None)
+        choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text},
+                        "logprobs": lp, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+    return JSONResponse({"id": base, "object": "chat.completion", "created": c.created, "model": c.model,
+                         "choices": choices, "usage": usage_of(finals, [job])})
+
+
+async def _events(c: _Chat, sub: Submission) -> AsyncIterator[str]:
+    req, job = c.req, sub.jobs[0]
+    delta = Delta(stop_holdback(req.stop))
+    builders: dict[int, ChatLogprobs] = {}
+    final = None
+    for i in range(req.n):
+        yield c.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}])
+    async with contextlib.aclosing(sub.outputs()) as outputs:
+        async for _, out in outputs:
+            if out.finished:
+                final = out
+            for o in out.outputs:
+                text = delta.text(o.index, o.text, o.finish_reason is not None)
+                lp = None
+                if c.top_logprobs is not None:
+                    if o.index not in builders:
+                        builders[o.index] = c.logprobs(job)
+                    lp = {"content": builders[o.index].build(*delta.tokens(o.index, o))}
+                fin = o.finish_reason if (o.finish_reason is not None and o.index not in delta.done) else None
+                if fin is not None:
+                    delta.done.add(o.index)
+                if text or fin is not None or (lp and lp["content"]):
+                    # one choice per chunk, as OpenAI streams n > 1
+                    yield c.chunk([{"index": o.index, "delta": {"content": text} if text else {}, "logprobs": lp,
+                                    "finish_reason": fin, **({"stop_reason": o.stop_reason} if fin else {})}])
+    if req.include_usage:
+        yield c.chunk([], usage_of({0: final} if final is not None else {}, [job]))
+    yield P.SSE_DONE
