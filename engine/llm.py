@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Sequence as Seq
 
 from .config import EngineArgs
+from .input_processor import is_token_ids
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -15,6 +17,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self._generate_lock = threading.Lock()
 
     @property
     def tokenizer(self):
@@ -33,11 +36,12 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Validates every prompt and parameter set first (raising before any work), then runs them all."""
+        """Validates every prompt and parameter set first (raising before any work), then runs them all.
+
+        Calls from several threads at once are serialized: each runs alone, in turn.
+        """
         eng = self.engine
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
-        ):
+        if isinstance(prompts, (str, dict)) or is_token_ids(prompts):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -53,17 +57,24 @@ class LLM:
                 raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
             if p.max_tokens == 0:
                 raise ValueError(f"sampling_params[{i}].max_tokens must be >= 1")
-        resolved = [eng.resolve_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
-        reqs = [eng.add_request(None, p, _resolved=r) for p, r in zip(params, resolved)]
+        resolved = [eng.validate(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+        with self._generate_lock:
+            return self._run(resolved, params, use_tqdm)
+
+    def _run(self, resolved, params, use_tqdm: bool) -> list[RequestOutput]:
+        eng = self.engine
         bar = None
         if use_tqdm:
             try:
                 from tqdm import tqdm
 
-                bar = tqdm(total=len(reqs), desc="generate", unit="req")
+                bar = tqdm(total=len(resolved), desc="generate", unit="req")
             except ImportError:
                 bar = None
+        reqs = []
         try:
+            for p, r in zip(params, resolved):
+                reqs.append(eng.add_request(None, p, _resolved=r))
             done = 0
             while any(not r.finished for r in reqs):
                 eng.step()

@@ -33,7 +33,6 @@ class ModelConfig:
     qk_norm: bool
     sliding_window: int | None
     eos_token_ids: tuple[int, ...] = field(default=())
-    bos_token_id: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -102,5 +101,4 @@ def model_config_from_hf(hf, generation_eos=None) -> ModelConfig:
         qk_norm=model_type == "qwen3",
         sliding_window=int(sliding) if sliding else None,
         eos_token_ids=_eos_ids(generation_eos, getattr(hf, "eos_token_id", None)),
-        bos_token_id=getattr(hf, "bos_token_id", None),
     )

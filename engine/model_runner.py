@@ -10,7 +10,7 @@ import torch
 
 from .attention import AttentionMetadata
 from .models.llama import LlamaModel
-from .scheduler import ScheduledBatch
+from .scheduler import SchedulerOutput
 
 
 @dataclass
@@ -20,6 +20,14 @@ class StepInputs:
     meta: AttentionMetadata
     copies: tuple[torch.Tensor, torch.Tensor] | None
     logit_rows: torch.Tensor  # flat row indices whose logits are needed
+
+
+# ---- the runner's output contract (owned by the engine core) ----
+@dataclass
+class ModelRunnerOutput:
+    """What one step computed: logits [len(logit_rows), vocab] (CPU), row i for flat row logit_rows[i]."""
+
+    logits: torch.Tensor
 
 
 def make_backend(name: str):
@@ -43,7 +51,7 @@ class ModelRunner:
         self.backend = backend
         self.device = device
 
-    def prepare(self, batch: ScheduledBatch, logit_rows: list[int]) -> StepInputs:
+    def prepare(self, batch: SchedulerOutput, logit_rows: list[int]) -> StepInputs:
         """Everything the step needs, built once in tensors (never per layer)."""
         bs = self.block_size
         ids: list[int] = []
@@ -94,8 +102,12 @@ class ModelRunner:
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
         )
 
+    def execute(self, inp: StepInputs) -> ModelRunnerOutput:
+        return ModelRunnerOutput(logits=self._forward(inp))
+
+    # ---- end of the output contract ----
     @torch.inference_mode()
-    def execute(self, inp: StepInputs) -> torch.Tensor:
+    def _forward(self, inp: StepInputs) -> torch.Tensor:
         if inp.copies is not None:
             self.backend.copy_blocks(self.kv, *inp.copies)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, self.backend)

@@ -20,7 +20,7 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)  # per-request generator seed (sample i uses seed + i)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
@@ -54,6 +54,3 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-    def clone(self, **changes) -> "SamplingParams":
-        return self.model_copy(update=changes, deep=True)

@@ -83,4 +83,5 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprob_start: int = 0  # absolute position of the first token whose logprob is reported
     on_output: Callable[["Request"], Any] | None = None  # called (engine thread) after each step
+    on_error: Callable[[BaseException], Any] | None = None  # called instead when the engine fails it
     needs_text_each_step: bool = False

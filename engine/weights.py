@@ -17,6 +17,8 @@ from typing import Union
 
 import torch
 
+from .dtypes import DTYPE_NAMES
+
 __all__ = ["load_safetensors_dir", "resolve_dtype", "find_safetensors_files", "PICKLE_SUFFIXES"]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -24,11 +26,6 @@ PathLike = Union[str, "os.PathLike[str]"]
 #: file name endings of pickle checkpoints, which are never loaded
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
-_DTYPE_NAMES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
 
 
 def resolve_dtype(dtype: Union[torch.dtype, str, None]) -> torch.dtype:
@@ -44,8 +41,8 @@ def resolve_dtype(dtype: Union[torch.dtype, str, None]) -> torch.dtype:
         return dtype
     if isinstance(dtype, str):
         key = dtype.strip().lower().removeprefix("torch.")
-        if key in _DTYPE_NAMES:
-            return _DTYPE_NAMES[key]
+        if key in DTYPE_NAMES:
+            return DTYPE_NAMES[key]
     raise ValueError(
         f"unsupported dtype {dtype!r}; use one of float32, bfloat16, float16 (or a torch.dtype)"
     )

@@ -119,3 +119,70 @@ def test_open_sequences_from_async_callers(engine):
     gc.collect()
     s = engine.stats()
     assert s["open_sequences"] == 0 and s["kv_blocks_used"] == 0
+
+
+def test_new_submission_errors_raise_from_stream_before_iterating(engine):
+    import numpy as np
+
+    cap = engine.stats()["num_kv_blocks"] * engine.stats()["block_size"]
+
+    async def main():
+        with pytest.raises(ValueError, match="empty"):
+            engine.stream([], SamplingParams(max_tokens=3))
+        with pytest.raises(ValueError, match="seed"):
+            engine.stream("Once", {"seed": -5})
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            engine.stream("Once", SamplingParams(max_tokens=3, stop_token_ids=[-1]))
+        big = SamplingParams(max_tokens=cap, ignore_eos=True)
+        if engine.max_model_len > cap:
+            with pytest.raises(ValueError, match="more than the KV cache holds"):
+                engine.stream("Once", big)
+        ids = engine.tokenizer("Once upon a time").input_ids
+        p = SamplingParams(max_tokens=4, temperature=0)
+        a = await engine.generate(np.array(ids), p)
+        b = await engine.generate(ids, p)
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+    run(main())
+    assert engine.stats()["num_waiting"] == 0 and engine.stats()["num_running"] == 0
+
+
+def test_sequence_of_another_engine_is_refused(engine, stories_path):
+    other = AsyncLLM(stories_path, dtype="float32")
+    try:
+        async def main():
+            seq = other.open(engine.tokenizer("Once upon a time").input_ids)
+            with pytest.raises(ValueError, match="another engine"):
+                engine.stream(seq, SamplingParams(max_tokens=3, temperature=0))
+            with pytest.raises(ValueError, match="another engine"):
+                await engine.generate(seq, SamplingParams(max_tokens=3, temperature=0))
+            out = await other.generate(seq, SamplingParams(max_tokens=3, temperature=0))
+            assert len(out.outputs[0].token_ids) == 3
+            seq.close()
+
+        run(main())
+    finally:
+        other.shutdown()
+    assert engine.stats()["num_waiting"] == 0 and engine.stats()["open_sequences"] == 0
+
+
+def test_engine_failure_reaches_callers_as_the_error(engine):
+    """A broken step fails requests in flight through their error path (on_error), never as an output."""
+    eng = engine.engine
+    orig = eng.runner.execute
+
+    def boom(inputs):
+        raise RuntimeError("injected step failure")
+
+    async def main():
+        eng.runner.execute = boom
+        try:
+            with pytest.raises(RuntimeError, match="injected step failure"):
+                await engine.generate("Once upon a time", SamplingParams(max_tokens=5))
+        finally:
+            eng.runner.execute = orig
+        out = await engine.generate("Once upon a time", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        assert len(out.outputs[0].token_ids) == 3
+
+    run(main())
+    assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["num_running"] == 0

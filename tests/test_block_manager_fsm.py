@@ -114,7 +114,7 @@ class KVMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         batch = self.sched.schedule()
-        assert not self.sched.unfit
+        assert not self.sched.take_unfit()
         # the runner performs copies first, then writes: every written block must be ours alone
         for src, dst in batch.plan.copies:
             assert self.pool.blocks[dst].ref_count == 1

@@ -35,7 +35,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     mixed = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]],
                          [SamplingParams(max_tokens=9, temperature=0.7), p, SamplingParams(max_tokens=20, seed=5)])
     assert mixed[1].outputs[0].token_ids == alone
-    other = llm.generate([PROMPTS[0]], p.clone(seed=124))[0].outputs[0].token_ids
+    other = llm.generate([PROMPTS[0]], p.model_copy(update={"seed": 124}))[0].outputs[0].token_ids
     assert other != alone
 
 
@@ -153,10 +153,23 @@ def test_prompt_larger_than_pool_is_rejected(stories_path):
         small.generate([{"prompt_token_ids": [1] * 100}])
     out = small.generate([{"prompt_token_ids": [1] * 30}], SamplingParams(max_tokens=30, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 30  # fits alone: never fails for lack of blocks
-    # a sequence that outgrows the whole pool ends with what it has, like one reaching max_model_len
-    out = small.generate([{"prompt_token_ids": [1] * 40}], SamplingParams(max_tokens=60, ignore_eos=True))[0]
-    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 64 - 40 + 1
+    # prompt + max_tokens beyond the whole pool is refused at submission (not silently cut short)
+    steps = small.stats()["steps"]
+    with pytest.raises(ValueError, match=r"prompt 1 has 40 tokens and max_tokens=60: up to 99 tokens of KV, more than the KV "
+                                         r"cache holds \(4 blocks of 16 = 64 tokens\)"):
+        small.generate(["ok", {"prompt_token_ids": [1] * 40}], SamplingParams(max_tokens=60, ignore_eos=True))
+    assert small.stats()["num_waiting"] == 0 and small.stats()["steps"] == steps
+    # exactly the pool: 40 + 25 tokens hold 64 in the KV cache (the last sampled token is never fed back)
+    out = small.generate([{"prompt_token_ids": [1] * 40}], SamplingParams(max_tokens=25, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 25
     assert small.stats()["kv_blocks_used"] == 0
+
+
+def test_max_model_len_caps_the_pool_check(stories_path):
+    small = LLM(stories_path, dtype="float32", num_kv_blocks=4, block_size=16, max_model_len=60)
+    # ends at max_model_len (60 tokens) long before max_tokens: fits, so it is not refused
+    out = small.generate([{"prompt_token_ids": [1] * 40}], SamplingParams(max_tokens=1000, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 20
 
 
 def test_model_errors(tmp_path, stories_path):
@@ -187,3 +200,103 @@ def test_random_sampling_follows_the_distribution():
     freq = torch.bincount(toks, minlength=5).float() / len(seqs)
     assert freq[4] == 0  # zero-probability tokens are never drawn
     assert torch.allclose(freq, probs, atol=0.03), freq
+
+
+# ---- issue 11: concurrent generate, submission-time validation ----------------------------------------
+
+def test_generate_from_several_threads_is_serialized(llm):
+    import threading
+
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    jobs = [PROMPTS[i % 3:] + PROMPTS[: i % 3] for i in range(4)]
+    want = [[o.outputs[0].token_ids for o in llm.generate(j, p)] for j in jobs]
+    got, errors = [None] * len(jobs), []
+    start = threading.Barrier(len(jobs))
+
+    def work(i):
+        try:
+            start.wait()
+            got[i] = [o.outputs[0].token_ids for o in llm.generate(jobs[i], p)]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert got == want
+    assert llm.stats()["kv_blocks_used"] == 0 and llm.stats()["num_running"] == 0
+
+
+def test_sequence_of_another_engine_is_refused(llm, stories_path):
+    from flowrt.engine.llm_engine import LLMEngine
+
+    other = LLMEngine(model=stories_path, dtype="float32")
+    seq = other.open(llm.tokenizer("Once upon a time").input_ids)
+    with pytest.raises(ValueError, match="another engine"):
+        llm.engine.add_request(seq, SamplingParams(max_tokens=3, temperature=0))
+    with pytest.raises(ValueError, match="another engine"):
+        llm.engine.fork(seq)
+    assert llm.stats()["num_waiting"] == 0 and llm.stats()["kv_blocks_used"] == 0
+
+
+def test_min_tokens_holds_off_stop_strings_ids_and_eos(llm):
+    greedy = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].outputs[0]
+    stopped = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=30, temperature=0, stop="Lily"))[0].outputs[0]
+    k = len(stopped.token_ids)  # the stop string ends within token k
+    held = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=30, min_tokens=k + 2, temperature=0,
+                                                    stop="Lily", ignore_eos=True))[0].outputs[0]
+    assert len(held.token_ids) >= k + 2
+    assert held.token_ids == greedy.token_ids[: len(held.token_ids)]
+    tok = greedy.token_ids[1]
+    ids = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=30, min_tokens=5, temperature=0,
+                                                   stop_token_ids=[tok]))[0].outputs[0]
+    assert len(ids.token_ids) >= 5 and tok not in ids.token_ids[:5]
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(llm):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate(["Once"], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[10**6]))
+    assert llm.stats()["num_waiting"] == 0
+
+
+def test_numpy_prompts_are_accepted(llm):
+    import numpy as np
+
+    ids = llm.tokenizer(PROMPTS[0]).input_ids
+    p = SamplingParams(max_tokens=4, temperature=0)
+    want = llm.generate({"prompt_token_ids": ids}, p)[0].outputs[0].token_ids
+    for prompt in (np.array(ids, dtype=np.int64), np.array(ids, dtype=np.int32), [np.int64(t) for t in ids],
+                   {"prompt_token_ids": np.array(ids)}, [np.array(ids)]):
+        out = llm.generate(prompt, p)
+        assert len(out) == 1 and out[0].outputs[0].token_ids == want and out[0].prompt_token_ids == ids
+        assert all(type(t) is int for t in out[0].prompt_token_ids)
+    with pytest.raises(ValueError, match="1-D integer array"):
+        llm.generate({"prompt_token_ids": np.array(ids, dtype=np.float32)}, p)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate({"prompt_token_ids": np.array([1, 10**6])}, p)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 2**64])
+def test_seed_out_of_range_names_seed(seed):
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=seed)
+    SamplingParams(seed=2**63 - 1)
+
+
+def test_largest_seed_samples(llm):
+    out = llm.generate([PROMPTS[0]], SamplingParams(n=2, max_tokens=3, seed=2**63 - 1))[0]
+    assert [len(o.token_ids) for o in out.outputs] == [3, 3]
+
+
+def test_empty_prompts_are_refused(llm):
+    for prompt in ("", [], {"prompt_token_ids": []}, {"prompt": ""}):
+        with pytest.raises(ValueError, match="prompt 0 is empty"):
+            llm.generate([prompt], SamplingParams(max_tokens=2))
+    import numpy as np
+
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate({"prompt_token_ids": np.array([], dtype=np.int64)}, SamplingParams(max_tokens=2))
+    assert llm.stats()["num_waiting"] == 0

@@ -98,7 +98,7 @@ def test_parallel_sampling_prefills_once_and_shares_blocks(stories_path):
 def test_greedy_n_samples_equal_single_greedy(llm):
     prompt = {"prompt_token_ids": prefix_prompts(n=1, prefix_len=37)[0]}
     single = tokens(llm.generate([prompt], GREEDY))[0]
-    multi = llm.generate([prompt], GREEDY.clone(n=3))[0]
+    multi = llm.generate([prompt], GREEDY.model_copy(update={"n": 3}))[0]
     assert [o.token_ids for o in multi.outputs] == [single] * 3
 
 

@@ -1,0 +1,55 @@
+"""Sizing and allocating the KV cache tensor: [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .config import EngineArgs
+from .model_config import ModelConfig
+
+DEFAULT_KV_CAP = 2 << 30
+
+
+def zeros_lazy(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose pages the OS maps only when first written (calloc through numpy), so a large
+    KV pool costs resident memory only for the blocks actually used. Zeros matter: masked attention
+    multiplies unused slots by 0, and garbage there could be NaN."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    arr = np.zeros(shape, dtype={4: np.float32, 2: np.int16}[dtype.itemsize])
+    t = torch.from_numpy(arr)
+    return t if dtype == torch.float32 else t.view(dtype)
+
+
+def _available_memory() -> int:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def num_kv_blocks(args: EngineArgs, cfg: ModelConfig, kv_dtype: torch.dtype, max_len: int) -> int:
+    """num_kv_blocks if given; else as many as kv_cache_memory bytes hold; else a quarter of free memory up
+    to 2 GiB, and no more than every sequence slot at full length needs."""
+    bs = args.block_size
+    block_bytes = cfg.kv_bytes_per_token * kv_dtype.itemsize * bs
+    if args.num_kv_blocks is not None:
+        return args.num_kv_blocks
+    if args.kv_cache_memory is not None:
+        n = args.kv_cache_memory // block_bytes
+        if n < 1:
+            raise ValueError(f"kv_cache_memory={args.kv_cache_memory} bytes is less than one KV block ({block_bytes})")
+        return n
+    want = args.max_num_seqs * -(-max_len // bs)
+    budget = min(int(_available_memory() * 0.25), DEFAULT_KV_CAP)
+    return max(1, min(budget // block_bytes, want))
+
+
+def allocate_kv_cache(args: EngineArgs, cfg: ModelConfig, kv_dtype: torch.dtype, max_len: int,
+                      device: torch.device) -> torch.Tensor:
+    n = num_kv_blocks(args, cfg, kv_dtype, max_len)
+    return zeros_lazy((cfg.num_layers, 2, n, args.block_size, cfg.num_kv_heads, cfg.head_dim), kv_dtype, device)

@@ -1,0 +1,107 @@
+"""Open sequences: token sequences whose KV outlives one request (what EngineSequence handles wrap).
+
+Contract: every operation runs under the engine's lock; a sequence is only ever used with the engine that
+opened it (`check_owned`); fork/append/close of a generating sequence raise RuntimeError; a closed
+sequence's blocks go back to the pool (its full blocks stay in the prefix cache). `close_later` may be
+called from any thread at any time (finalizers); such closes are applied by `drain` before the next step.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+from .input_processor import InputProcessor
+from .kv_cache_manager import KVCacheManager
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, SeqStatus
+
+
+class OpenSequences:
+    def __init__(self, lock, kv: KVCacheManager, scheduler: Scheduler, inputs: InputProcessor,
+                 abort: Callable[[str], bool]):
+        self.lock = lock
+        self.kv = kv
+        self.scheduler = scheduler
+        self.inputs = inputs
+        self.abort = abort
+        self.seqs: dict[int, Sequence] = {}
+        self._pending_closes: collections.deque[Sequence] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def check_owned(self, seq: Sequence, prefix: str = "") -> None:
+        if self.seqs.get(seq.seq_id) is not seq:
+            raise ValueError(f"{prefix}the sequence was opened on another engine (sequences cannot move between engines)")
+
+    def check_can_generate(self, seq: Sequence, params: SamplingParams) -> None:
+        """Every check for a request that generates onto seq (raises ValueError / RuntimeError)."""
+        if seq.status is SeqStatus.CLOSED:
+            raise ValueError("the sequence is closed")
+        self.check_owned(seq)
+        if seq.request is not None and not seq.request.finished:
+            raise RuntimeError("the sequence is already generating (one request at a time)")
+        if params.n != 1:
+            raise ValueError("n must be 1 when generating onto a sequence (fork it for several samples)")
+        self.inputs.check_tokens(seq.token_ids, "sequence")
+        self.inputs.check_request(seq.num_tokens, params, "sequence")
+
+    def open(self, token_ids) -> Sequence:
+        ids = self.inputs.token_ids(token_ids, "sequence")
+        if ids:
+            self.inputs.check_tokens(ids, "sequence")
+        seq = Sequence(ids, persistent=True)
+        with self.lock:
+            self.seqs[seq.seq_id] = seq
+        return seq
+
+    def _check_idle(self, seq: Sequence, op: str) -> None:
+        if seq.status is SeqStatus.CLOSED:
+            raise RuntimeError(f"cannot {op} a closed sequence")
+        if seq.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
+            raise RuntimeError(f"cannot {op} a sequence while it is generating")
+        self.check_owned(seq, f"cannot {op} it: ")
+
+    def append(self, seq: Sequence, token_ids) -> None:
+        ids = self.inputs.token_ids(token_ids, "appended tokens")
+        with self.lock:
+            self._check_idle(seq, "append to")
+            limit = self.inputs.max_model_len
+            if seq.num_tokens + len(ids) > limit:
+                raise ValueError(f"sequence would have {seq.num_tokens + len(ids)} tokens, more than max_model_len={limit}")
+            seq.token_ids.extend(ids)
+
+    def fork(self, seq: Sequence, n: int = 1) -> list[Sequence]:
+        if n < 1:
+            raise ValueError(f"fork needs n >= 1, got {n}")
+        with self.lock:
+            self._check_idle(seq, "fork")
+            children = []
+            for _ in range(n):
+                child = Sequence(list(seq.token_ids), persistent=True)
+                self.kv.fork(seq, child)
+                self.seqs[child.seq_id] = child
+                self.scheduler.park(child)
+                children.append(child)
+            return children
+
+    def close_later(self, seq: Sequence) -> None:
+        self._pending_closes.append(seq)
+
+    def drain(self) -> None:
+        while self._pending_closes:
+            self.close(self._pending_closes.popleft())
+
+    def close(self, seq: Sequence) -> None:
+        with self.lock:
+            if seq.status is SeqStatus.CLOSED or self.seqs.get(seq.seq_id) is not seq:
+                return
+            if seq.request is not None and not seq.request.finished:
+                self.abort(seq.request.request_id)
+            self.scheduler.remove(seq)
+            self.kv.free(seq)
+            seq.status = SeqStatus.CLOSED
+            seq.request = None
+            self.seqs.pop(seq.seq_id, None)

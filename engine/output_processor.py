@@ -1,0 +1,220 @@
+"""Post-sampling processing: what a step's results do to requests.
+
+`OutputProcessor.process` takes the step's plan (SchedulerOutput), the sequences whose tokens were computed,
+the logits (ModelRunnerOutput) and the sampled tokens, and: records prompt log-probabilities, appends each
+sampled token, applies stop conditions (stop strings, stop token ids, EOS, max_tokens, max_model_len; none
+of the first three before min_tokens), detokenizes incrementally, records logprobs, finishes samples and
+requests, and notifies each request's listener. `make_output` builds the user-facing RequestOutput.
+
+It owns the registry of live requests and the token counters. Sequences it finishes go back to the
+scheduler (`Scheduler.finish`), which releases or parks their KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from . import detokenizer
+from .model_runner import ModelRunnerOutput
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .sampler import SampleResult
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import Request, Sequence, SeqStatus
+
+logger = logging.getLogger("flowrt.engine")
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, scheduler: Scheduler, eos_ids: tuple[int, ...], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.counters = dict(prompt_tokens=0, prefill_tokens_computed=0, decode_tokens_computed=0,
+                             generated_tokens=0, steps=0)
+
+    # ---- request lifecycle ----------------------------------------------------------------------
+    def add(self, req: Request) -> int:
+        """Registers a new request (its one sequence samples as index 0). Returns how many of the sequence's
+        tokens keep their KV: the logits of every token after that are recomputed (the next token's, and
+        those of the prompt tokens scored for prompt_logprobs: all of a fresh prompt, the pending ones of an
+        open sequence)."""
+        seq = req.seqs[0]
+        self.attach(req, seq, 0)
+        keep = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        if req.params.prompt_logprobs is not None:
+            start = max(1, keep) if seq.persistent else 1
+            req.prompt_logprob_start = start
+            req.prompt_logprobs = [None] * (seq.num_tokens - start)
+            keep = min(keep, start - 1)
+        self.counters["prompt_tokens"] += seq.num_tokens - keep
+        self.requests[req.request_id] = req
+        return keep
+
+    def attach(self, req: Request, seq: Sequence, index: int) -> None:
+        """seq samples for req as its sample `index`: fresh per-request output state."""
+        p = req.params
+        seq.request = req
+        seq.sample_index = index
+        seq.prompt_len = seq.num_tokens
+        seq.generator = torch.Generator().manual_seed(p.seed + index) if p.seed is not None else None
+        seq.output_logprobs = [] if p.logprobs is not None else None
+        seq.cumulative_logprob = 0.0
+        seq.finish_reason = seq.stop_reason = None
+        detokenizer.start(seq)
+
+    def finish_seq(self, seq: Sequence, reason: str | None = None) -> None:
+        """A sample is done (its finish_reason set, or `reason`): final text, and it leaves the batch."""
+        if reason is not None:
+            seq.finish_reason = reason
+        req = seq.request
+        if not req.needs_text_each_step and seq.finish_reason != "abort":
+            detokenizer.update(self.tokenizer, seq, req.params.skip_special_tokens)
+        self.scheduler.finish(seq)
+
+    def finish_request(self, req: Request) -> None:
+        req.finished = True
+        self.requests.pop(req.request_id, None)
+        if req.on_output is not None:
+            req.on_output(req)
+
+    def abort(self, req: Request) -> None:
+        for seq in req.seqs:
+            if seq.finish_reason is None:
+                self.finish_seq(seq, "abort")
+        self.finish_request(req)
+
+    def fail(self, req: Request, exc: BaseException) -> None:
+        """The engine broke: the request ends (aborted) and its listener gets the error, not an output."""
+        on_error, req.on_output = req.on_error, None
+        self.abort(req)
+        if on_error is not None:
+            on_error(exc)
+
+    def fail_unfit(self, seq: Sequence) -> None:
+        """A sequence that outgrew the whole KV pool ends like one that reached max_model_len. (Submission
+        refuses requests that could; this is the safety net.)"""
+        logger.warning("sequence %d (%d tokens) no longer fits in the KV cache; ending it", seq.seq_id, seq.num_tokens)
+        req = seq.request
+        self.finish_seq(seq, "length")
+        if req is not None and all(s.finish_reason is not None for s in req.seqs):
+            self.finish_request(req)
+
+    # ---- one step's results ------------------------------------------------------------------------
+    def process(self, so: SchedulerOutput, computed: list[tuple[Sequence, int]], mo: ModelRunnerOutput,
+                sampled: list[Sequence], result: SampleResult | None) -> list[Request]:
+        """Applies a step; returns the requests that made progress. `sampled[i]` drew result.token_ids[i]."""
+        self.counters["steps"] += 1
+        touched: dict[str, Request] = {}
+        for seq, n in computed:
+            # A decode computes one just-sampled token; everything else (prompts, appended text,
+            # recomputation after preemption) is prefill.
+            decode = n == 1 and seq.num_computed_tokens - 1 >= seq.prompt_len
+            self.counters["decode_tokens_computed" if decode else "prefill_tokens_computed"] += n
+            touched[seq.request.request_id] = seq.request
+        for seq, first_row, pos in so.prompt_logprob_rows:
+            if seq.status is SeqStatus.RUNNING:
+                self._record_prompt_logprobs(seq, mo.logits, first_row, pos)
+        if result is not None:
+            now = time.monotonic()
+            for i, (seq, tok) in enumerate(zip(sampled, result.token_ids)):
+                req = seq.request
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                seq.token_ids.append(tok)
+                self.counters["generated_tokens"] += 1
+                if seq.output_logprobs is not None:
+                    seq.output_logprobs.append(self._logprob_entry(result.logprobs[i], tok, req.params.logprobs))
+                    seq.cumulative_logprob += float(result.logprobs[i, tok])
+                self._check_stop(seq, tok)
+        for req in touched.values():
+            for seq in req.seqs:
+                if (seq.status is SeqStatus.RUNNING and seq.finish_reason is None
+                        and req.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens):
+                    self.finish_seq(seq, "length")  # max_tokens=0: done once its tokens are computed
+            if all(s.finish_reason is not None for s in req.seqs) and req.forked == (req.params.n > 1):
+                self.finish_request(req)
+            elif req.on_output is not None:
+                req.on_output(req)
+        return list(touched.values())
+
+    def _check_stop(self, seq: Sequence, tok: int) -> None:
+        req = seq.request
+        p = req.params
+        n_out = seq.num_output_tokens
+        may_stop = n_out >= p.min_tokens  # no stop of any kind before min_tokens
+        if req.needs_text_each_step:
+            delta = detokenizer.update(self.tokenizer, seq, p.skip_special_tokens)
+            if p.stop and delta and may_stop:
+                text = seq.text
+                window = max(map(len, p.stop)) + len(delta)
+                lo = max(0, len(text) - window)
+                hits = [(text.find(s, lo), s) for s in p.stop]
+                hits = [(i, s) for i, s in hits if i >= 0]
+                if hits:
+                    i, s = min(hits)
+                    seq.text = text[: i + len(s) if p.include_stop_str_in_output else i]
+                    seq.finish_reason, seq.stop_reason = "stop", s
+        if seq.finish_reason is None and may_stop:
+            if tok in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", tok
+            elif not p.ignore_eos and tok in self.eos_ids:
+                seq.finish_reason = "stop"
+        if seq.finish_reason is None and (n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.finish_seq(seq)
+
+    # ---- logprobs --------------------------------------------------------------------------------
+    def _logprob_entry(self, row: torch.Tensor, tok: int, k: int) -> dict[int, Logprob]:
+        entry: dict[int, Logprob] = {}
+        if k:
+            vals, idx = torch.topk(row, k)
+            for rank, (t, v) in enumerate(zip(idx.tolist(), vals.tolist()), start=1):
+                entry[t] = Logprob(v, rank, self.tokenizer.decode([t]))
+        if tok not in entry:
+            lp = float(row[tok])
+            rank = int((row > lp).sum()) + 1
+            entry[tok] = Logprob(lp, rank, self.tokenizer.decode([tok]))
+        return entry
+
+    def _record_prompt_logprobs(self, seq: Sequence, logits, first_row: int, pos: int) -> None:
+        req = seq.request
+        k = req.params.prompt_logprobs
+        hi = min(seq.num_computed_tokens, seq.prompt_len - 1)
+        lps = torch.log_softmax(logits[first_row : first_row + (hi - pos)], dim=-1)
+        for j, p in enumerate(range(pos, hi)):
+            tok = seq.token_ids[p + 1]
+            req.prompt_logprobs[p + 1 - req.prompt_logprob_start] = self._logprob_entry(lps[j], tok, k)
+
+    # ---- outputs ----------------------------------------------------------------------------------
+    def make_output(self, req: Request) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=seq.sample_index,
+                text=seq.text,
+                token_ids=seq.token_ids[seq.prompt_len :],
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                logprobs=list(seq.output_logprobs) if seq.output_logprobs is not None else None,
+                cumulative_logprob=seq.cumulative_logprob if seq.output_logprobs is not None else None,
+            )
+            for seq in req.seqs
+        ]
+        metrics = {"arrival_time": req.arrival_time}
+        if req.first_token_time is not None:
+            metrics["first_token_time"] = req.first_token_time
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=outs,
+            finished=req.finished,
+            num_cached_tokens=req.num_cached_tokens,
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+            metrics=metrics,
+        )
