@@ -19,10 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["Chunk", "ChunkingConfig", "Chunker", "split_sections", "Document", "read_documents", "DOC_SUFFIXES"]
-
-#: File suffixes that ``read_documents`` picks up from a directory.
-DOC_SUFFIXES = (".md", ".markdown", ".txt", ".rst")
+__all__ = ["Chunk", "ChunkingConfig", "Chunker", "split_sections", "Document"]
 
 TokenSpans = Callable[[str], Sequence[tuple[int, int]]]
 
@@ -46,7 +43,7 @@ class Chunk:
 
     @property
     def doc_id(self) -> str:
-        """Documents are identified by their source path (relative to the indexed directory)."""
+        """Documents are identified by their source id (rules in flowrt.retrieval.sources)."""
         return self.source
 
     def with_score(self, score: float) -> "Chunk":
@@ -86,9 +83,9 @@ class ChunkingConfig:
 
 @dataclass
 class Document:
-    source: str  #: the key of the document in an index (a relative path for files)
+    source: str  #: the document's source id: its key in an index (see flowrt.retrieval.sources)
     text: str
-    path: Path | None = None
+    path: Path | None = None  #: the file it was read from (its origin), if any
     meta: dict[str, Any] = field(default_factory=dict)
 
 
@@ -256,39 +253,3 @@ class Chunker:
                 nxt = sent[i] if i < len(sent) and sent[i] < e else e - overlap
             s = max(nxt, s + 1)
         return [(spans[a][0], spans[b - 1][1]) for a, b in out]
-
-
-def read_documents(paths: Iterable[str | Path], *, root: str | Path | None = None, suffixes: Sequence[str] = DOC_SUFFIXES) -> list[Document]:
-    """Read text documents from files and directories (recursively, ``suffixes`` only, sorted).
-
-    A file found under a directory argument gets a source relative to that directory; a file named
-    directly gets a source relative to ``root`` when it is inside it, else its file name.
-    """
-    docs: dict[str, Document] = {}
-    root_p = Path(root).resolve() if root else None
-    for p in paths:
-        p = Path(p)
-        if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in suffixes and not _hidden(f, p))
-            base = p.resolve()
-            pairs = [(f, f.resolve().relative_to(base).as_posix()) for f in files]
-        elif p.is_file():
-            rp = p.resolve()
-            if root_p is not None and rp.is_relative_to(root_p):
-                src = rp.relative_to(root_p).as_posix()
-            else:
-                src = p.name
-            pairs = [(p, src)]
-        else:
-            raise FileNotFoundError(f"no such file or directory: {p}")
-        for f, src in pairs:
-            try:
-                text = f.read_text(encoding="utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{f} is not UTF-8 text ({e}); convert it or leave it out") from e
-            docs[src] = Document(source=src, text=text, path=f)
-    return list(docs.values())
-
-
-def _hidden(f: Path, base: Path) -> bool:
-    return any(part.startswith(".") for part in f.relative_to(base).parts)

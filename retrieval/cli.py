@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Sequence
 
+from .lock import DEFAULT_LOCK_TIMEOUT
+
 __all__ = ["add_parser", "main"]
 
 
@@ -40,17 +42,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--nprobe", type=int, default=None, help="IVF partitions searched per query")
     b.add_argument("--hnsw-m", type=int, default=None, help="HNSW graph degree (default 32)")
     b.add_argument("--quiet", "-q", action="store_true", help="no progress bar or summary")
+    _source_prefix(b)
+    _lock_timeout(b)
     b.set_defaults(func=cmd_build)
 
-    a = sub.add_parser("add", help="add or update documents (files or directories) in an index")
+    a = sub.add_parser(
+        "add", help="add or update documents (files or directories) in an index",
+        description="Add or update documents. A document's source id is its path relative to the index's root (the "
+                    "directory it was built from), else relative to the directory holding every PATH outside it; a "
+                    "file already indexed keeps its id. Prints one line per file: added, replaced or unchanged.")
     a.add_argument("index_dir", metavar="INDEX_DIR")
     a.add_argument("paths", nargs="+", metavar="PATH")
     a.add_argument("--quiet", "-q", action="store_true")
+    _source_prefix(a)
+    a.add_argument("--replace", action="store_true",
+                   help="let a file replace a document indexed from another path (default: refuse)")
+    _lock_timeout(a)
     a.set_defaults(func=cmd_add)
 
     d = sub.add_parser("delete", help="remove documents from an index by source (as `index info --sources` lists them)")
     d.add_argument("index_dir", metavar="INDEX_DIR")
     d.add_argument("sources", nargs="+", metavar="SOURCE")
+    _lock_timeout(d)
     d.set_defaults(func=cmd_delete)
 
     q = sub.add_parser("query", help="search an index")
@@ -68,6 +81,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     i.add_argument("--sources", action="store_true", help="also list every document source")
     i.set_defaults(func=cmd_info)
     return p
+
+
+def _source_prefix(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--source-prefix", metavar="NAME", default=None,
+                   help="put NAME/ in front of every source id (to index files whose names clash with indexed ones)")
+
+
+def _lock_timeout(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lock-timeout", type=float, default=DEFAULT_LOCK_TIMEOUT, metavar="SECONDS",
+                   help=f"how long to wait for another writer of the index (default {DEFAULT_LOCK_TIMEOUT:g})")
 
 
 def _err(msg: str) -> None:
@@ -105,6 +128,8 @@ def cmd_build(args) -> int:
         nlist=args.nlist,
         nprobe=args.nprobe,
         hnsw_m=args.hnsw_m,
+        source_prefix=args.source_prefix,
+        lock_timeout=args.lock_timeout,
     )
     if not args.quiet:
         dt = time.perf_counter() - t0
@@ -117,11 +142,14 @@ def cmd_build(args) -> int:
 def cmd_add(args) -> int:
     from .retriever import Retriever
 
-    r = Retriever.load(args.index_dir)
-    report = r.add(args.paths, progress=None if not args.quiet else False)
-    if report.added or report.replaced:
-        r.save()
+    with Retriever.updating(args.index_dir, timeout=args.lock_timeout) as r:
+        report = r.add(args.paths, source_prefix=args.source_prefix, replace=args.replace,
+                       progress=None if not args.quiet else False)
+        if report.added or report.replaced:
+            r.save()
     if not args.quiet:
+        for line in report.per_file():
+            print(line, file=sys.stderr)
         print(f"{report} -> {r.path} ({len(r.sources)} documents, {len(r)} chunks)", file=sys.stderr)
     return 0
 
@@ -130,9 +158,9 @@ def cmd_add(args) -> int:
 def cmd_delete(args) -> int:
     from .retriever import Retriever
 
-    r = Retriever.load(args.index_dir)
-    n = r.delete(args.sources)
-    r.save()
+    with Retriever.updating(args.index_dir, timeout=args.lock_timeout) as r:
+        n = r.delete(args.sources)
+        r.save()
     print(f"removed {len(args.sources)} documents ({n} chunks) -> {r.path} ({len(r.sources)} documents left)", file=sys.stderr)
     return 0
 

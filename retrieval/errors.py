@@ -16,6 +16,9 @@ __all__ = [
     "EmbedderMismatchError",
     "DimensionMismatchError",
     "EmbedderNotFoundError",
+    "IndexLockedError",
+    "IndexConflictError",
+    "SourceConflictError",
 ]
 
 
@@ -49,3 +52,19 @@ class EmbedderMismatchError(IndexLoadError):
 
 class DimensionMismatchError(IndexLoadError):
     """Vector dimensions disagree (manifest, FAISS index, or embedder)."""
+
+
+class IndexLockedError(RetrievalError, TimeoutError):
+    """Another writer held the index's lock for longer than the caller was willing to wait."""
+
+    def __init__(self, message: str, pid: int | None = None):
+        super().__init__(message)
+        self.pid = pid
+
+
+class IndexConflictError(RetrievalError):
+    """Another writer committed to the index since this Retriever loaded it; saving would lose that change."""
+
+
+class SourceConflictError(RetrievalError, ValueError):
+    """Two different files would get the same source id, or a file would silently replace another's document."""

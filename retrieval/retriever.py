@@ -7,15 +7,24 @@ On disk an index is a directory::
                                  index kind and parameters, and the name, size and sha256 of each file below
       index-<gen>.faiss          the FAISS index (vector ids are chunk ids)
       chunks-<gen>.jsonl         one chunk per line: id, source, position, heading, title, start, end, text
-      documents-<gen>.json       per source: sha256 of its text and its chunk ids
+      documents-<gen>.json       per source id: sha256 of its text, its chunk ids, and its origin
+                                 (the file it was read from; None for texts)
 
 Saving is atomic: the data files of a new generation are written (and fsynced) under new names, then
-``manifest.json`` is replaced with one ``os.replace``, then the previous generation's files are deleted.
-A crash at any point leaves a directory whose manifest names complete files: the old index or the new
-one, never a mix. A brand-new index is written into a temporary sibling directory and renamed into place.
+``manifest.json`` is replaced with one ``os.replace``, then data files that the committed manifest does not
+name are deleted. A crash at any point leaves a directory whose manifest names complete files: the old
+index or the new one, never a mix. A brand-new index is written into a temporary sibling directory and
+renamed into place.
+
+Writers take the index's lock (:mod:`.lock`) and save only over the generation they loaded, so concurrent
+writers queue instead of losing each other's updates (:meth:`Retriever.updating` loads under the lock).
+Readers take no lock: a load that loses a race with a writer's cleanup sees the manifest change and
+loads the new generation.
 
 Loading verifies everything the manifest promises and raises an :class:`IndexLoadError` subclass that
-says what is wrong instead of returning wrong results.
+says what is wrong instead of returning wrong results. Format version 1 (no document origins) loads: a
+document's origin is taken to be ``root/source`` where that file exists, else unknown; the next save
+writes version 2.
 """
 
 from __future__ import annotations
@@ -26,29 +35,35 @@ import os
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .chunking import Chunk, Chunker, ChunkingConfig, Document, hf_token_spans, read_documents, whitespace_spans
+from .chunking import Chunk, Chunker, ChunkingConfig, Document, hf_token_spans, whitespace_spans
 from .embedder import Embedder, canonical_embedder_name, get_embedder
 from .errors import (
     DimensionMismatchError,
     EmbedderMismatchError,
     EmbedderNotFoundError,
+    IndexConflictError,
     IndexCorruptError,
     IndexNotFoundError,
     IndexVersionError,
     RetrievalError,
+    SourceConflictError,
 )
 from .index import IndexParams, VectorIndex, resolve_kind
+from .lock import DEFAULT_LOCK_TIMEOUT, IndexLock
+from .sources import read_documents
 
 __all__ = ["Retriever", "AddReport", "FORMAT", "FORMAT_VERSION", "MANIFEST"]
 
 FORMAT = "flowrt.retrieval.index"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  #: 2: documents record their origin file
+_LOAD_TRIES = 5  #: loads retried when a writer replaced the manifest mid-load
 MANIFEST = "manifest.json"
 _DATA_PREFIXES = ("index-", "chunks-", "documents-", MANIFEST + ".tmp-")
 
@@ -62,6 +77,13 @@ class AddReport:
     unchanged: list[str] = field(default_factory=list)
     chunks: int = 0
     seconds: float = 0.0
+    origins: dict[str, str] = field(default_factory=dict)  #: source id -> file it was read from
+
+    def per_file(self) -> list[str]:
+        """One line per document: what happened to it, its source id, and the file it came from."""
+        rows = [(what, s) for what, names in (("added", self.added), ("replaced", self.replaced),
+                                              ("unchanged", self.unchanged)) for s in names]
+        return [f"{what:<9}  {s}" + (f"  <- {self.origins[s]}" if s in self.origins else "") for what, s in sorted(rows, key=lambda r: r[1])]
 
     def __str__(self) -> str:
         return (
@@ -137,6 +159,7 @@ class Retriever:
         self.path: Path | None = Path(path) if path is not None else None
         self.root: str | None = None
         self.generation = 0
+        self._base: tuple[int, str] | None = None  # the committed generation this retriever holds (see save)
         self.created_at: str | None = None
         self._lock = threading.RLock()
 
@@ -171,9 +194,14 @@ class Retriever:
         overlap: int = 32,
         kind: str = "auto",
         progress: bool | None = None,
+        source_prefix: str | None = None,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
         **index_params,
     ) -> "Retriever":
-        """Chunk, embed and index documents (a directory, files, or Document objects); save to ``output`` if given."""
+        """Chunk, embed and index documents (a directory, files, or Document objects); save to ``output`` if given.
+
+        Source ids follow :mod:`.sources`: for one directory, paths relative to it (the index's root).
+        """
         r = cls.create(embedder=embedder, chunk_tokens=chunk_tokens, overlap=overlap, kind=kind, **index_params)
         if isinstance(docs, (str, os.PathLike)):
             docs = [docs]
@@ -182,7 +210,7 @@ class Retriever:
             dirs = [Path(d) for d in docs if Path(d).is_dir()]
             if len(dirs) == 1 and len(docs) == 1:
                 r.root = str(dirs[0].resolve())
-            documents = read_documents(docs, root=r.root)
+            documents = read_documents(docs, root=r.root, prefix=source_prefix)
             if not documents:
                 raise RetrievalError(
                     f"no documents found in {', '.join(map(str, docs))} (looked for *.md, *.markdown, *.txt, *.rst)"
@@ -191,7 +219,7 @@ class Retriever:
             documents = docs
         r.add_documents(documents, progress=progress)
         if output is not None:
-            r.save(output)
+            r.save(output, lock_timeout=lock_timeout)
         return r
 
     # ================================================================== embedder
@@ -244,12 +272,25 @@ class Retriever:
         return f"{c.heading}\n{c.text}" if c.heading else c.text
 
     # ================================================================== documents
-    def add(self, paths: str | os.PathLike | Iterable[str | os.PathLike], *, progress: bool | None = None) -> AddReport:
-        """Add (or update) documents from files and directories. A source already indexed with the same
-        text is skipped; with different text its old chunks are replaced."""
+    def add(
+        self,
+        paths: str | os.PathLike | Iterable[str | os.PathLike],
+        *,
+        source_prefix: str | None = None,
+        replace: bool = False,
+        progress: bool | None = None,
+    ) -> AddReport:
+        """Add (or update) documents from files and directories, identified by source id (:mod:`.sources`).
+
+        A source already indexed with the same text is skipped; with different text its old chunks are
+        replaced. A file never replaces a document read from another file unless ``replace`` is true.
+        """
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
-        return self.add_documents(read_documents(list(paths), root=self.root), progress=progress)
+        with self._lock:
+            known = {d["origin"]: s for s, d in self._docs.items() if d.get("origin")}
+            docs = read_documents(list(paths), root=self.root, prefix=source_prefix, known=known)
+            return self.add_documents(docs, replace=replace, progress=progress)
 
     def add_texts(self, texts: Sequence[str], sources: Sequence[str] | None = None, *, progress: bool | None = None) -> AddReport:
         """Add raw texts as documents (sources default to ``text-<i>``)."""
@@ -258,16 +299,22 @@ class Retriever:
             raise ValueError(f"{len(texts)} texts but {len(sources)} sources")
         return self.add_documents([Document(source=s, text=t) for s, t in zip(sources, texts)], progress=progress)
 
-    def add_documents(self, documents: Iterable[Document], *, progress: bool | None = None) -> AddReport:
+    def add_documents(self, documents: Iterable[Document], *, replace: bool = False, progress: bool | None = None) -> AddReport:
+        """Add Documents by source id; one whose ``path`` differs from the indexed one's is refused unless ``replace``."""
         t0 = time.perf_counter()
         report = AddReport()
+        documents = list(documents)
         with self._lock:
+            if not replace:
+                self._refuse_foreign(documents)
             todo: list[tuple[Document, str]] = []
             seen: set[str] = set()
             for d in documents:
                 if d.source in seen:
                     raise ValueError(f"source {d.source!r} given twice")
                 seen.add(d.source)
+                if d.path is not None:
+                    report.origins[d.source] = str(d.path)
                 digest = _sha256_text(d.text)
                 old = self._docs.get(d.source)
                 if old is not None and old["sha256"] == digest:
@@ -300,13 +347,28 @@ class Retriever:
                     self._chunks.pop(i, None)
             self._vindex.add(vecs, np.array([c.id for c in new_chunks], dtype=np.int64))
             for d, digest, cs in per_doc:
-                self._docs[d.source] = {"sha256": digest, "ids": [c.id for c in cs], "title": cs[0].title if cs else ""}
+                origin = str(d.path) if d.path is not None else None
+                self._docs[d.source] = {"sha256": digest, "ids": [c.id for c in cs], "title": cs[0].title if cs else "", "origin": origin}
                 for c in cs:
                     self._chunks[c.id] = c
             self._next_id += len(new_chunks)
             report.chunks = len(new_chunks)
         report.seconds = time.perf_counter() - t0
         return report
+
+    def _refuse_foreign(self, documents: Sequence[Document]) -> None:
+        """Raise SourceConflictError if a document would replace one indexed from a different file."""
+        clashes = []
+        for d in documents:
+            old = self._docs.get(d.source, {}).get("origin")
+            if d.path is not None and old is not None and old != str(d.path):
+                clashes.append(f"{d.source!r} is indexed from {old}, not {d.path}")
+        if clashes:
+            raise SourceConflictError(
+                "refusing to replace documents with files at other paths: " + "; ".join(clashes)
+                + ". Index them under other ids with --source-prefix NAME (source_prefix=), or pass --replace "
+                "(replace=True) if they are the same documents moved"
+            )
 
     def delete(self, sources: str | Iterable[str]) -> int:
         """Remove documents by source; returns the number of chunks removed. Unknown sources raise KeyError."""
@@ -396,12 +458,17 @@ class Retriever:
         return f"<Retriever{where}: {len(self._docs)} documents, {len(self._chunks)} chunks, {self.kind}, {self.embedder_name}>"
 
     # ================================================================== persistence
-    def save(self, path: str | os.PathLike | None = None) -> Path:
-        """Write the index directory atomically (see the module docstring). Returns its path."""
+    def save(self, path: str | os.PathLike | None = None, *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> Path:
+        """Write the index directory atomically (see the module docstring) under its writer lock. Returns its path.
+
+        Saving back to the directory this retriever was loaded from raises :class:`IndexConflictError` if
+        another writer committed there since: saving would drop that writer's change.
+        """
         target = Path(path) if path is not None else self.path
         if target is None:
             raise ValueError("save() needs a path (this retriever was never loaded from or saved to one)")
-        with self._lock:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with IndexLock(target, timeout=lock_timeout), self._lock:
             if target.exists():
                 if not target.is_dir():
                     raise RetrievalError(f"cannot save an index to {target}: it is a file")
@@ -409,10 +476,11 @@ class Retriever:
                     raise RetrievalError(
                         f"refusing to save an index into {target}: the directory is not empty and holds no flowrt index"
                     )
-                gen = self._next_generation(target)
+                committed = _read_manifest(target)
+                self._check_base(target, committed)
+                gen = int(committed["generation"]) + 1 if committed else self.generation + 1
                 self._write_generation(target, gen)
             else:
-                target.parent.mkdir(parents=True, exist_ok=True)
                 tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
                 tmp.mkdir()
                 try:
@@ -429,11 +497,28 @@ class Retriever:
             self.path = target
             return target
 
-    def _next_generation(self, target: Path) -> int:
-        try:
-            return int(json.loads((target / MANIFEST).read_text())["generation"]) + 1
-        except Exception:
-            return self.generation + 1
+    def _check_base(self, target: Path, committed: dict[str, Any] | None) -> None:
+        if self.path is None or self._base is None or target.resolve() != self.path.resolve():
+            return  # a new index, or a save over another one: it replaces what is there
+        now = _tag(committed)
+        if now != self._base:
+            what = f"generation {committed['generation']}" if committed else "an unreadable manifest"
+            raise IndexConflictError(
+                f"the index at {target} changed since this Retriever loaded it (generation {self.generation}, now "
+                f"{what}): another writer committed, and saving would lose its change. Load it again and redo "
+                f"this change (Retriever.updating({str(target)!r}) loads under the writer lock)"
+            )
+
+    @classmethod
+    @contextmanager
+    def updating(cls, path: str | os.PathLike, *, timeout: float = DEFAULT_LOCK_TIMEOUT, **load_kw) -> Iterator["Retriever"]:
+        """Hold the index's writer lock, load the committed index, yield it; ``save()`` inside commits the change.
+
+        Every read-modify-write of an index shared between processes goes through this, so that no writer
+        works on a generation another has already replaced.
+        """
+        with IndexLock(path, timeout=timeout):
+            yield cls.load(path, **load_kw)
 
     def _write_generation(self, d: Path, gen: int) -> None:
         tag = f"{gen:06d}-{uuid.uuid4().hex[:6]}"
@@ -471,10 +556,8 @@ class Retriever:
         _write_bytes(tmp, (json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
         os.replace(tmp, d / MANIFEST)  # the commit point
         _fsync_dir(d)
-        keep = set(names.values()) | {MANIFEST}
-        for f in d.iterdir():
-            if f.name not in keep and f.name.startswith(_DATA_PREFIXES):
-                f.unlink(missing_ok=True)
+        self._base = _tag(manifest)
+        _sweep(d, set(names.values()))
 
     @classmethod
     def load(
@@ -498,11 +581,22 @@ class Retriever:
             raise IndexNotFoundError(f"no index at {p}: the directory does not exist (build one with `flowrt index build DOCS_DIR -o {p}`)")
         if not p.is_dir():
             raise IndexNotFoundError(f"{p} is a file; an index is a directory holding {MANIFEST}")
+        for attempt in range(_LOAD_TRIES):
+            raw = _manifest_bytes(p)
+            try:
+                return cls._load_once(p, raw, embedder=embedder, verify=verify, nprobe=nprobe, ef_search=ef_search)
+            except IndexCorruptError:
+                if attempt == _LOAD_TRIES - 1 or _manifest_bytes(p) == raw:
+                    raise  # the manifest did not move under us: the index really is broken
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @classmethod
+    def _load_once(cls, p: Path, raw: bytes | None, *, embedder, verify: bool, nprobe: int | None, ef_search: int | None) -> "Retriever":
         mpath = p / MANIFEST
-        if not mpath.is_file():
+        if raw is None:
             raise IndexNotFoundError(f"{p} is not a flowrt index: {MANIFEST} is missing (build one with `flowrt index build DOCS_DIR -o {p}`)")
         try:
-            m = json.loads(mpath.read_text(encoding="utf-8"))
+            m = json.loads(raw.decode("utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
             raise IndexCorruptError(f"{mpath} is corrupt or truncated (not valid JSON: {e}); rebuild the index") from e
         if not isinstance(m, dict) or m.get("format") != FORMAT:
@@ -543,14 +637,15 @@ class Retriever:
         # Files: present, complete, intact.
         for key, f in files.items():
             fp = p / f["name"]
-            if not fp.is_file():
-                raise IndexCorruptError(f"the index at {p} is incomplete: {f['name']} ({key}) is missing; rebuild the index")
-            size = fp.stat().st_size
-            if size != f["bytes"]:
-                what = "truncated" if size < f["bytes"] else "larger than recorded"
-                raise IndexCorruptError(f"{fp} is {what}: {size} bytes, the manifest records {f['bytes']}; rebuild the index")
-            if verify and _sha256_file(fp) != f["sha256"]:
-                raise IndexCorruptError(f"{fp} is corrupt: its sha256 does not match the manifest; rebuild the index")
+            try:
+                size = fp.stat().st_size
+                if size != f["bytes"]:
+                    what = "truncated" if size < f["bytes"] else "larger than recorded"
+                    raise IndexCorruptError(f"{fp} is {what}: {size} bytes, the manifest records {f['bytes']}; rebuild the index")
+                if verify and _sha256_file(fp) != f["sha256"]:
+                    raise IndexCorruptError(f"{fp} is corrupt: its sha256 does not match the manifest; rebuild the index")
+            except OSError as e:
+                raise IndexCorruptError(f"the index at {p} is incomplete: {f['name']} ({key}) is missing ({e.strerror}); rebuild the index") from e
 
         if nprobe is not None:
             params.nprobe = int(nprobe)
@@ -570,8 +665,8 @@ class Retriever:
             docs = json.loads((p / files["documents"]["name"]).read_text(encoding="utf-8"))
             if not isinstance(docs, dict):
                 raise ValueError("documents is not a JSON object")
-        except (ValueError, TypeError, UnicodeDecodeError) as e:
-            raise IndexCorruptError(f"the document store of the index at {p} does not parse ({e}); rebuild the index") from e
+        except (ValueError, TypeError, UnicodeDecodeError, OSError) as e:
+            raise IndexCorruptError(f"the document store of the index at {p} cannot be read ({e}); rebuild the index") from e
         if vindex.ntotal != len(chunks) or sum(len(d["ids"]) for d in docs.values()) != len(chunks):
             raise IndexCorruptError(
                 f"the index at {p} is inconsistent: {vindex.ntotal} vectors, {len(chunks)} stored chunks, "
@@ -588,7 +683,54 @@ class Retriever:
         r.root = m.get("root")
         r.generation = int(m.get("generation", 0))
         r.created_at = m.get("created_at")
+        r._base = _tag(m)
+        if ver == 1:
+            _migrate_v1_origins(docs, r.root)
         return r
+
+
+def _migrate_v1_origins(docs: dict[str, dict[str, Any]], root: str | None) -> None:
+    """Version 1 kept no origins. A source under the root was named relative to it, so ``root/source`` is its
+    origin where that file exists; any other origin stays unknown (None), which never blocks a replace."""
+    for source, d in docs.items():
+        guess = Path(root) / source if root else None
+        d["origin"] = str(guess) if guess is not None and guess.is_file() else None
+
+
+def _manifest_bytes(d: Path) -> bytes | None:
+    try:
+        return (d / MANIFEST).read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _read_manifest(d: Path) -> dict[str, Any] | None:
+    """The committed manifest of directory ``d``, or None when there is none or it does not parse."""
+    raw = _manifest_bytes(d)
+    try:
+        m = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return m if isinstance(m, dict) else None
+
+
+def _tag(m: dict[str, Any] | None) -> tuple[int, str] | None:
+    """What identifies a committed generation: its number and its (randomly tagged) FAISS file name."""
+    try:
+        return int(m["generation"]), str(m["files"]["index"]["name"])
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def _sweep(d: Path, keep: set[str]) -> None:
+    """Delete data files of other generations (and crashed saves), never one the committed manifest names."""
+    committed = _read_manifest(d) or {}
+    files = committed.get("files")
+    if isinstance(files, dict):
+        keep |= {f["name"] for f in files.values() if isinstance(f, dict) and "name" in f}
+    for f in d.iterdir():
+        if f.name != MANIFEST and f.name not in keep and f.name.startswith(_DATA_PREFIXES):
+            f.unlink(missing_ok=True)
 
 
 def _flowrt_version() -> str:

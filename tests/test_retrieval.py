@@ -262,7 +262,8 @@ def test_load_newer_format(small_index):
     m["format_version"] = fr_retrieval.FORMAT_VERSION + 1
     m["created_by"] = "flowrt 9.0"
     _write_manifest(small_index, m)
-    with pytest.raises(fr_retrieval.IndexVersionError, match=r"format version 2.*flowrt 9\.0.*up to 1"):
+    v = fr_retrieval.FORMAT_VERSION
+    with pytest.raises(fr_retrieval.IndexVersionError, match=rf"format version {v + 1}.*flowrt 9\.0.*up to {v}"):
         Retriever.load(small_index)
 
 

@@ -8,9 +8,8 @@ labelled with its source, and puts the question last. Questions that retrieve ov
 therefore produce prompts with a long common prefix, which the engine's prefix cache computes once.
 """
 
-import re
-
 import flowrt as fr
+from flowrt.retrieval import cited_sources
 
 SYSTEM = "You answer questions about the flowrt project from the sources you are given. Be brief and cite sources."
 TEMPLATE = (
@@ -29,7 +28,7 @@ async def retrieve(question: str, retriever: fr.Retriever, k: int = 4) -> list:
 
 @wf.step
 async def answer(question: str, retrieve: list, llm: fr.Model, max_tokens: int = 200) -> dict:
-    """Answer from the retrieved chunks; report which sources the answer cites."""
+    """Answer from the retrieved chunks; report which sources the generated answer cites (not ones it copied from the prompt)."""
 
     def prompt_tokens(user_text: str) -> int:  # the whole chat rendering, as the engine will see it
         probe = llm.chat(system=SYSTEM).user(user_text)
@@ -42,5 +41,5 @@ async def answer(question: str, retrieve: list, llm: fr.Model, max_tokens: int =
         chat.user(prompt)
         text = await chat.assistant(max_tokens=max_tokens, temperature=0.0)
     retrieved = sorted({c.source for c in retrieve})
-    cited = sorted({s for s in re.findall(r"\[([^\[\]\s]+)\]", text) if s in retrieved})
+    cited = cited_sources(text, retrieved, prompt)
     return {"answer": text.strip(), "cited": cited, "retrieved": retrieved}
