@@ -17,22 +17,37 @@ def vote(solve: list[str]) -> str: ...
 
 Run it with ``flowrt run file.py --input question=...``, ``wf.run(question=...)`` or, embedded,
 ``async with fr.Runtime(model=...) as rt: await rt.run(wf, question=...)``.
+
+Every public name is imported on first use (PEP 562), so ``import flowrt.engine`` / ``flowrt.kernels``
+load only the engine / kernels, never the runtime above them (executor, workflows, threads, anyio).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from .aio import gather
-from .executor import RunObserver, RunResult, StepError, StepFailed
-from .model import Model
-from .resources import register_resource
-from .runtime import Runtime
-from .thread import ChatThread, Thread
-from .trace import Tracer
-from .workflow import Workflow, WorkflowError
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> (module, attribute)
+_LAZY: dict[str, tuple[str, str]] = {
+    "Workflow": ("flowrt.workflow", "Workflow"),
+    "WorkflowError": ("flowrt.workflow", "WorkflowError"),
+    "Model": ("flowrt.model", "Model"),
+    "Runtime": ("flowrt.runtime", "Runtime"),
+    "Thread": ("flowrt.thread", "Thread"),
+    "ChatThread": ("flowrt.thread", "ChatThread"),
+    "gather": ("flowrt.aio", "gather"),
+    "RunResult": ("flowrt.executor", "RunResult"),
+    "StepError": ("flowrt.executor", "StepError"),
+    "StepFailed": ("flowrt.executor", "StepFailed"),
+    "RunObserver": ("flowrt.executor", "RunObserver"),
+    "Tracer": ("flowrt.trace", "Tracer"),
+    "register_resource": ("flowrt.resources", "register_resource"),
+    # flowrt.retrieval pulls in faiss / sentence-transformers
+    "Retriever": ("flowrt.retrieval", "Retriever"),
+    "rag": ("flowrt.retrieval", "rag"),
+}
 
 __all__ = [
     "Workflow", "WorkflowError", "Model", "Runtime", "Thread", "ChatThread", "gather",
@@ -40,16 +55,27 @@ __all__ = [
     "Retriever", "rag", "__version__",
 ]
 
-_LAZY = {"Retriever": ("flowrt.retrieval", "Retriever"), "rag": ("flowrt.retrieval", "rag")}
+if TYPE_CHECKING:
+    from .aio import gather
+    from .executor import RunObserver, RunResult, StepError, StepFailed
+    from .model import Model
+    from .resources import register_resource
+    from .retrieval import Retriever, rag
+    from .runtime import Runtime
+    from .thread import ChatThread, Thread
+    from .trace import Tracer
+    from .workflow import Workflow, WorkflowError
 
 
 def __getattr__(name: str) -> Any:
-    # flowrt.retrieval pulls in faiss / sentence-transformers: import it only when used.
-    if name in _LAZY:
-        import importlib
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'flowrt' has no attribute {name!r}")
+    module, attr = target
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
 
-        module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'flowrt' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

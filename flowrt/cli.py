@@ -1,14 +1,17 @@
 """The ``flowrt`` command line.
 
     flowrt run FILE.py [--input NAME=VALUE ...] [--model PATH] [--json] [--trace FILE] [--workflow NAME]
-                       [--index DIR] [engine options]
+                       [--index DIR] [--ENGINE-OPTION VALUE ...]
     flowrt graph FILE.py [--format text|mermaid|dot]
-    flowrt bench NAME [ARGS ...]          # runs bench/NAME.py
+    flowrt bench NAME [ARGS ...]          # runs bench/NAME.py (bench/ is in a source checkout only)
     flowrt serve ...                      # flowrt.server (when installed)
     flowrt index ...                      # flowrt.retrieval (when installed)
 
 Exit status of ``run``: 0 when every step succeeded, 1 when a step failed (its dependents are skipped;
 every other result is still printed), 2 for a bad command line, workflow file, input or model.
+
+The engine options (``run`` and ``serve``) are generated from ``flowrt.engine.EngineArgs``: one
+``--kebab-case`` option per field, documented where the field is (``flowrt run --help`` lists them).
 """
 
 from __future__ import annotations
@@ -22,42 +25,190 @@ import os
 import runpy
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = ["main", "build_parser", "add_engine_arguments", "engine_kwargs_from_args", "parse_inputs"]
 
 EXIT_OK, EXIT_STEP_FAILED, EXIT_USAGE = 0, 1, 2
 
-# EngineArgs fields exposed as options: name -> (type, help)
-_ENGINE_OPTIONS: dict[str, tuple[Any, str]] = {
-    "dtype": (str, "weights/activations dtype: auto, float32, bfloat16, float16 (default auto)"),
-    "block_size": (int, "tokens per KV block (default 16)"),
-    "max_num_seqs": (int, "most sequences in one engine step (default 256)"),
-    "max_num_batched_tokens": (int, "token budget of one engine step (default 2048)"),
-    "kv_cache_memory": (int, "bytes of KV cache (default: the engine's choice)"),
-    "num_kv_blocks": (int, "number of KV blocks (overrides --kv-cache-memory)"),
-    "max_model_len": (int, "context length (default: the model's)"),
-    "attention_backend": (str, "auto, torch or triton (default auto)"),
-    "device": (str, "auto, cpu or cuda (default auto)"),
-    "seed": (int, "engine seed (default 0)"),
-}
+ENGINE_GROUP_DESCRIPTION = ("the fields of flowrt.engine.EngineArgs (engine/API.md); an option left out keeps the "
+                            "engine's default")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that adds the engine's options only when it is used (parsing or help).
+
+    The options are generated from ``EngineArgs``, and importing it loads the engine (torch): ``flowrt
+    graph`` or ``flowrt run`` on plain Python steps must not pay for that.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deferred: list[Callable[[], None]] = []
+
+    def defer_engine_options(self, add: Callable[[], None]) -> None:
+        self._deferred.append(add)
+
+    def _materialize(self) -> None:
+        while self._deferred:
+            self._deferred.pop(0)()
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._materialize()
+        return super().parse_known_args(args, namespace)
+
+    def _parse_known_args(self, *args: Any, **kwargs: Any) -> Any:  # some Pythons skip parse_known_args
+        self._materialize()
+        return super()._parse_known_args(*args, **kwargs)
+
+    def format_usage(self) -> str:
+        self._materialize()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._materialize()
+        return super().format_help()
+
+
+def _engine_fields() -> dict[str, Any]:
+    """EngineArgs' fields (pydantic FieldInfo) but ``model`` (``--model``, handled apart)."""
+    from .engine import EngineArgs
+
+    return {n: f for n, f in EngineArgs.model_fields.items() if n != "model"}
+
+
+_ENGINE_FIELD_NAMES: list[str] | None = None  # filled when the options are first added
+
+
+def _engine_field_names() -> list[str]:
+    global _ENGINE_FIELD_NAMES
+    if _ENGINE_FIELD_NAMES is None:
+        _ENGINE_FIELD_NAMES = list(_engine_fields())
+    return _ENGINE_FIELD_NAMES
+
+
+def _field_comments() -> dict[str, str]:
+    """The ``# comment`` of each EngineArgs field in engine/config.py (trailing the field, else the comment
+    lines right above it): the help of a field that has no ``Field(description=...)``."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    try:
+        from .engine import EngineArgs
+
+        src = textwrap.dedent(inspect.getsource(EngineArgs))
+        lines = src.splitlines()
+        comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                    for tok in tokenize.generate_tokens(io.StringIO(src).readline) if tok.type == tokenize.COMMENT}
+        cls = ast.parse(src).body[0]
+        out = {}
+        for node in getattr(cls, "body", []):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                text = comments.get(node.end_lineno or node.lineno)
+                if not text:  # a block of comment-only lines right above the field
+                    above, n = [], node.lineno - 1
+                    while n in comments and lines[n - 1].lstrip().startswith("#"):
+                        above.insert(0, comments[n])
+                        n -= 1
+                    text = " ".join(above)
+                if text:
+                    out[node.target.id] = text
+        return out
+    except Exception:  # source unavailable (zipped install, ...): help without the comments
+        return {}
+
+
+def _unwrap_optional(ann: Any) -> Any:
+    import types
+    import typing
+
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return ann
+
+
+def _engine_option_help(name: str, field: Any, comment: str | None) -> tuple[str, str | None]:
+    """(help, metavar) of one EngineArgs field."""
+    import typing
+
+    ann = _unwrap_optional(field.annotation)
+    kind = ""
+    if typing.get_origin(ann) is typing.Literal:
+        metavar = "{" + ",".join(str(c) for c in typing.get_args(ann)) + "}"
+    else:
+        metavar = {int: "N", float: "X", str: "TEXT"}.get(ann)
+        kind = getattr(ann, "__name__", str(ann))
+        lo = next((getattr(m, "ge", None) for m in field.metadata if getattr(m, "ge", None) is not None), None)
+        hi = next((getattr(m, "le", None) for m in field.metadata if getattr(m, "le", None) is not None), None)
+        if lo is not None and hi is not None:
+            kind += f" in {lo}..{hi}"
+        elif lo is not None:
+            kind += f" >= {lo}"
+        elif hi is not None:
+            kind += f" <= {hi}"
+    default = "default: the engine's choice" if field.default is None else f"default {field.default}"
+    details = f"{kind}; {default}" if kind else default
+    lead = field.description or comment
+    help_ = f"{lead} ({details})" if lead else details
+    return help_.replace("%", "%%"), metavar
+
+
+def _engine_value(name: str) -> Callable[[str], Any]:
+    """argparse ``type=``: the value as EngineArgs validates it (a bad one is a usage error naming the option)."""
+
+    def convert(raw: str) -> Any:
+        from pydantic import ValidationError
+
+        from .engine import EngineArgs
+
+        try:
+            return getattr(EngineArgs(**{name: raw}), name)
+        except ValidationError as e:
+            raise argparse.ArgumentTypeError(f"{raw!r}: {e.errors()[0]['msg']}") from None
+
+    convert.__name__ = name  # argparse names the type in some messages
+    return convert
+
+
+def _add_engine_options(g: Any) -> None:
+    global _ENGINE_FIELD_NAMES
+    fields = _engine_fields()
+    _ENGINE_FIELD_NAMES = list(fields)
+    comments = _field_comments()
+    for name, field in fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_, metavar = _engine_option_help(name, field, comments.get(name))
+        if _unwrap_optional(field.annotation) is bool:
+            g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            g.add_argument(flag, dest=name, type=_engine_value(name), default=None, metavar=metavar, help=help_)
+    if "enable_prefix_caching" in fields:  # the historical spelling
+        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+                       help=argparse.SUPPRESS)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
+    """``--model`` and one ``--kebab-case`` option per ``EngineArgs`` field (shared by ``flowrt run`` and
+    ``flowrt serve``; read back with ``engine_kwargs_from_args``). On a parser of this CLI the engine
+    options are generated when the parser is first used, so building the CLI does not load the engine."""
+    g = p.add_argument_group("engine", ENGINE_GROUP_DESCRIPTION)
     g.add_argument("--model", metavar="PATH", default=None,
                    help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    for name, (typ, help_) in _ENGINE_OPTIONS.items():
-        g.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
-                   help="disable the engine's prefix cache")
+    defer = getattr(p, "defer_engine_options", None)  # duck-typed: `python -m flowrt.cli` has two _Parser classes
+    if defer is not None:
+        defer(lambda: _add_engine_options(g))
+    else:
+        _add_engine_options(g)
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    kw = {n: getattr(args, n) for n in _ENGINE_OPTIONS if getattr(args, n, None) is not None}
-    if getattr(args, "enable_prefix_caching", None) is not None:
-        kw["enable_prefix_caching"] = args.enable_prefix_caching
-    return kw
+    """The ``EngineArgs`` keywords given on the command line (options left out are not included)."""
+    return {n: getattr(args, n) for n in _engine_field_names() if getattr(args, n, None) is not None}
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -269,8 +420,18 @@ def cmd_graph(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _checkout_root() -> Path:
+    """The folder above the flowrt package: a source checkout's root (an installed wheel's site-packages)."""
+    return Path(__file__).resolve().parent.parent
+
+
 def _bench_dirs() -> list[Path]:
-    dirs = [Path.cwd() / "bench", Path(__file__).resolve().parent.parent / "bench"]
+    """Where benchmarks are looked for: ./bench, and the bench/ folder of the source checkout flowrt runs
+    from. bench/ is not part of the installed package, so an installed flowrt usually has neither."""
+    dirs = [Path.cwd() / "bench"]
+    root = _checkout_root()
+    if (root / "pyproject.toml").is_file():  # a checkout (or an editable install), not site-packages
+        dirs.append(root / "bench")
     seen: list[Path] = []
     for d in dirs:
         if d not in seen:
@@ -280,7 +441,16 @@ def _bench_dirs() -> list[Path]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     name = args.name
-    candidates = [d / f"{name}.py" for d in _bench_dirs()] if not name.endswith(".py") else [Path(name)]
+    if name.endswith(".py"):
+        candidates = [Path(name)]
+    else:
+        dirs = [d for d in _bench_dirs() if d.is_dir()]
+        if not dirs:
+            print("flowrt bench: no bench/ folder: the benchmarks live in flowrt's source checkout and are not "
+                  "installed with the package; run `flowrt bench` from a checkout of flowrt (or from a folder "
+                  "holding bench/), or pass a benchmark file: `flowrt bench path/to/NAME.py`", file=sys.stderr)
+            return EXIT_USAGE
+        candidates = [d / f"{name}.py" for d in dirs]
     path = next((c for c in candidates if c.is_file()), None)
     if path is None:
         known = sorted({p.stem for d in _bench_dirs() if d.is_dir() for p in d.glob("*.py")
@@ -288,8 +458,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"flowrt bench: no benchmark {name!r} (looked in {', '.join(str(d) for d in _bench_dirs())}); "
               f"available: {', '.join(known) or 'none'}", file=sys.stderr)
         return EXIT_USAGE
-    old_argv = sys.argv
+    old_argv, old_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *args.bench_args]
+    sys.path.insert(0, str(path.resolve().parent))  # as `python bench/NAME.py` would: its helper modules import
     try:
         runpy.run_path(str(path), run_name="__main__")
     except SystemExit as e:
@@ -297,6 +468,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return code if isinstance(code, int) else (0 if code is None else 1)
     finally:
         sys.argv = old_argv
+        sys.path[:] = old_path
     return EXIT_OK
 
 
@@ -315,10 +487,10 @@ def _register_external(sub: Any, module: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="flowrt", description="Run multi-step LLM workflows on an in-process "
+    parser = _Parser(prog="flowrt", description="Run multi-step LLM workflows on an in-process "
                                      "engine with copy-on-write KV sharing.")
     parser.add_argument("--version", action="version", version=f"flowrt {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("run", help="run a workflow file", description="Run the workflow defined in FILE.")
     p.add_argument("file", metavar="FILE.py")
@@ -341,7 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--workflow", "-w", metavar="NAME")
     g.set_defaults(func=cmd_graph)
 
-    b = sub.add_parser("bench", help="run a benchmark from bench/", description="Run bench/NAME.py.")
+    b = sub.add_parser("bench", help="run a benchmark from bench/",
+                       description="Run bench/NAME.py from a source checkout of flowrt (bench/ is not installed "
+                                   "with the package), or a benchmark file NAME.py.")
     b.add_argument("name", metavar="NAME")
     b.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS")
     b.set_defaults(func=cmd_bench)

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 
 import anyio
 
 from .trace import current_step, current_tracer
+
+if TYPE_CHECKING:
+    from .engine import CompletionOutput, EngineClient, RequestOutput, SamplingParams, SequenceHandle
+    from .trace import Tracer
 
 __all__ = ["Model"]
 
@@ -28,13 +32,18 @@ _ANCHOR = "\n"
 
 
 class Model:
-    """A handle on an ``AsyncLLM`` (``flowrt.engine``) for workflow code.
+    """A handle on an engine (an ``EngineClient`` such as ``flowrt.engine.AsyncLLM``) for workflow code.
 
     ``share_kv=False`` turns the runtime's sharing off (a benchmark baseline): forks become fresh
     sequences that recompute the whole prompt.
+
+    Threads use the engine only through this class's public methods: ``open_sequence``, ``prefill``,
+    ``run``, ``stream`` (traced engine calls) and ``kv_text``.
     """
 
-    def __init__(self, engine: Any, *, share_kv: bool = True) -> None:
+    engine: EngineClient
+
+    def __init__(self, engine: EngineClient, *, share_kv: bool = True) -> None:
         self.engine = engine
         self.share_kv = share_kv
         self.tokenizer = engine.tokenizer
@@ -104,7 +113,7 @@ class Model:
             return list(ids[len(a):])
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _kv_text(self, co: Any, params: Any) -> str:
+    def kv_text(self, co: CompletionOutput, params: SamplingParams) -> str:
         """The text of a completion's tokens as they sit in the KV cache: the returned text plus a stop
         string it excludes and a final special token (EOS / end-of-turn) it skips."""
         text = co.text
@@ -115,14 +124,18 @@ class Model:
         return text
 
     # ------------------------------------------------------------------ engine calls (traced)
-    def _span(self, kind: str, uncomputed: int) -> tuple[Any, Any]:
+    def open_sequence(self, token_ids: Iterable[int] = ()) -> SequenceHandle:
+        """A new engine sequence holding ``token_ids`` (nothing computed until a call runs on it)."""
+        return self.engine.open(token_ids)
+
+    def _span(self, kind: str, uncomputed: int) -> tuple[Tracer | None, Any]:
         tracer = current_tracer.get()
         if tracer is None:
             return None, None
         return tracer, tracer.start(kind, "llm", kind=kind, step=current_step.get(), pending_tokens=uncomputed)
 
     @staticmethod
-    def _span_fields(out: Any, uncomputed: int) -> dict[str, Any]:
+    def _span_fields(out: RequestOutput, uncomputed: int) -> dict[str, Any]:
         """Token counts of one request. ``cached_tokens`` (KV reused, as the engine reports it) splits
         into tokens already in the thread's own sequence and prefix-cache hits."""
         prompt = len(out.prompt_token_ids or [])
@@ -134,13 +147,18 @@ class Model:
                 "finish_reason": out.outputs[0].finish_reason if out.outputs else None}
 
     @staticmethod
-    def _check_finished(out: Any) -> None:
+    def _check_finished(out: RequestOutput) -> None:
         for o in out.outputs:
             if o.finish_reason == "abort":
                 reason = o.stop_reason if isinstance(o.stop_reason, str) else "aborted by the engine"
                 raise RuntimeError(f"generation aborted: {reason}")
 
-    async def _run(self, seq: Any, params: Any, *, kind: str, uncomputed: int = 0) -> Any:
+    async def run(self, seq: SequenceHandle, params: SamplingParams, *, kind: str = "gen",
+                  uncomputed: int = 0) -> RequestOutput:
+        """Run one request on ``seq`` to completion (generated tokens are appended to it), traced as a
+        span of ``kind`` ("gen", "select", "prefill", ...). ``uncomputed``: how many of ``seq``'s tokens
+        have no KV yet (for the trace's token accounting). Cancellation aborts the engine request; an
+        engine-side abort raises RuntimeError."""
         rid = f"flowrt-{self._pid}-{next(_request_ids)}"
         tracer, span = self._span(kind, uncomputed)
         try:
@@ -159,7 +177,10 @@ class Model:
         self._check_finished(out)
         return out
 
-    async def _stream(self, seq: Any, params: Any, *, kind: str, uncomputed: int = 0) -> AsyncIterator[Any]:
+    async def stream(self, seq: SequenceHandle, params: SamplingParams, *, kind: str = "stream",
+                     uncomputed: int = 0) -> AsyncIterator[RequestOutput]:
+        """Like ``run``, yielding the engine's cumulative outputs as they come. Closing the iterator
+        early aborts the engine request (the tokens generated so far stay in ``seq``)."""
         rid = f"flowrt-{self._pid}-{next(_request_ids)}"
         tracer, span = self._span(kind, uncomputed)
         out = None
@@ -181,11 +202,11 @@ class Model:
         if out is not None and out.finished:
             self._check_finished(out)
 
-    async def _prefill(self, seq: Any, uncomputed: int = 0) -> Any:
-        """Compute a sequence's pending tokens (before it is forked)."""
+    async def prefill(self, seq: SequenceHandle, uncomputed: int = 0) -> RequestOutput:
+        """Compute a sequence's pending tokens without generating (before it is forked)."""
         from .engine import SamplingParams
 
-        return await self._run(seq, SamplingParams(max_tokens=0), kind="prefill", uncomputed=uncomputed)
+        return await self.run(seq, SamplingParams(max_tokens=0), kind="prefill", uncomputed=uncomputed)
 
 
 from .thread import ChatThread, Thread  # noqa: E402  (used in annotations above)

@@ -9,7 +9,8 @@ every run on the runtime, so concurrent runs are batched together by the one eng
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -19,32 +20,41 @@ from .resources import resource_kinds
 from .trace import Tracer
 from .workflow import Workflow
 
+if TYPE_CHECKING:
+    from .engine import EngineClient
+
 __all__ = ["Runtime"]
 
 
 class Runtime:
     """Shared resources for workflow runs.
 
-    ``model``: a model path (Hugging Face directory or .gguf; None = the default model), an
-    ``AsyncLLM``, or an ``fr.Model``. ``index``: a retrieval index directory (``Retriever.load``).
+    ``model``: a model path (Hugging Face directory or .gguf; None = the default model), an engine
+    (an ``EngineClient``, e.g. ``AsyncLLM``), or an ``fr.Model``. ``index``: a retrieval index
+    directory (``Retriever.load``).
     ``resources``: extra objects by resource name (e.g. ``{"retriever": my_retriever}``).
     ``share_kv=False``: the no-sharing baseline (forks recompute; pair with
     ``enable_prefix_caching=False``). Other keywords go to ``AsyncLLM`` (dtype, num_kv_blocks, ...).
     """
 
-    def __init__(self, model: Any = None, *, index: str | None = None, resources: dict[str, Any] | None = None,
-                 share_kv: bool = True, **engine_kwargs: Any) -> None:
+    def __init__(self, model: str | os.PathLike[str] | EngineClient | Model | None = None, *, index: str | None = None,
+                 resources: dict[str, Any] | None = None, share_kv: bool = True, **engine_kwargs: Any) -> None:
         self._model_spec = model
         self._engine_kwargs = engine_kwargs
         self._index = index
         self._share_kv = share_kv
         self._resources: dict[str, Any] = dict(resources or {})
-        self._owned_engine: Any = None
+        self._owned_engine: EngineClient | None = None
         self._lock = anyio.Lock()
         if isinstance(model, Model):
             self._resources.setdefault("llm", model)
-        elif model is not None and not isinstance(model, (str, bytes)) and hasattr(model, "open"):
-            self._resources.setdefault("llm", Model(model, share_kv=share_kv))  # an AsyncLLM
+        elif model is not None and not isinstance(model, (str, bytes, os.PathLike)):
+            from .engine.protocol import EngineClient  # only here: a path must not load the engine yet
+
+            if not isinstance(model, EngineClient):
+                raise TypeError(f"model must be a path, an engine (flowrt.engine.EngineClient, e.g. AsyncLLM) "
+                                f"or an fr.Model, got {type(model).__name__}")
+            self._resources.setdefault("llm", Model(model, share_kv=share_kv))
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "Runtime":
@@ -70,10 +80,12 @@ class Runtime:
             eng.shutdown()
 
     # ------------------------------------------------------------------ resources
-    def _create_engine(self) -> Any:
+    def _create_engine(self) -> EngineClient:
         from .engine import AsyncLLM
 
         path = self._model_spec
+        if isinstance(path, (bytes, os.PathLike)):
+            path = os.fsdecode(path)
         return AsyncLLM(model=path, **self._engine_kwargs)
 
     async def get_resource(self, name: str) -> Any:

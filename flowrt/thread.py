@@ -1,6 +1,6 @@
 """Threads: prompt states whose KV cache lives in the engine and is shared copy-on-write.
 
-A ``Thread`` is an engine sequence (``EngineSequence``) plus text bookkeeping:
+A ``Thread`` is an engine sequence (a ``SequenceHandle``, from ``Model.open_sequence``) plus text bookkeeping:
 
 * ``t += text`` appends text. Nothing is tokenized or computed yet: text appended between two model calls
   is tokenized *as one piece* when the next call (or ``fork``) needs it, so ``t += "a"; t += "b"`` gives
@@ -37,6 +37,7 @@ from .aio import gather
 from .runscope import track
 
 if TYPE_CHECKING:
+    from .engine import Logprob, RequestOutput, SamplingParams, SequenceHandle
     from .model import Model
 
 __all__ = ["Thread", "ChatThread", "DEFAULT_CHAT_TEMPLATE"]
@@ -63,8 +64,8 @@ class _Base:
 
     __slots__ = ("model", "seq", "uncomputed", "parent", "extra", "users", "lock")
 
-    def __init__(self, model: "Model", *, seq: Any = None, uncomputed: int = 0, parent: "_Base | None" = None,
-                 extra: list[int] | None = None, users: int = 1) -> None:
+    def __init__(self, model: "Model", *, seq: SequenceHandle | None = None, uncomputed: int = 0,
+                 parent: "_Base | None" = None, extra: list[int] | None = None, users: int = 1) -> None:
         self.model = model
         self.seq = seq
         self.uncomputed = uncomputed
@@ -85,7 +86,7 @@ class _Base:
         assert self.parent is not None
         return self.parent.num_tokens() + len(self.extra)
 
-    async def acquire(self) -> tuple[Any, int]:
+    async def acquire(self) -> tuple[SequenceHandle, int]:
         """A sequence of its own for one user: (sequence, its number of uncomputed tokens)."""
         async with self.lock:
             if self.seq is None:
@@ -102,10 +103,10 @@ class _Base:
                 return seq, self.uncomputed
             if not self.model.share_kv:
                 # Sharing off (benchmark baseline): a fresh sequence with the same tokens, computed anew.
-                return self.model.engine.open(self.seq.token_ids), len(self.seq)
+                return self.model.open_sequence(self.seq.token_ids), len(self.seq)
             if self.uncomputed > 1:
                 # Compute the shared prefix once, before forking; forks share its blocks copy-on-write.
-                await self.model._prefill(self.seq, self.uncomputed)
+                await self.model.prefill(self.seq, self.uncomputed)
                 self.uncomputed = 0
             return self.seq.fork(1)[0], self.uncomputed
 
@@ -136,15 +137,16 @@ class Thread:
             raise TypeError(f"thread text must be a str, got {type(text).__name__}")
         self.model = model
         self.id = next(_thread_ids)
-        self._seq: Any = None           # our own EngineSequence, or
+        self._seq: SequenceHandle | None = None  # our own engine sequence, or
         self._base: _Base | None = None  # a lazy fork we take a sequence from, or neither (empty)
         self._uncomputed = 0            # tokens of _seq whose KV is not computed yet
         self._text = ""                 # text whose tokens are in _seq / _base
         self._pending = text            # appended, not tokenized yet
         self._busy = False
         self._closed = False
-        self.last_output: Any = None    # the engine's RequestOutput of the last gen/stream
-        self._live: tuple[Any, int, int] | None = None  # a stream in progress: (sequence, start, end) of its tokens
+        self.last_output: RequestOutput | None = None  # the engine's output of the last gen/stream
+        # a stream in progress: (sequence, start, end) of its tokens
+        self._live: tuple[SequenceHandle, int, int] | None = None
         track(self)                     # a cancelled run closes the threads it opened
 
     # ------------------------------------------------------------------ introspection
@@ -252,7 +254,7 @@ class Thread:
             # Fork of a fork not taken yet: chain a base holding the extra tokens (we are its only user).
             self._base = _Base(self.model, parent=self._base, extra=ids, users=1)
         else:
-            self._seq = self.model.engine.open(ids)
+            self._seq = self.model.open_sequence(ids)
             self._uncomputed = len(ids)
 
     def _flush(self) -> None:
@@ -315,7 +317,7 @@ class Thread:
         finally:
             self._busy = False
 
-    async def _materialize(self) -> Any:
+    async def _materialize(self) -> SequenceHandle:
         """Our own sequence with the pending text appended (taking it from a lazy fork if needed)."""
         self._flush()
         if self._seq is None:
@@ -328,7 +330,7 @@ class Thread:
                 raise
         return self._seq
 
-    def _params(self, sampling: dict[str, Any]) -> Any:
+    def _params(self, sampling: dict[str, Any]) -> SamplingParams:
         from .engine import SamplingParams
 
         params = sampling.pop("sampling_params", None)
@@ -341,10 +343,10 @@ class Thread:
             raise ValueError(f"n={params.n}: a thread generates one sample; use t.fork(n) for several")
         return params
 
-    def _record_generation(self, out: Any, params: Any) -> None:
+    def _record_generation(self, out: RequestOutput, params: SamplingParams) -> None:
         self.last_output = out
         co = out.outputs[0]
-        self._text += self.model._kv_text(co, params)
+        self._text += self.model.kv_text(co, params)
         self._uncomputed = 1 if co.token_ids else 0
 
     async def gen(self, **sampling: Any) -> str:
@@ -356,7 +358,7 @@ class Thread:
             seq = await self._materialize()
             n_before = len(seq)
             try:
-                out = await self.model._run(seq, params, kind="gen", uncomputed=self._uncomputed)
+                out = await self.model.run(seq, params, kind="gen", uncomputed=self._uncomputed)
             except BaseException:
                 self._after_interrupt(n_before)
                 raise
@@ -378,7 +380,7 @@ class Thread:
             self._live = (seq, n_before, n_before)
             # aclosing: when this stream is closed, the engine request is aborted then, not at finalization
             try:
-                outs = self.model._stream(seq, params, kind="stream", uncomputed=self._uncomputed)
+                outs = self.model.stream(seq, params, kind="stream", uncomputed=self._uncomputed)
                 async with aclosing(outs):
                     async for out in outs:
                         final = out
@@ -463,7 +465,7 @@ class Thread:
 
                 async def score_one(b: Thread, ids: list[int]) -> float:
                     seq = await b._materialize()
-                    out = await self.model._run(seq, params, kind="select", uncomputed=b._uncomputed)
+                    out = await self.model.run(seq, params, kind="select", uncomputed=b._uncomputed)
                     b._uncomputed = 0
                     return _sum_logprobs(out.prompt_logprobs or [], ids)
 
@@ -530,7 +532,7 @@ class Thread:
             pass
 
 
-def _sum_logprobs(entries: list[Any], ids: list[int]) -> float:
+def _sum_logprobs(entries: list[dict[int, Logprob] | None], ids: list[int]) -> float:
     """Sum of the log-probabilities of ``ids``, the last tokens scored in ``entries``."""
     if not ids:
         return 0.0

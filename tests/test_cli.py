@@ -319,3 +319,157 @@ def test_syntax_error_shows_only_the_users_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "helper_mod.py" in err and "KeyError: 'inner'" in err
     assert "loader.py" not in err and "importlib" not in err
+
+
+# ---------------------------------------------------------------------------------------------- engine options
+def _subparser(parser, name):
+    sub = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction))
+    return sub.choices[name]
+
+
+def _sample_flag_values():
+    """One command-line value per EngineArgs field (but model), and what EngineArgs makes of it."""
+    import typing
+
+    from flowrt.cli import _unwrap_optional
+    from flowrt.engine import EngineArgs
+
+    argv, expected = [], {}
+    for name, field in EngineArgs.model_fields.items():
+        if name == "model":
+            continue
+        flag, ann = "--" + name.replace("_", "-"), _unwrap_optional(field.annotation)
+        if ann is bool:
+            argv.append("--no-" + flag[2:] if field.default else flag)
+            expected[name] = not field.default
+        elif typing.get_origin(ann) is typing.Literal:
+            value = next(c for c in typing.get_args(ann) if c != field.default)
+            argv += [flag, str(value)]
+            expected[name] = value
+        elif ann is int:
+            argv += [flag, "3"]
+            expected[name] = 3
+        else:
+            argv += [flag, "x"]
+            expected[name] = "x"
+    return argv, expected
+
+
+def test_every_engine_args_field_has_a_flag():
+    from flowrt.cli import build_parser
+    from flowrt.engine import EngineArgs
+
+    parser = build_parser()
+    for cmd in ("run", "serve"):
+        try:
+            p = _subparser(parser, cmd)
+        except KeyError:  # serve is registered only when flowrt.server is importable
+            continue
+        p.format_help()  # the options are generated on first use
+        flags = {s for a in p._actions for s in a.option_strings}
+        for name in EngineArgs.model_fields:
+            assert "--" + name.replace("_", "-") in flags, (cmd, name)
+        helps = [a.help for a in p._actions if any(s.startswith("--kv-cache-memory") for s in a.option_strings)]
+        assert helps and "bytes" in helps[0]  # help comes from the engine's own field documentation
+
+
+def test_engine_flags_parse_to_engine_kwargs():
+    from flowrt.cli import build_parser, engine_kwargs_from_args
+
+    argv, expected = _sample_flag_values()
+    args = build_parser().parse_args(["run", "wf.py", "--model", "m", *argv])
+    assert args.model == "m"
+    assert engine_kwargs_from_args(args) == expected
+    args = build_parser().parse_args(["run", "wf.py"])
+    assert engine_kwargs_from_args(args) == {}  # nothing given: the engine's own defaults apply
+    args = build_parser().parse_args(["run", "wf.py", "--no-prefix-caching", "--dtype", "bf16"])
+    assert engine_kwargs_from_args(args) == {"enable_prefix_caching": False, "dtype": "bfloat16"}
+
+
+def test_bad_engine_flag_value_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["run", "wf.py", "--block-size", "0"])
+    assert e.value.code == 2
+    assert "--block-size" in capsys.readouterr().err
+
+
+def test_building_the_cli_does_not_load_the_engine():
+    code = ("import sys; from flowrt.cli import main; "
+            "assert main(['graph', sys.argv[1]]) == 0; "
+            "assert 'flowrt.engine' not in sys.modules and 'torch' not in sys.modules, 'engine loaded'")
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "workflows" / "self_consistency.py")],
+                          capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr
+
+
+ENGINE_PROBE = """
+    import flowrt as fr
+
+    wf = fr.Workflow("probe")
+
+    @wf.step
+    def engine_stats(llm: fr.Model) -> dict:
+        s = llm.stats()
+        return {"block_size": s["block_size"], "num_kv_blocks": s["num_kv_blocks"]}
+"""
+
+
+def test_engine_flag_values_reach_the_engine(tmp_path, capsys, monkeypatch):
+    import flowrt.engine
+
+    seen = {}
+    real = flowrt.engine.AsyncLLM
+
+    class Recording(real):
+        def __init__(self, model=None, **kwargs):
+            seen.update(kwargs, model=model)
+            super().__init__(model, **kwargs)
+
+    monkeypatch.setattr(flowrt.engine, "AsyncLLM", Recording)
+    f = write(tmp_path, "probe.py", ENGINE_PROBE)
+    code, d, _ = run_json(capsys, ["run", f, "--json", "--model", MODEL, "--dtype", "float32", "--block-size", "8",
+                                   "--num-kv-blocks", "48", "--kv-cache-dtype", "float32",
+                                   "--no-enable-prefix-caching"])
+    assert code == 0, d
+    assert d["outputs"]["engine_stats"] == {"block_size": 8, "num_kv_blocks": 48}
+    assert seen == {"model": MODEL, "dtype": "float32", "block_size": 8, "num_kv_blocks": 48,
+                    "kv_cache_dtype": "float32", "enable_prefix_caching": False}
+
+
+# ---------------------------------------------------------------------------------------------- bench
+def test_bench_without_a_bench_folder_says_so(tmp_path, capsys, monkeypatch):
+    import flowrt.cli
+
+    site = tmp_path / "site-packages"  # an installed wheel: no pyproject.toml, no bench/ next to flowrt
+    site.mkdir()
+    monkeypatch.setattr(flowrt.cli, "_checkout_root", lambda: site)
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "throughput"]) == 2
+    err = capsys.readouterr().err
+    assert "no bench/ folder" in err and "not installed with the package" in err and "checkout" in err
+
+
+def test_bench_runs_from_a_checkout(tmp_path, capsys, monkeypatch):
+    import flowrt.cli
+
+    checkout = tmp_path / "checkout"
+    (checkout / "bench").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text("[project]\nname = 'flowrt'\n")
+    (checkout / "bench" / "helper_for_bench.py").write_text("VALUE = 42\n")
+    (checkout / "bench" / "hello.py").write_text(textwrap.dedent("""
+        import sys
+        from helper_for_bench import VALUE   # a helper module next to it, as `python bench/hello.py` allows
+
+        print("hello", VALUE, sys.argv[1:])
+        sys.exit(3 if "--fail" in sys.argv else 0)
+    """))
+    monkeypatch.setattr(flowrt.cli, "_checkout_root", lambda: checkout)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    path_before = list(sys.path)
+    assert main(["bench", "hello", "--n", "2"]) == 0
+    assert "hello 42 ['--n', '2']" in capsys.readouterr().out
+    assert main(["bench", "hello", "--fail"]) == 3
+    assert sys.path == path_before
+    sys.modules.pop("helper_for_bench", None)
