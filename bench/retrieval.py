@@ -294,6 +294,10 @@ def main(argv=None) -> int:
 
     if args.threads:
         faiss.omp_set_num_threads(args.threads)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sysinfo import banner
+
+    log(banner(None, "retrieval (the engine part runs its auto dtype)"))
     log(f"flowrt retrieval bench: faiss {faiss.__version__} ({faiss.omp_get_max_threads()} threads), "
         f"{os.cpu_count()} CPUs, numpy {np.__version__}")
     t_all = time.perf_counter()

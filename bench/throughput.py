@@ -1,13 +1,19 @@
 #!/usr/bin/env python
-"""Offline batch throughput: flowrt vs transformers static batching (vs vLLM-CPU when its venv exists).
+"""Offline batch throughput: flowrt vs transformers static batching vs vLLM-CPU (when its venv exists).
 
-Workload (the peers' main workload): 32 requests, random token-id prompts of 32-256 tokens, exactly 16-128 new
-tokens each (EOS ignored), SmolLM2-135M-Instruct weights (the default model), bfloat16 by default.
+Workload (the peers' main workload, bench/workloads.main_workload): 32 requests, random token-id prompts of 32-256
+tokens, exactly 16-128 new tokens each (EOS ignored): 4,442 prompt + 2,258 new tokens. Every engine loads the same
+HF directory (default: SmolLM2-135M-Instruct converted once from the shipped GGUF) in the same dtype (default
+auto = what flowrt's engine picks on this CPU: float32 without native bf16).
 
-    python bench/throughput.py [--dtype bfloat16|float32] [--repeats 3] [--skip-hf]
+    python bench/throughput.py [--dtype auto|float32|bfloat16] [--repeats 3] [--skip-hf] [--skip-vllm]
+                               [--vllm-bind all|auto|0-1] [--model-dir DIR] [--quick]
 
-Each engine runs in its own subprocess (so peak RSS is its own), one after another; wall times are medians
-of --repeats runs after one warm-up. vLLM-CPU runs from $FLOWRT_VLLM_VENV (default /opt/vllm-venv) if present.
+Each engine runs in its own subprocess (so peak RSS is its own), one after another; wall times are medians of
+--repeats runs after one warm-up. vLLM-CPU runs bench/vllm_worker.py in $FLOWRT_VLLM_VENV (default /opt/vllm-venv;
+bash bench/setup_vllm.sh creates it) with its compute threads on every core (--vllm-bind auto: vLLM's default,
+which keeps one core for its scheduler); its start-up (2-3 min: torch.compile) is reported as start-up.
+The last column is each engine's share of this machine's GEMM ceiling (bench/peak.py).
 """
 
 from __future__ import annotations
@@ -18,17 +24,21 @@ import sys
 import time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import ROOT, drive, main_workload, peak_rss_mib  # noqa: E402
+from common import ROOT, drive, main_workload, peak_rss_mib, quick_main_workload  # noqa: E402
+
+
+def workload(args):
+    return quick_main_workload() if args.quick else main_workload()
 
 
 def worker_flowrt(args) -> dict:
     t0 = time.perf_counter()
     from flowrt.engine import LLM, SamplingParams
 
-    llm = LLM(None, dtype=args.dtype)
-    reqs = main_workload()
+    llm = LLM(args.model_dir, dtype=args.dtype)
+    reqs = workload(args)
     # start-up to the first generated token (construction + one 1-token request)
-    llm.generate([reqs[0]["prompt"]], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    llm.generate([{"prompt_token_ids": reqs[0]["prompt"]}], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     startup = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": r["prompt"]} for r in reqs]
     params = [SamplingParams(max_tokens=r["max_new"], temperature=0, ignore_eos=True) for r in reqs]
@@ -47,11 +57,10 @@ def worker_flowrt(args) -> dict:
 def worker_hf(args) -> dict:
     import torch
 
-    from common import hf_model_from_default
+    from common import hf_model
 
-    dtype = getattr(torch, args.dtype)
-    model = hf_model_from_default(dtype)
-    reqs = main_workload()
+    model = hf_model(args.model_dir, getattr(torch, args.dtype))
+    reqs = workload(args)
     pad = 0
 
     def run():
@@ -79,45 +88,27 @@ def worker_hf(args) -> dict:
             "peak_rss_mib": peak_rss_mib()}
 
 
-def worker_vllm(args) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    t0 = time.perf_counter()
-    from flowrt.engine import default_model_path
-
-    llm = LLM(model=default_model_path(), dtype=args.dtype, seed=0, max_model_len=2048)
-    startup = time.perf_counter() - t0
-    reqs = main_workload()
-    prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in reqs]
-    params = [SamplingParams(max_tokens=r["max_new"], temperature=0, ignore_eos=True) for r in reqs]
-    llm.generate(prompts[:8], params[:8], use_tqdm=False)
-    times = []
-    for _ in range(args.repeats):
-        llm.reset_prefix_cache()
-        t = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - t)
-    return {"engine": "vllm-cpu", "wall_s": statistics.median(times), "times": times, "startup_s": startup,
-            "peak_rss_mib": peak_rss_mib()}
-
-
 def main() -> None:
-    driven = drive(str(ROOT / "bench" / "throughput.py"), __doc__,
-                   {"flowrt": worker_flowrt, "hf": worker_hf, "vllm": worker_vllm})
+    driven = drive(str(ROOT / "bench" / "throughput.py"), __doc__, {"flowrt": worker_flowrt, "hf": worker_hf},
+                   vllm_task="throughput")
     if driven is None:
         return
     args, results = driven
-    reqs = main_workload()
+    import peak
+
+    reqs = workload(args)
     gen = sum(r["max_new"] for r in reqs)
     prompt = sum(len(r["prompt"]) for r in reqs)
-    print(f"main workload: {len(reqs)} requests, {prompt} prompt + {gen} new tokens, {args.dtype}")
+    print(f"{'quick ' if args.quick else ''}main workload: {len(reqs)} requests, {prompt} prompt + {gen} new tokens, "
+          f"{args.dtype}")
     base = results[0]["wall_s"]
-    print(f"{'engine':26s} {'wall s':>8s} {'gen tok/s':>10s} {'flowrt x':>9s} {'peak RSS MiB':>13s} {'start s':>8s}")
+    print(f"{'engine':26s} {'wall s':>8s} {'gen tok/s':>10s} {'x flowrt':>9s} {'peak RSS MiB':>13s} {'start s':>8s}")
     for r in results:
         print(f"{r['engine']:26s} {r['wall_s']:8.2f} {gen / r['wall_s']:10.1f} {r['wall_s'] / base:9.2f} "
               f"{r['peak_rss_mib']:13.0f} {r.get('startup_s', float('nan')):8.2f}")
-    print(json.dumps({"workload": "main", "dtype": args.dtype, "results": results}))
+    for r in results:
+        print(peak.share_line(f"  {r['engine']}", prompt, gen, r["wall_s"], args.dtype, decode_rows=len(reqs)))
+    print(json.dumps({"workload": "main", "quick": args.quick, "dtype": args.dtype, "results": results}))
 
 
 if __name__ == "__main__":

