@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import cpu_ops
+
 
 @dataclass
 class AttentionMetadata:
@@ -28,10 +30,6 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     prepared: dict = field(default_factory=dict)  # backend-specific, built once per step
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens_list)
 
 
 def _attend(q, k, v, scale: float, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,14 +56,71 @@ def _merge(o1, lse1, o2, lse2) -> torch.Tensor:
     return (o1 * a + o2 * b) / (a + b)
 
 
-class TorchAttentionBackend:
-    """Reads K/V through block tables with gathers; computes attention in float32.
+@dataclass(frozen=True)
+class DecodePlan:
+    """Decode rows (one new token each) attended together. The C++ kernel reads the pool in place through
+    `tables`/`seq_lens`; the torch path gathers `blocks` (whole blocks) and masks with `valid`."""
 
-    Decode rows (one new token) are batched into one masked SDPA over their gathered blocks; decode rows
-    whose sequences share leading blocks (forks, prefix-cache hits) are grouped and read that shared prefix
-    once for the whole group (cascade attention). Sequences with several new tokens (prefill chunks) each
-    get one SDPA call with a causal mask offset by their cached prefix. Attention stays per sequence (or
-    per shared prefix): never one dense mask over the batch.
+    rows: torch.Tensor | None  # int64 [B] flat rows of the tokens; None when they are rows 0..B-1 (a pure decode step)
+    tables: torch.Tensor  # int32 [B, W] contiguous
+    seq_lens: torch.Tensor  # int32 [B]
+    blocks: torch.Tensor  # int64 [B * nblk]
+    nblk: int
+    valid: torch.Tensor  # bool [B, 1, 1, nblk * block_size]
+
+
+@dataclass(frozen=True)
+class CascadeDecodePlan:
+    """Decode rows of sequences that share their first `n_common` blocks: the prefix is read once for all."""
+
+    rows: torch.Tensor  # int64 [B]
+    common: torch.Tensor  # int64 [n_common] shared block ids
+    start: int  # n_common * block_size: first token of the own suffixes
+    tables: torch.Tensor  # int32 [B, W] (kernel path)
+    seq_lens: torch.Tensor  # int32 [B] (kernel path)
+    suffix: torch.Tensor  # int64 [B * nsuf] (torch path)
+    nsuf: int
+    bias: torch.Tensor  # float [B, 1, 1, nsuf * block_size] additive mask (torch path)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One sequence's prefill chunk (rows start:end). blocks None: nothing cached before, causal over itself."""
+
+    start: int
+    end: int
+    blocks: torch.Tensor | None  # int64 block ids covering the context
+    mask: torch.Tensor | None  # bool [n, ctx] (or [n, L] for a cascade member: keys after the shared prefix)
+
+
+@dataclass(frozen=True)
+class CascadePrefillPlan:
+    rows: torch.Tensor  # int64 flat rows of every member's chunk, member by member
+    common: torch.Tensor  # int64 shared block ids
+    own: tuple[ChunkPlan, ...]  # each member's own part (blocks after the shared prefix, causal mask)
+    bias: tuple[torch.Tensor, ...]  # additive float masks [n, L] matching `own`
+
+
+def _rows_of_heads(q: torch.Tensor) -> torch.Tensor:
+    """q [T, H, D] with each row's heads contiguous (any row stride), as the kernel reads it."""
+    return q if q.stride(2) == 1 and q.stride(1) == q.shape[2] else q.contiguous()
+
+
+def _use_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return (q.device.type == "cpu" and k_cache.dtype == torch.float32 and q.dtype == torch.float32
+            and q.shape[-1] <= 256 and k_cache.is_contiguous() and cpu_ops.lib() is not None)
+
+
+class TorchAttentionBackend:
+    """Reads K/V of the paged pool on CPU; computes attention in float32.
+
+    Decode rows (one new token) are attended together: with the C++ kernel (flowrt.engine.cpu_ops, float32
+    caches) straight from the pool through the block tables, otherwise one masked SDPA over their gathered
+    blocks. Decode rows whose sequences share leading blocks (forks, prefix-cache hits) are grouped and read that
+    shared prefix once for the whole group (cascade attention). Sequences with several new tokens (prefill
+    chunks) each get one SDPA call with a causal mask offset by their cached prefix. Attention stays per sequence
+    (or per shared prefix): never one dense mask over the batch. `prepare` builds immutable plans once per step
+    (in meta.prepared: "decode", "cascade", "cascade_prefill", "prefill"); layers only read them.
     """
 
     name = "torch"
@@ -78,7 +133,7 @@ class TorchAttentionBackend:
         p = meta.prepared
         dev = meta.seq_lens.device
         plain = dec
-        p["cascade"] = []
+        cascade = []
         if len(dec) > 1:
             plain = []
             for members, n_common in self._shared_prefix_groups(meta, dec):
@@ -87,25 +142,27 @@ class TorchAttentionBackend:
                     continue
                 m_t = torch.tensor(members, dtype=torch.long, device=dev)
                 rows = meta.query_start_loc[m_t].long()
-                lens = meta.seq_lens[m_t].long()
+                lens = meta.seq_lens[m_t]
                 nblk = (max(slens[b] for b in members) + bs - 1) // bs
-                common = meta.block_tables[members[0], :n_common].long()
-                suffix = meta.block_tables[m_t, n_common:nblk].long().reshape(-1)
+                tables = meta.block_tables[m_t, :nblk]
+                suffix = tables[:, n_common:].long().reshape(-1)
                 pos = n_common * bs + torch.arange((nblk - n_common) * bs, device=dev)
                 bias = torch.zeros(len(members), 1, 1, pos.shape[0], device=dev)
-                bias.masked_fill_(~(pos[None, :] < lens[:, None])[:, None, None, :], float("-inf"))
-                p["cascade"].append((rows, common, suffix, nblk - n_common, bias))
+                bias.masked_fill_(~(pos[None, :] < lens.long()[:, None])[:, None, None, :], float("-inf"))
+                cascade.append(CascadeDecodePlan(rows, tables[0, :n_common].long(), n_common * bs, tables, lens,
+                                                 suffix, nblk - n_common, bias))
+        p["cascade"] = tuple(cascade)
         if plain:
-            dec_t = torch.tensor(plain, dtype=torch.long, device=dev)
-            rows = meta.query_start_loc[dec_t].long()
-            lens = meta.seq_lens[dec_t].long()
-            nblk = (max(slens[b] for b in plain) + bs - 1) // bs
-            blocks = meta.block_tables[dec_t, :nblk].long().reshape(-1)
-            valid = torch.arange(nblk * bs, device=dev)[None, :] < lens[:, None]
             all_rows = len(plain) == len(qlens)  # a pure decode step: rows are 0..B-1 in order
-            p["decode"] = (None if all_rows else rows, blocks, nblk, valid[:, None, None, :])
+            dec_t = torch.tensor(plain, dtype=torch.long, device=dev)
+            nblk = (max(slens[b] for b in plain) + bs - 1) // bs
+            tables = meta.block_tables[:, :nblk] if all_rows else meta.block_tables[dec_t, :nblk]
+            lens = meta.seq_lens if all_rows else meta.seq_lens[dec_t]
+            valid = torch.arange(nblk * bs, device=dev)[None, :] < lens.long()[:, None]
+            p["decode"] = DecodePlan(None if all_rows else meta.query_start_loc[dec_t].long(), tables.contiguous(),
+                                     lens.contiguous(), tables.long().reshape(-1), nblk, valid[:, None, None, :])
         pre = []
-        p["cascade_prefill"] = []
+        cascade_prefill = []
         qsl = meta.query_start_loc.tolist()
         chunks = [b for b, q in enumerate(qlens) if q > 1 and slens[b] > q]
         alone = set(b for b, q in enumerate(qlens) if q > 1) - set(chunks)
@@ -114,27 +171,30 @@ class TorchAttentionBackend:
                 if n_common == 0 or len(members) < 2:
                     alone.update(members)
                     continue
-                own = []
+                own, biases = [], []
                 for b in members:
                     s, q, ctx = qsl[b], qlens[b], slens[b]
                     blocks = meta.block_tables[b, n_common : (ctx + bs - 1) // bs].long()
                     kpos = n_common * bs + torch.arange(ctx - n_common * bs, device=dev)
                     causal = kpos[None, :] <= torch.arange(ctx - q, ctx, device=dev)[:, None]
-                    own.append([s, s + q, blocks, causal, None])  # the additive mask is made by the first layer
-                rows = torch.cat([torch.arange(o[0], o[1], device=dev) for o in own])
-                p["cascade_prefill"].append((rows, meta.block_tables[members[0], :n_common].long(), own))
+                    own.append(ChunkPlan(s, s + q, blocks, causal))
+                    biases.append(torch.zeros(causal.shape, device=dev).masked_fill_(~causal, float("-inf")))
+                rows = torch.cat([torch.arange(o.start, o.end, device=dev) for o in own])
+                cascade_prefill.append(CascadePrefillPlan(rows, meta.block_tables[members[0], :n_common].long(),
+                                                          tuple(own), tuple(biases)))
         else:
             alone.update(chunks)
+        p["cascade_prefill"] = tuple(cascade_prefill)
         for b in sorted(alone):
             s, q, ctx = qsl[b], qlens[b], slens[b]
             if ctx == q:
-                pre.append((s, s + q, None, None))  # nothing cached before: attend to the fresh K/V
+                pre.append(ChunkPlan(s, s + q, None, None))  # nothing cached before: attend to the fresh K/V
                 continue
             blocks = meta.block_tables[b, : (ctx + bs - 1) // bs].long()
             qpos = torch.arange(ctx - q, ctx, device=dev)
             mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]
-            pre.append((s, s + q, blocks, mask))
-        p["prefill"] = pre
+            pre.append(ChunkPlan(s, s + q, blocks, mask))
+        p["prefill"] = tuple(pre)
 
     @staticmethod
     def _shared_prefix_groups(meta: AttentionMetadata, dec: list[int]) -> list[tuple[list[int], int]]:
@@ -166,86 +226,101 @@ class TorchAttentionBackend:
         vflat = v_cache.view(-1, Hkv, D)
         kflat.index_copy_(0, meta.slot_mapping, k.to(kflat.dtype))
         vflat.index_copy_(0, meta.slot_mapping, v.to(vflat.dtype))
-        out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
         prep = meta.prepared
-        if "decode" in prep:
-            # Gather whole blocks (one contiguous row each), then one fused SDPA over the decode rows.
-            rows, blocks, nblk, valid = prep["decode"]
-            B = valid.shape[0]
-            kd = k_cache.view(k_cache.shape[0], -1).index_select(0, blocks).view(B, nblk * k_cache.shape[1], Hkv, D)
-            vd = v_cache.view(v_cache.shape[0], -1).index_select(0, blocks).view(B, nblk * v_cache.shape[1], Hkv, D)
-            # The G query heads of a KV head are G query rows against that head's keys: K/V are read once
-            # per KV head, and the math runs in the cache's dtype (accumulating in float32).
-            qd = (q if rows is None else q.index_select(0, rows)).to(k_cache.dtype).view(B, Hkv, H // Hkv, D)
-            od = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=valid, scale=scale)
-            od = od.view(B, H, D).to(q.dtype)
-            if rows is None:
-                return od
-            out.index_copy_(0, rows, od)
-        for rows, common, suffix, nsuf, bias in prep["cascade"]:
-            out.index_copy_(0, rows, self._cascade(q, k_cache, v_cache, rows, common, suffix, nsuf, bias, scale))
+        kernel = _use_kernel(q, k_cache)
+        dp = prep.get("decode")
+        if dp is not None and dp.rows is None and kernel:  # a pure decode step: the kernel writes every row
+            out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+            cpu_ops.paged_decode(_rows_of_heads(q), k_cache, v_cache, dp.tables, dp.seq_lens, out, scale)
+            return out
+        out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+        if dp is not None:
+            if kernel:
+                cpu_ops.paged_decode(_rows_of_heads(q), k_cache, v_cache, dp.tables, dp.seq_lens, out, scale, rows=dp.rows)
+            else:
+                # Gather whole blocks (one contiguous row each), then one fused SDPA over the decode rows.
+                B, nblk = dp.valid.shape[0], dp.nblk
+                kd = k_cache.view(k_cache.shape[0], -1).index_select(0, dp.blocks).view(B, nblk * k_cache.shape[1], Hkv, D)
+                vd = v_cache.view(v_cache.shape[0], -1).index_select(0, dp.blocks).view(B, nblk * v_cache.shape[1], Hkv, D)
+                # The G query heads of a KV head are G query rows against that head's keys: K/V are read once
+                # per KV head, and the math runs in the cache's dtype (accumulating in float32).
+                qd = (q if dp.rows is None else q.index_select(0, dp.rows)).to(k_cache.dtype).view(B, Hkv, H // Hkv, D)
+                od = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=dp.valid,
+                                                    scale=scale)
+                od = od.view(B, H, D).to(q.dtype)
+                if dp.rows is None:
+                    return od
+                out.index_copy_(0, dp.rows, od)
+        for cp in prep["cascade"]:
+            out.index_copy_(0, cp.rows, self._cascade(q, k_cache, v_cache, cp, scale, kernel))
         N = k_cache.shape[0]
-        for rows, common, own in prep["cascade_prefill"]:
-            self._cascade_prefill(q, k_cache, v_cache, rows, common, own, scale, out)
-        for s, e, blocks, mask in prep["prefill"]:
+        for cp in prep["cascade_prefill"]:
+            self._cascade_prefill(q, k_cache, v_cache, cp, scale, out)
+        for c in prep["prefill"]:
+            s, e = c.start, c.end
             qs = q[s:e].float().transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            if blocks is None:
+            if c.blocks is None:
                 ks, vs = k[s:e], v[s:e]
             else:  # whole blocks (contiguous rows) gathered, then cut to the context
-                ctx = mask.shape[1]
-                ks = k_cache.view(N, -1).index_select(0, blocks).view(-1, Hkv, D)[:ctx]
-                vs = v_cache.view(N, -1).index_select(0, blocks).view(-1, Hkv, D)[:ctx]
+                ctx = c.mask.shape[1]
+                ks = k_cache.view(N, -1).index_select(0, c.blocks).view(-1, Hkv, D)[:ctx]
+                vs = v_cache.view(N, -1).index_select(0, c.blocks).view(-1, Hkv, D)[:ctx]
             ks = ks.float().transpose(0, 1).unsqueeze(0)
             vs = vs.float().transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=H != Hkv
+                qs, ks, vs, attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=H != Hkv
             )
             out[s:e] = o[0].transpose(0, 1).to(q.dtype)
         return out
 
     @staticmethod
-    def _cascade(q, k_cache, v_cache, rows, common, suffix, nsuf, bias, scale) -> torch.Tensor:
+    def _cascade(q, k_cache, v_cache, cp: CascadeDecodePlan, scale, kernel: bool) -> torch.Tensor:
         """Decode attention for sequences that share their first blocks: the shared prefix's K/V is read
         once for all of them (one matrix product over all their queries), each sequence's own suffix
         separately, and the two partial softmaxes are merged by their log-sum-exp."""
         N, bs, Hkv, D = k_cache.shape
-        B = rows.shape[0]
+        B = cp.rows.shape[0]
         H = q.shape[1]
         G = H // Hkv
-        qg = q.index_select(0, rows).float().view(B, Hkv, G, D)
+        qg = q.index_select(0, cp.rows).float().view(B, Hkv, G, D)
         # shared prefix: all B*G query rows of a KV head against its P prefix keys, in one kernel call
-        kp = k_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float().transpose(0, 1)[None]
-        vp = v_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float().transpose(0, 1)[None]
+        kp = k_cache.view(N, -1).index_select(0, cp.common).view(-1, Hkv, D).float().transpose(0, 1)[None]
+        vp = v_cache.view(N, -1).index_select(0, cp.common).view(-1, Hkv, D).float().transpose(0, 1)[None]
         op, lp = _attend(qg.permute(1, 0, 2, 3).reshape(1, Hkv, B * G, D), kp, vp, scale)
         op, lp = (t.view(Hkv, B, G, -1).transpose(0, 1) for t in (op, lp))  # -> [B, Hkv, G, *]
         # own suffix: [B, Hkv, G, D] against each sequence's remaining blocks (the new token included)
-        ks = k_cache.view(N, -1).index_select(0, suffix).view(B, nsuf * bs, Hkv, D).float().transpose(1, 2)
-        vs = v_cache.view(N, -1).index_select(0, suffix).view(B, nsuf * bs, Hkv, D).float().transpose(1, 2)
-        os_, ls = _attend(qg, ks, vs, scale, bias)
+        if kernel:  # read in place from the pool, from the first token after the shared prefix
+            os_ = torch.empty(B, H, D)
+            ls = torch.empty(B, H)
+            cpu_ops.paged_decode(qg.view(B, H, D), k_cache, v_cache, cp.tables, cp.seq_lens, os_, scale,
+                                 start=cp.start, lse=ls)
+            os_, ls = os_.view(B, Hkv, G, D), ls.view(B, Hkv, G, 1)
+        else:
+            ks = k_cache.view(N, -1).index_select(0, cp.suffix).view(B, cp.nsuf * bs, Hkv, D).float().transpose(1, 2)
+            vs = v_cache.view(N, -1).index_select(0, cp.suffix).view(B, cp.nsuf * bs, Hkv, D).float().transpose(1, 2)
+            os_, ls = _attend(qg, ks, vs, scale, cp.bias)
         return _merge(op, lp, os_, ls).reshape(B, H, D).to(q.dtype)
 
     @staticmethod
-    def _cascade_prefill(q, k_cache, v_cache, rows, common, own, scale, out) -> None:
+    def _cascade_prefill(q, k_cache, v_cache, cp: CascadePrefillPlan, scale, out) -> None:
         """Prefill chunks of sequences that share cached leading blocks: every query row of the group
         attends the shared prefix in one matrix product (no mask: the prefix precedes all of them); each
         sequence then attends its own remaining context causally; the parts merge by log-sum-exp."""
         N, bs, Hkv, D = k_cache.shape
-        R, H = rows.shape[0], q.shape[1]
+        R, H = cp.rows.shape[0], q.shape[1]
         G = H // Hkv
-        qg = q.index_select(0, rows).float().view(R, Hkv, G, D)
-        kp = k_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float().transpose(0, 1)[None]
-        vp = v_cache.view(N, -1).index_select(0, common).view(-1, Hkv, D).float().transpose(0, 1)[None]
+        qg = q.index_select(0, cp.rows).float().view(R, Hkv, G, D)
+        kp = k_cache.view(N, -1).index_select(0, cp.common).view(-1, Hkv, D).float().transpose(0, 1)[None]
+        vp = v_cache.view(N, -1).index_select(0, cp.common).view(-1, Hkv, D).float().transpose(0, 1)[None]
         op, lp = _attend(qg.permute(1, 0, 2, 3).reshape(1, Hkv, R * G, D), kp, vp, scale)
         op, lp = (t.view(Hkv, R, G, -1).permute(1, 0, 2, 3) for t in (op, lp))  # [R, Hkv, G, *]
         r0 = 0
-        for entry in own:
-            s, e, blocks, causal, bias = entry
-            n, L = e - s, causal.shape[-1]
-            if bias is None:  # rows are (token, query head of the KV head) pairs, token-major
-                bias = torch.zeros(n * G, L, device=causal.device)
-                entry[4] = bias.masked_fill_(~causal.repeat_interleave(G, dim=0), float("-inf"))
-            ko = k_cache.view(N, -1).index_select(0, blocks).view(-1, Hkv, D)[:L].float().transpose(0, 1)[None]
-            vo = v_cache.view(N, -1).index_select(0, blocks).view(-1, Hkv, D)[:L].float().transpose(0, 1)[None]
+        for c, bias in zip(cp.own, cp.bias):
+            s, e = c.start, c.end
+            n, L = e - s, bias.shape[-1]
+            bias = bias.repeat_interleave(G, dim=0)  # rows are (token, query head of the KV head) pairs, token-major
+            ko = k_cache.view(N, -1).index_select(0, c.blocks).view(-1, Hkv, D)[:L].float().transpose(0, 1)[None]
+            vo = v_cache.view(N, -1).index_select(0, c.blocks).view(-1, Hkv, D)[:L].float().transpose(0, 1)[None]
             qo = qg[r0 : r0 + n].permute(1, 0, 2, 3).reshape(1, Hkv, n * G, D)
             oo, lo = (t.view(Hkv, n, G, -1).permute(1, 0, 2, 3) for t in _attend(qo, ko, vo, scale, bias))
             o = _merge(op[r0 : r0 + n], lp[r0 : r0 + n], oo, lo)

@@ -1,10 +1,22 @@
 """The engine's torch attention backend against the plain paged-attention reference, including the
 shared-prefix (cascade) decode path that reads blocks common to several sequences once."""
 
+import pytest
 import torch
 
+from flowrt.engine import cpu_ops
 from flowrt.engine.attention import AttentionMetadata, TorchAttentionBackend
 from flowrt.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
+
+
+@pytest.fixture(autouse=True, params=["cpu-kernel", "plain-torch"])
+def kernel_mode(request):
+    """Every test runs with the C++ decode kernel (where it builds) and with the plain-torch gathers."""
+    if request.param == "cpu-kernel" and cpu_ops.lib() is None:
+        pytest.skip(f"CPU kernels unavailable: {cpu_ops._error}")
+    cpu_ops.set_enabled(request.param == "cpu-kernel")
+    yield request.param
+    cpu_ops.set_enabled(True)
 
 
 def make_meta(tables, seq_lens, q_lens, bs):
@@ -75,4 +87,24 @@ def test_prefill_chunks_sharing_a_cached_prefix_match_reference():
     out = be.forward(q, k, v, kc, vc, meta, 0.3)
     ref = paged_prefill_attention_ref(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.3,
                                       meta.max_query_len)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_pure_decode_step_matches_reference():
+    """Every row a decode of its own sequence (no shared blocks): the whole step in one kernel call / one SDPA."""
+    torch.manual_seed(3)
+    bs, Hkv, G, D, N = 16, 3, 3, 64, 60
+    perm = torch.randperm(N).tolist()
+    tables = [perm[0:10], perm[10:11], perm[11:14], perm[14:30]]
+    seq_lens = [150, 1, 40, 256]
+    meta = make_meta(tables, seq_lens, [1] * 4, bs)
+    be = TorchAttentionBackend()
+    be.prepare(meta)
+    assert meta.prepared["decode"].rows is None and not meta.prepared["cascade"]
+    kc, vc = torch.randn(N, bs, Hkv, D), torch.randn(N, bs, Hkv, D)
+    qkv = torch.randn(4, (Hkv * G + 2 * Hkv) * D)  # q as a strided view, as the model passes it
+    q = qkv[:, : Hkv * G * D].view(4, Hkv * G, D)
+    k, v = torch.randn(4, Hkv, D), torch.randn(4, Hkv, D)
+    out = be.forward(q, k, v, kc, vc, meta, 0.125)
+    ref = paged_decode_attention_ref(q, kc, vc, meta.block_tables, meta.seq_lens, 0.125)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,310 @@
+"""Fused CPU kernels for the float32 path: paged decode attention that reads the KV pool in place (no gather),
+residual-add + RMSNorm, and rotary embedding in place.
+
+The C++ source below is compiled lazily at first use with the system's C++ compiler (`$CXX` or g++), for this
+CPU (-march=native), and the shared library is cached under ~/.cache/flowrt/cpu_ops/ keyed by the source, the
+flags and the CPU's feature flags, so later starts only load it (milliseconds). It is plain C ABI called through
+ctypes (no torch headers: compiling takes about a second) and parallelizes with OpenMP, which resolves to the
+libgomp torch has already loaded (one thread pool). When no compiler is present, compiling fails, or
+FLOWRT_CPU_OPS=0, `lib()` returns None and every caller uses its plain-torch path instead; the tests run both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include <algorithm>
+
+// exp for x <= ~0 (softmax, silu): Cephes' single-precision polynomial, ~1e-7 relative error; written so
+// that the compiler vectorizes loops calling it.
+static inline float fexp(float x) {
+    x = std::min(std::max(x, -87.3f), 88.3f);
+    float n = std::floor(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+// Decode attention for one (sequence, KV head): its G query heads against tokens start .. seq_len-1, read in place
+// from the paged pool [N, bs, Hkv, D]. DD > 0 fixes the head size at compile time (registers hold a row).
+template <int DD>
+static void decode_one(const float* qp, const float* kc, const float* vc, const int32_t* tab, int start, int end,
+                       int Hkv, int kh, int G, int Drt, int bs, float scale, float* op, float* lse_out,
+                       std::vector<float>& s) {
+    const int D = DD > 0 ? DD : Drt;
+    const int L = end - start;
+    s.resize((size_t)G * L);
+    const int64_t tok_st = (int64_t)Hkv * D;
+    for (int pos = start; pos < end;) {
+        const int blk = tab[pos / bs], off = pos % bs;
+        const int n = std::min(bs - off, end - pos);
+        const float* kp = kc + ((int64_t)blk * bs + off) * tok_st + (int64_t)kh * D;
+        for (int i = 0; i < n; ++i, kp += tok_st) {
+            for (int g = 0; g < G; ++g) {
+                const float* qg = qp + g * D;
+                float acc = 0.f;
+                #pragma omp simd reduction(+:acc)
+                for (int d = 0; d < D; ++d) acc += qg[d] * kp[d];
+                s[(size_t)g * L + (pos - start) + i] = acc * scale;
+            }
+        }
+        pos += n;
+    }
+    for (int g = 0; g < G; ++g) {
+        float* sg = s.data() + (size_t)g * L;
+        float m = -INFINITY;
+        for (int t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
+        float sum = 0.f;
+        #pragma omp simd reduction(+:sum)
+        for (int t = 0; t < L; ++t) { float e = fexp(sg[t] - m); sg[t] = e; sum += e; }
+        const float inv = 1.f / sum;
+        if (lse_out) lse_out[g] = m + std::log(sum);
+        float acc[DD > 0 ? DD : 256];
+        for (int d = 0; d < D; ++d) acc[d] = 0.f;
+        for (int pos = start; pos < end;) {
+            const int blk = tab[pos / bs], off = pos % bs;
+            const int n = std::min(bs - off, end - pos);
+            const float* vp = vc + ((int64_t)blk * bs + off) * tok_st + (int64_t)kh * D;
+            const float* pg = sg + (pos - start);
+            for (int i = 0; i < n; ++i, vp += tok_st) {
+                const float pr = pg[i];
+                #pragma omp simd
+                for (int d = 0; d < D; ++d) acc[d] += pr * vp[d];
+            }
+            pos += n;
+        }
+        for (int d = 0; d < D; ++d) op[g * D + d] = acc[d] * inv;
+    }
+}
+
+extern "C" {
+
+// Decode attention (one query token per sequence) over a paged pool [N, bs, Hkv, D] float32, in place.
+// Sequence b's query row is rows[b] (or b when rows is null); it attends tokens start .. seq_lens[b]-1 of its
+// block table. out rows follow q rows. lse (nullable) gets [B, H] log-sum-exp of the scaled scores.
+// Returns -1 (doing nothing) for a head size it does not handle.
+int paged_decode_f32(const float* q, int64_t q_st, const float* kc, const float* vc, const int32_t* tables,
+                     int64_t tab_st, const int32_t* seq_lens, const int64_t* rows, int32_t start, float* out,
+                     int64_t o_st, float* lse, int B, int H, int Hkv, int D, int bs, float scale) {
+    if (D > 256) return -1;
+    const int G = H / Hkv;
+    #pragma omp parallel
+    {
+        std::vector<float> s;
+        #pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int b = 0; b < B; ++b) {
+            for (int kh = 0; kh < Hkv; ++kh) {
+                const int64_t row = rows ? rows[b] : b;
+                const float* qp = q + row * q_st + (int64_t)kh * G * D;
+                float* op = out + row * o_st + (int64_t)kh * G * D;
+                float* lp = lse ? lse + (int64_t)b * H + kh * G : nullptr;
+                const int end = seq_lens[b];
+                if (end <= start) {
+                    for (int i = 0; i < G * D; ++i) op[i] = 0.f;
+                    if (lp) for (int g = 0; g < G; ++g) lp[g] = -INFINITY;
+                    continue;
+                }
+                const int32_t* tab = tables + (int64_t)b * tab_st;
+                if (D == 64) decode_one<64>(qp, kc, vc, tab, start, end, Hkv, kh, G, D, bs, scale, op, lp, s);
+                else if (D == 128) decode_one<128>(qp, kc, vc, tab, start, end, Hkv, kh, G, D, bs, scale, op, lp, s);
+                else decode_one<0>(qp, kc, vc, tab, start, end, Hkv, kh, G, D, bs, scale, op, lp, s);
+            }
+        }
+    }
+    return 0;
+}
+
+// h += delta (when delta is not null), then out = w * (h * rsqrt(mean(h^2) + eps)). Rows of E floats.
+void add_rmsnorm_f32(float* h, const float* delta, const float* w, float* out, int64_t T, int E, float eps) {
+    #pragma omp parallel for schedule(static) if (T * E >= 65536)
+    for (int64_t t = 0; t < T; ++t) {
+        float* hr = h + t * E;
+        if (delta) {
+            const float* dr = delta + t * E;
+            #pragma omp simd
+            for (int i = 0; i < E; ++i) hr[i] = hr[i] + dr[i];
+        }
+        float ss = 0.f;
+        #pragma omp simd reduction(+:ss)
+        for (int i = 0; i < E; ++i) ss += hr[i] * hr[i];
+        const float r = 1.f / std::sqrt(ss / (float)E + eps);
+        float* orow = out + t * E;
+        #pragma omp simd
+        for (int i = 0; i < E; ++i) orow[i] = w[i] * (hr[i] * r);
+    }
+}
+
+// Rotary embedding (rotate-half convention) in place on nh heads of D at the start of each row of x.
+void rope_f32(float* x, int64_t row_st, int64_t T, int nh, int D, const float* cos_t, const float* sin_t,
+              const int64_t* pos) {
+    const int h = D / 2;
+    #pragma omp parallel for schedule(static) if (T * nh * D >= 65536)
+    for (int64_t t = 0; t < T; ++t) {
+        const float* c = cos_t + pos[t] * D;
+        const float* s = sin_t + pos[t] * D;
+        for (int j = 0; j < nh; ++j) {
+            float* v = x + t * row_st + (int64_t)j * D;
+            #pragma omp simd
+            for (int i = 0; i < h; ++i) {
+                const float a = v[i], b = v[i + h];
+                v[i] = a * c[i] - b * s[i];
+                v[i + h] = b * c[i + h] + a * s[i + h];
+            }
+        }
+    }
+}
+
+}  // extern "C"
+"""
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_error: str | None = None
+_disabled = False
+
+
+def _cpu_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() + platform.machine()
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("FLOWRT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "flowrt")
+    return Path(base) / "cpu_ops"
+
+
+def build(force: bool = False) -> Path:
+    """Compiles the library (or finds it cached) and returns its path. Raises RuntimeError on failure."""
+    cxx = os.environ.get("CXX") or "g++"
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler ({cxx!r} not found)")
+    key = hashlib.sha256("\0".join([SOURCE, cxx, *FLAGS, _cpu_key(), torch.__version__]).encode()).hexdigest()[:16]
+    out = cache_dir() / f"flowrt_cpu_ops_{key}.so"
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src = Path(tmp) / "cpu_ops.cpp"
+        src.write_text(SOURCE)
+        so = Path(tmp) / out.name
+        proc = subprocess.run([cxx, *FLAGS, str(src), "-o", str(so)], capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling the CPU kernels failed:\n{proc.stderr[-2000:]}")
+        os.replace(so, out)  # atomic: concurrent builders race harmlessly
+    return out
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    P, I64, I32, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.paged_decode_f32.restype = ctypes.c_int
+    lib.paged_decode_f32.argtypes = [P, I64, P, P, P, I64, P, P, I32, P, I64, P, I32, I32, I32, I32, I32, F]
+    lib.add_rmsnorm_f32.argtypes = [P, P, P, P, I64, I32, F]
+    lib.rope_f32.argtypes = [P, I64, I64, I32, I32, P, P, P]
+    for f in (lib.add_rmsnorm_f32, lib.rope_f32):
+        f.restype = None
+
+
+def lib() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where they are unavailable (then callers use plain torch)."""
+    global _lib, _tried, _error
+    if _tried:
+        return None if _disabled else _lib
+    with _lock:
+        if _tried:
+            return _lib
+        if os.environ.get("FLOWRT_CPU_OPS", "1") == "0":
+            _error = "disabled by FLOWRT_CPU_OPS=0"
+        else:
+            try:
+                path = build()
+                cdll = ctypes.CDLL(str(path))
+                _declare(cdll)
+                _lib = cdll
+            except Exception as exc:  # no compiler, failed build, unloadable library: fall back to torch
+                _error = str(exc)
+                logger.warning("flowrt CPU kernels unavailable, using plain torch: %s", exc)
+        _tried = True
+    return None if _disabled else _lib
+
+
+def set_enabled(enabled: bool) -> None:
+    """Tests and benchmarks: force the plain-torch paths (False) or use the kernels again (True)."""
+    global _disabled
+    _disabled = not enabled
+
+
+def available() -> bool:
+    return lib() is not None
+
+
+def _p(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+# ---- wrappers (float32 CPU tensors; callers check `lib()` and dtypes first) ------------------------------
+
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out, scale: float, rows=None, start: int = 0,
+                 lse=None) -> None:
+    """q/out [*, H, D] (rows contiguous in the last two dims), caches [N, bs, Hkv, D] contiguous float32,
+    block_tables int32 [B, W] (row-contiguous), seq_lens int32 [B], rows int64 [B] or None, lse float32 [B, H]."""
+    N, bs, Hkv, D = k_cache.shape
+    H = q.shape[1]
+    B = seq_lens.shape[0]
+    rc = _lib.paged_decode_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                          block_tables.stride(0), seq_lens.data_ptr(), _p(rows), start, out.data_ptr(), out.stride(0),
+                          _p(lse), B, H, Hkv, D, bs, scale)
+    if rc != 0:
+        raise ValueError(f"paged_decode: head size {D} not supported")
+
+
+def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """h += delta in place (when given); returns rms_norm(h) * weight. h/delta [T, E] contiguous float32."""
+    T, E = h.shape
+    out = torch.empty_like(h)
+    _lib.add_rmsnorm_f32(h.data_ptr(), _p(delta), weight.data_ptr(), out.data_ptr(), T, E, eps)
+    return out
+
+
+def rope_(x: torch.Tensor, nheads: int, head_dim: int, cos_table, sin_table, positions) -> None:
+    """Rotates the first nheads heads of every row of x [T, >= nheads*head_dim] (row stride x.stride(0)) in place."""
+    _lib.rope_f32(x.data_ptr(), x.stride(0), x.shape[0], nheads, head_dim, cos_table.data_ptr(),
+                  sin_table.data_ptr(), positions.data_ptr())
