@@ -10,8 +10,10 @@ import anyio
 
 if sys.version_info >= (3, 11):
     _BaseExceptionGroup = BaseExceptionGroup  # noqa: F821
+    _ExceptionGroup = ExceptionGroup  # noqa: F821
 else:  # pragma: no cover - anyio depends on the backport on 3.10
     from exceptiongroup import BaseExceptionGroup as _BaseExceptionGroup
+    from exceptiongroup import ExceptionGroup as _ExceptionGroup
 
 __all__ = ["gather"]
 
@@ -64,5 +66,9 @@ async def gather(*awaitables: Awaitable[Any] | Iterable[Awaitable[Any]], return_
         real = [e for e in _leaves(eg) if not isinstance(e, cancelled)]
         if len(real) == 1:
             raise real[0] from None
+        if real and all(isinstance(e, Exception) for e in real):  # a group whose message says what failed
+            parts = [f"{type(e).__name__}: {e}" for e in real]
+            shown = "; ".join(dict.fromkeys(parts))  # the same error from several awaitables: once
+            raise _ExceptionGroup(f"{len(real)} of {len(aws)} awaitables failed: {shown}", real) from None
         raise
     return results

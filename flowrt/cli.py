@@ -2,13 +2,17 @@
 
     flowrt run FILE.py [--input NAME=VALUE ...] [--model PATH] [--json] [--trace FILE] [--workflow NAME]
                        [--index DIR] [--ENGINE-OPTION VALUE ...]
+    flowrt run FILE.py --checkpoint runs.db [--stream]   # saved after every step; prints the run id
+    flowrt resume RUN_ID --checkpoint runs.db [--answer VALUE]
+    flowrt runs list|show [RUN_ID] --checkpoint runs.db
     flowrt graph FILE.py [--format text|mermaid|dot]
     flowrt bench NAME [ARGS ...]          # runs bench/NAME.py (bench/ is in a source checkout only)
     flowrt serve ...                      # flowrt.server (when installed)
     flowrt index ...                      # flowrt.retrieval (when installed)
 
 Exit status of ``run``: 0 when every step succeeded, 1 when a step failed (its dependents are skipped;
-every other result is still printed), 2 for a bad command line, workflow file, input or model.
+every other result is still printed), 2 for a bad command line, workflow file, input, model or checkpoint
+database, 3 when a step called ``fr.interrupt`` (the payload is printed; ``flowrt resume`` continues).
 
 The engine options (``run`` and ``serve``) are generated from ``flowrt.engine.EngineArgs``: one
 ``--kebab-case`` option per field, documented where the field is (``flowrt run --help`` lists them).
@@ -29,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 __all__ = ["main", "build_parser", "add_engine_arguments", "engine_kwargs_from_args", "parse_inputs"]
 
-EXIT_OK, EXIT_STEP_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_STEP_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 3
 
 ENGINE_GROUP_DESCRIPTION = ("the fields of flowrt.engine.EngineArgs (engine/API.md); an option left out keeps the "
                             "engine's default")
@@ -204,11 +208,26 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         defer(lambda: _add_engine_options(g))
     else:
         _add_engine_options(g)
+    r = p.add_argument_group("replicas", "scale out: engine replicas as Ray actors (needs `pip install 'flowrt[ray]'`)")
+    r.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="run N engine replicas as Ray actors on a local Ray instance; each workflow run stays on "
+                        "one replica, new runs go where their prefix is cached")
+    r.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="join this Ray cluster (e.g. auto, ray://host:10001) instead of starting one")
+    r.add_argument("--routing", choices=["prefix", "round_robin"], default="prefix",
+                   help="how new runs pick a replica (default: prefix, with a load fallback)")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The ``EngineArgs`` keywords given on the command line (options left out are not included)."""
     return {n: getattr(args, n) for n in _engine_field_names() if getattr(args, n, None) is not None}
+
+
+def replica_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``fr.Runtime`` keywords for ``--replicas`` / ``--ray-address`` / ``--routing`` (empty without them)."""
+    if not getattr(args, "replicas", None) and not getattr(args, "ray_address", None):
+        return {}
+    return {"replicas": args.replicas, "ray_address": args.ray_address, "routing": args.routing}
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -293,6 +312,8 @@ def _print_result_human(result: Any, show_tb: bool) -> None:
                 err.print("  ... (--traceback shows all)", style="dim")
             for line in shown:
                 err.print("  " + printable(line), style="dim", markup=False, highlight=False)
+    for name, e in getattr(result, "skipped", {}).items():  # routes not chosen: not failures
+        err.print(Text(f"{name} skipped", style="dim") + Text(f": {printable(e.message)}", style="dim"))
 
 
 class _LoadFailed(Exception):
@@ -338,13 +359,11 @@ def _load(args: argparse.Namespace, cmd: str) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import anyio
-
-    from .executor import RunObserver
-    from .runtime import Runtime
-    from .trace import Tracer
     from .workflow import WorkflowError
 
+    if args.stream and args.json:
+        print("flowrt run: error: --stream prints text as it is generated; it cannot go with --json", file=sys.stderr)
+        return EXIT_USAGE
     try:
         wf = _load(args, "run")
         inputs = parse_inputs(args.input or [], args.input_file or [], wf)
@@ -355,11 +374,78 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except _LoadFailed:
         return EXIT_USAGE
+    runtime = _make_runtime(args, "run", args.model, engine_kwargs_from_args(args), args.index)
+    if runtime is None:
+        return EXIT_USAGE
+    return _run_cli(args, "run", wf, runtime, lambda **kw: runtime.execute(wf, inputs, file=os.path.abspath(args.file),
+                                                                          **kw))
 
-    runtime = Runtime(args.model, index=args.index, **engine_kwargs_from_args(args))
+
+def _make_runtime(args: argparse.Namespace, cmd: str, model: Any, engine_kwargs: dict[str, Any],
+                  index: str | None) -> Any:
+    from .runtime import Runtime
+
+    try:
+        return Runtime(model, index=index, checkpoint=getattr(args, "checkpoint", None),
+                       **replica_kwargs_from_args(args), **engine_kwargs)
+    except Exception as e:  # a checkpoint database that cannot be used: corrupt, newer format, ...
+        from .checkpoint import CheckpointError
+
+        if isinstance(e, CheckpointError):
+            print(f"flowrt {cmd}: error: {e}", file=sys.stderr)
+            return None
+        raise
+
+
+class _CliEvents:
+    """``flowrt run`` / ``resume`` as an event listener: the run id at the start (stderr), and with
+    ``--stream`` every thread's text as it is generated (stdout; a ``[step #thread.fork]`` header when the
+    source changes) and the step events (stderr)."""
+
+    def __init__(self, cmd: str, checkpoint: str | None, stream: bool) -> None:
+        self.cmd, self.checkpoint, self.stream = cmd, checkpoint, stream
+        self._source: tuple | None = None
+
+    def __call__(self, ev: Any) -> None:
+        kind = ev.type
+        if kind == "run_started" and ev.run_id:
+            print(f"flowrt {self.cmd}: run {ev.run_id}{' (resumed)' if ev.resumed else ''}; checkpoints in "
+                  f"{self.checkpoint}", file=sys.stderr, flush=True)
+        if not self.stream:
+            return
+        if kind == "token":
+            src = (ev.step, ev.thread_id, ev.fork_index)
+            if src != self._source:
+                self._source = src
+                sys.stdout.write(f"\n[{ev.step} #{ev.thread_id}.{ev.fork_index}] ")
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        elif kind in ("step_started", "step_finished", "step_failed", "routed", "interrupted"):
+            if self._source is not None:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+                self._source = None
+            detail = {"step_started": "started", "step_finished": "finished",
+                      "step_failed": f"failed: {getattr(ev, 'message', '')}",
+                      "routed": f"routed to {', '.join(getattr(ev, 'targets', []))}",
+                      "interrupted": "interrupted"}[kind]
+            print(f"-- {ev.step} {detail}", file=sys.stderr, flush=True)
+
+
+def _run_cli(args: argparse.Namespace, cmd: str, wf: Any, runtime: Any, start: Callable[..., Any]) -> int:
+    import anyio
+
+    from .checkpoint import CheckpointError
+    from .events import EventSink
+    from .executor import RunObserver
+    from .trace import Tracer
+    from .workflow import WorkflowError
+
     observer = RunObserver(wf)
     tracer = Tracer(stats_fn=runtime.stats)
-    use_progress = (not args.no_progress) and sys.stderr.isatty()
+    use_progress = (not args.no_progress) and (not getattr(args, "stream", False)) and sys.stderr.isatty()
+    listener = _CliEvents(cmd, getattr(args, "checkpoint", None), getattr(args, "stream", False))
+    sink = EventSink(listener, tokens=listener.stream)
 
     async def go() -> Any:
         async with runtime:
@@ -373,25 +459,27 @@ def cmd_run(args: argparse.Namespace) -> int:
                 from .progress import ProgressDisplay
 
                 with ProgressDisplay(observer, runtime.stats):
-                    return await runtime.execute(wf, inputs, tracer=tracer, observer=observer)
-            return await runtime.execute(wf, inputs, tracer=tracer, observer=observer)
+                    return await start(tracer=tracer, observer=observer, events=sink)
+            return await start(tracer=tracer, observer=observer, events=sink)
 
     # With --json nothing but the JSON may reach stdout: steps that print write to stderr instead.
     redirect = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     try:
         with redirect:
             result = anyio.run(go)
-    except (WorkflowError, _EngineFailed) as e:
-        print(f"flowrt run: error: {e}", file=sys.stderr)
+    except (WorkflowError, _EngineFailed, CheckpointError) as e:
+        print(f"flowrt {cmd}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("flowrt run: interrupted", file=sys.stderr)
+        print(f"flowrt {cmd}: interrupted", file=sys.stderr)
         return 130
+    if listener.stream and listener._source is not None:
+        sys.stdout.write("\n")
     if args.trace:
         try:
             tracer.save(args.trace)
         except OSError as e:
-            print(f"flowrt run: cannot write trace {args.trace}: {e}", file=sys.stderr)
+            print(f"flowrt {cmd}: cannot write trace {args.trace}: {e}", file=sys.stderr)
     if args.json:
         sys.stdout.write(result.to_json() + "\n")
         sys.stdout.flush()
@@ -402,7 +490,107 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(summary_line(result), file=sys.stderr)
         if args.trace:
             print(f"trace written to {args.trace} (open it in https://ui.perfetto.dev)", file=sys.stderr)
+    if result.interrupted:
+        it = result.interrupt or {}
+        if not args.json:
+            from .render import to_jsonable
+
+            print(json.dumps(to_jsonable(it.get("payload")), ensure_ascii=False, indent=2))
+        print(f"flowrt {cmd}: run {result.run_id} is waiting for an answer (step {it.get('step')!r}); continue "
+              f"it with: flowrt resume {result.run_id} --checkpoint {args.checkpoint} --answer '...'",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_OK if result.ok else EXIT_STEP_FAILED
+
+
+def _parse_answer(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError, SQLiteStore
+    from .workflow import WorkflowError
+
+    try:
+        store = SQLiteStore(args.checkpoint)
+        record = store.get_run(args.run_id, with_state=False)
+        store.close()
+    except CheckpointError as e:
+        print(f"flowrt resume: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if record.status == "done":
+        print(f"flowrt resume: run {record.run_id} already finished; `flowrt runs show {record.run_id} --checkpoint "
+              f"{args.checkpoint}` shows its results", file=sys.stderr)
+        return EXIT_USAGE
+    file = args.file or record.file
+    if not file:
+        print(f"flowrt resume: error: run {record.run_id} recorded no workflow file; pass --file", file=sys.stderr)
+        return EXIT_USAGE
+    args.file, args.workflow = file, record.workflow
+    try:
+        wf = _load(args, "resume")
+        wf.validate()
+    except (WorkflowError, FileNotFoundError) as e:
+        print(f"flowrt resume: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except _LoadFailed:
+        return EXIT_USAGE
+    meta = record.meta or {}
+    engine_kwargs = {**(meta.get("engine") or {}), **engine_kwargs_from_args(args)}
+    model = args.model if args.model is not None else meta.get("model")
+    runtime = _make_runtime(args, "resume", model, engine_kwargs, args.index or meta.get("index"))
+    if runtime is None:
+        return EXIT_USAGE
+    from .checkpoint.run import NO_ANSWER
+
+    answer = _parse_answer(args.answer) if args.answer is not None else NO_ANSWER
+    return _run_cli(args, "resume", wf, runtime,
+                    lambda **kw: runtime.resume(args.run_id, answer=answer, workflow=wf, **kw))
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    import datetime
+
+    from .checkpoint import CheckpointError, SQLiteStore
+
+    def when(t: float) -> str:
+        return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+    try:
+        store = SQLiteStore(args.checkpoint)
+        if args.action == "list":
+            runs = store.list_runs(args.limit)
+            if args.json:
+                print(json.dumps([{"run_id": r.run_id, "workflow": r.workflow, "status": r.status, "file": r.file,
+                                   "created": r.created, "updated": r.updated, "checkpoints": r.checkpoints}
+                                  for r in runs], indent=2))
+                return EXIT_OK
+            if not runs:
+                print(f"no runs in {args.checkpoint}", file=sys.stderr)
+            for r in runs:
+                print(f"{r.run_id}  {r.status:<11}  {r.workflow:<20}  {when(r.created)}  {r.checkpoints} checkpoints"
+                      f"  {r.file or ''}")
+            return EXIT_OK
+        if not args.run_id:
+            print("flowrt runs show: error: which run? `flowrt runs show RUN_ID --checkpoint DB`", file=sys.stderr)
+            return EXIT_USAGE
+        r = store.get_run(args.run_id)
+        hist = store.history(args.run_id)
+    except CheckpointError as e:
+        print(f"flowrt runs: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    state = r.state or {}
+    outputs = {k: (v["json"] if "json" in v else v.get("placeholder")) for k, v in state.get("outputs", {}).items()}
+    info = {"run_id": r.run_id, "workflow": r.workflow, "file": r.file, "status": r.status, "inputs": r.inputs,
+            "created": when(r.created), "updated": when(r.updated), "outputs": outputs,
+            "errors": {k: e["message"] for k, e in state.get("errors", {}).items()},
+            "skipped": state.get("not_routed", {}), "routes": state.get("routes", []),
+            "interrupt": r.interrupt, "steps": [{k: h[k] for k in ("seq", "step", "visit", "status")} for h in hist]}
+    print(json.dumps(info, indent=2, ensure_ascii=False, default=str))
+    return EXIT_OK
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
@@ -504,8 +692,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", metavar="DIR", help="retrieval index directory, injected as `retriever`")
     p.add_argument("--no-progress", action="store_true", help="no live progress display")
     p.add_argument("--traceback", action="store_true", help="print full tracebacks of failed steps")
+    p.add_argument("--checkpoint", metavar="DB", help="save the run after every step to this SQLite database "
+                   "(created if missing); prints the run id; `flowrt resume RUN_ID --checkpoint DB` continues it")
+    p.add_argument("--stream", action="store_true", help="print generated text live as the steps produce it")
     add_engine_arguments(p)
     p.set_defaults(func=cmd_run)
+
+    rs = sub.add_parser("resume", help="continue a checkpointed run (after a crash or an interrupt)",
+                        description="Continue run RUN_ID from its last checkpoint: finished steps are not run "
+                                    "again; an interrupted step runs again from its start, its fr.interrupt() "
+                                    "call returning --answer.")
+    rs.add_argument("run_id", metavar="RUN_ID")
+    rs.add_argument("--checkpoint", metavar="DB", required=True, help="the run's checkpoint database")
+    rs.add_argument("--answer", metavar="VALUE", help="the answer to the run's interrupt (JSON, else a string)")
+    rs.add_argument("--file", metavar="FILE.py", help="the workflow file (default: the one the run recorded)")
+    rs.add_argument("--json", action="store_true", help="print the result as JSON and nothing else on stdout")
+    rs.add_argument("--stream", action="store_true", help="print generated text live")
+    rs.add_argument("--trace", metavar="FILE", help="write a Chrome trace")
+    rs.add_argument("--index", metavar="DIR", help="retrieval index directory (default: the run's)")
+    rs.add_argument("--no-progress", action="store_true", help="no live progress display")
+    rs.add_argument("--traceback", action="store_true", help="print full tracebacks of failed steps")
+    add_engine_arguments(rs)
+    rs.set_defaults(func=cmd_resume, workflow=None)
+
+    ru = sub.add_parser("runs", help="list or show checkpointed runs",
+                        description="`flowrt runs list --checkpoint DB` lists runs, newest first; `flowrt runs show "
+                                    "RUN_ID --checkpoint DB` prints one run's state and step history as JSON.")
+    ru.add_argument("action", choices=["list", "show"])
+    ru.add_argument("run_id", nargs="?", metavar="RUN_ID")
+    ru.add_argument("--checkpoint", metavar="DB", required=True)
+    ru.add_argument("--limit", type=int, default=50, help="list at most this many runs")
+    ru.add_argument("--json", action="store_true", help="list as JSON")
+    ru.set_defaults(func=cmd_runs)
 
     g = sub.add_parser("graph", help="print a workflow's DAG", description="Print the DAG of FILE's workflow.")
     g.add_argument("file", metavar="FILE.py")

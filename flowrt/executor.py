@@ -20,7 +20,14 @@ from typing import Any, Callable, Protocol
 
 import anyio
 
+import networkx as nx
+
+from . import events as ev
+from .events import EventSink, current_sink
+from .interrupts import Interrupt, InterruptScope
+from .interrupts import current_interrupts
 from .render import to_jsonable, unrenderable
+from .routing import Goto
 from .runscope import RunThreads, current_run_threads
 from .trace import Tracer, current_step, current_tracer
 from .worker import run_sync_abandonable
@@ -61,6 +68,12 @@ class RunResult:
     timings: dict[str, float] = field(default_factory=dict)   # step -> seconds
     sinks: list[str] = field(default_factory=list)
     tracer: Tracer | None = field(default=None, repr=False)
+    skipped: dict[str, StepError] = field(default_factory=dict)   # steps no route chose (not errors)
+    routes: list[dict[str, Any]] = field(default_factory=list)     # routes taken, in order
+    visits: dict[str, int] = field(default_factory=dict)           # steps that ran more than once
+    status: str = "done"                # "done", "failed" or "interrupted"
+    run_id: str | None = None           # with a checkpointer
+    interrupt: dict[str, Any] | None = None   # {"step", "payload"} of an interrupted run
 
     @property
     def ok(self) -> bool:
@@ -89,12 +102,25 @@ class RunResult:
             raise StepFailed(err)
         return self
 
+    @property
+    def interrupted(self) -> bool:
+        return self.status == "interrupted"
+
     def to_dict(self) -> dict[str, Any]:
         """``{"outputs": {step: result}, "errors": {step: message}, "stats": {...}}`` (JSON-safe: a result
-        that cannot be rendered becomes an ``<unrenderable ...>`` placeholder, the others are kept)."""
-        return {"outputs": {k: to_jsonable(v) for k, v in self.outputs.items()},
-                "errors": {k: to_jsonable(e.message) for k, e in self.errors.items()},
-                "stats": to_jsonable(self.stats)}
+        that cannot be rendered becomes an ``<unrenderable ...>`` placeholder, the others are kept), plus
+        ``"skipped"`` and ``"routes"`` for a workflow that routed, ``"status"``, ``"run_id"`` and
+        ``"interrupt"`` for an interrupted run."""
+        out = {"outputs": {k: to_jsonable(v) for k, v in self.outputs.items()},
+               "errors": {k: to_jsonable(e.message) for k, e in self.errors.items()},
+               "stats": to_jsonable(self.stats)}
+        if self.skipped:
+            out["skipped"] = {k: to_jsonable(e.message) for k, e in self.skipped.items()}
+        if self.routes:
+            out["routes"] = to_jsonable(self.routes)
+        if self.interrupted:
+            out.update(status=self.status, run_id=self.run_id, interrupt=to_jsonable(self.interrupt))
+        return out
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
@@ -156,10 +182,12 @@ async def _call_once(step: Step, kwargs: dict[str, Any]) -> Any:
 
 
 async def _attempts(step: Step, kwargs: dict[str, Any], label: str, observer: RunObserver | None,
-                    tracer: Tracer) -> tuple[Any, int]:
+                    tracer: Tracer, interrupts: InterruptScope | None = None) -> tuple[Any, int]:
     """Run one invocation with retries and a per-attempt timeout; returns (value, attempts)."""
     attempts = step.retries + 1
     for attempt in range(1, attempts + 1):
+        if interrupts is not None:
+            interrupts.calls[label] = 0   # each attempt asks its interrupts from the first again
         if observer is not None:
             observer.attempts[step.name] = max(observer.attempts.get(step.name, 0), attempt)
         span = tracer.start(label, "step", step=step.name, attempt=attempt)
@@ -174,6 +202,9 @@ async def _attempts(step: Step, kwargs: dict[str, Any], label: str, observer: Ru
         except anyio.get_cancelled_exc_class():
             tracer.end(span, status="cancelled")
             raise
+        except Interrupt:
+            tracer.end(span, status="interrupted")
+            raise
         except Exception as e:
             tracer.end(span, status="error", error=_message(e))
             if attempt >= attempts:
@@ -187,21 +218,60 @@ async def _attempts(step: Step, kwargs: dict[str, Any], label: str, observer: Ru
     raise AssertionError("unreachable")
 
 
+class _RunState:
+    """What the scheduler knows about a run; a checkpoint is this, serialized (see ``snapshot``).
+
+    ``status`` is per step for the current pass: pending, running, done, failed, skipped (an upstream
+    failure or a missing resource), not_routed, interrupted. A loop route back to a step sets it and every
+    step after it to pending again (their last results stay until replaced)."""
+
+    def __init__(self, wf: Workflow) -> None:
+        self.status: dict[str, str] = {n: "pending" for n in wf.steps}
+        self.visits: dict[str, int] = {n: 0 for n in wf.steps}
+        self.outputs: dict[str, Any] = {}
+        self.errors: dict[str, StepError] = {}
+        self.not_routed: dict[str, StepError] = {}
+        self.chosen: dict[str, dict[str, Any]] = {}        # router -> {target: value} (this pass)
+        self.loop_values: dict[str, dict[str, Any]] = {}   # target -> {router: value}
+        self.route_log: list[dict[str, Any]] = []
+        self.timings: dict[str, float] = {}
+        self.interrupt: dict[str, Any] | None = None
+
+
+def _as_gotos(step: Step, value: Any) -> list[Goto]:
+    gotos = [value] if isinstance(value, Goto) else value
+    if not isinstance(gotos, (list, tuple)) or not all(isinstance(g, Goto) for g in gotos):
+        raise TypeError(f"step {step.name!r} declares routes={list(step.routes)} and must return fr.goto(step, "
+                        f"value) or a list of them, got {type(value).__name__}")
+    for g in gotos:
+        if g.step not in step.routes:
+            raise ValueError(f"step {step.name!r} routed to {g.step!r}, which is not one of its routes "
+                             f"({', '.join(step.routes)})")
+    names = [g.step for g in gotos]
+    if len(set(names)) != len(names):
+        raise ValueError(f"step {step.name!r} routed to {names}: each route at most once")
+    return list(gotos)
+
+
 async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvider | None = None, *,
                   tracer: Tracer | None = None, observer: RunObserver | None = None,
-                  stats_fn: Callable[[], dict[str, Any]] | None = None) -> RunResult:
+                  stats_fn: Callable[[], dict[str, Any]] | None = None, checkpoint: Any = None,
+                  events: EventSink | None = None) -> RunResult:
     """Run ``wf`` once. Invalid inputs raise ``WorkflowError`` before any step starts; step failures are
-    reported in the result, never raised."""
+    reported in the result, never raised.
+
+    ``checkpoint``: a ``flowrt.checkpoint.RunCheckpoint`` (the run's state is saved after every step, and
+    a resumed run starts from its last state); ``events``: where run events go (flowrt.events)."""
     wf.validate()
     inputs = wf.check_inputs(inputs)
     tracer = tracer or Tracer(stats_fn=stats_fn)
     if tracer.stats_fn is None:
         tracer.stats_fn = stats_fn
     t_start = time.perf_counter()
-    outputs: dict[str, Any] = {}
-    errors: dict[str, StepError] = {}
-    timings: dict[str, float] = {}
-    done = {name: anyio.Event() for name in wf.steps}
+    st = _RunState(wf)
+    emit = events if events is not None else (lambda ev: None)
+    scope = InterruptScope(enabled=checkpoint is not None)
+    graph = wf.graph
 
     def set_status(name: str, status: str) -> None:
         if observer is not None:
@@ -221,44 +291,150 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
         except Exception as e:
             resource_errors[rname] = f"{type(e).__name__}: {e}"
 
+    restored = checkpoint.start(st, scope, resources.get("llm")) if checkpoint is not None else False
+    if restored:
+        for name in st.status:
+            if name in st.outputs:
+                set_status(name, "done")
+    emit(ev.RunStarted(wf.name, getattr(checkpoint, "run_id", None), list(wf.steps), resumed=restored))
+
+    changed = anyio.Event()
+    halted = False          # an interrupt: start no new steps
+
+    def poke() -> None:
+        nonlocal changed
+        changed.set()
+
+    def save(step: str | None) -> None:
+        if checkpoint is not None:
+            checkpoint.save(st, step, threads)
+
+    def resolve(name: str, status: str, err: StepError | None = None) -> None:
+        st.status[name] = status
+        if status == "done":
+            st.errors.pop(name, None)
+            st.not_routed.pop(name, None)
+        elif status == "not_routed":
+            assert err is not None
+            if name not in st.outputs:
+                st.not_routed[name] = err
+            set_status(name, "skipped" if name not in st.outputs else "done")
+            emit(ev.StepSkipped(name, err.message))
+        elif status in ("failed", "skipped"):
+            assert err is not None
+            st.outputs.pop(name, None)
+            st.not_routed.pop(name, None)
+            st.errors[name] = err
+            set_status(name, status)
+            if status == "skipped":
+                emit(ev.StepSkipped(name, err.message))
+
+    def readiness(step: Step) -> str:
+        """"wait", "run", or "resolved" (skipped / not routed here and now)."""
+        for d in step.deps + step.gates:
+            if st.status[d] in ("pending", "running", "interrupted"):
+                return "wait"
+        failed = [d for d in step.deps + step.gates if st.status[d] in ("failed", "skipped")]
+        if failed:
+            resolve(step.name, "skipped", StepError(step.name, f"skipped: depends on failed step {failed[0]!r}",
+                                                    kind="skipped"))
+            return "resolved"
+        if step.gates and not any(step.name in st.chosen.get(g, {}) for g in step.gates):
+            by = ", ".join(step.gates)
+            resolve(step.name, "not_routed", StepError(step.name, f"not routed: {by} chose another route",
+                                                       kind="not_routed"))
+            return "resolved"
+        params = {p.name: p for p in step.params}
+        for d in step.deps:
+            if st.status[d] == "not_routed" and d not in st.outputs:
+                p = params.get(d)
+                if p is None or p.has_default:   # ordering only, or a join: the default stands in
+                    continue
+                resolve(step.name, "not_routed", StepError(
+                    step.name, f"not routed: depends on {d!r}, which was not routed", kind="not_routed"))
+                return "resolved"
+        missing = [r for r in step.resources if r in resource_errors]
+        if missing:
+            resolve(step.name, "skipped", StepError(step.name, f"skipped: resource {missing[0]!r} is unavailable: "
+                                                    f"{resource_errors[missing[0]]}", kind="skipped"))
+            return "resolved"
+        return "run"
+
+    def kwargs_for(step: Step) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        for p in step.params:
+            if p.resource:
+                kwargs[p.name] = resources[p.resource]
+            elif p.name in step.loop_sources:
+                kwargs[p.name] = st.loop_values.get(step.name, {}).get(p.name, p.default)
+            elif p.name in step.gates:
+                kwargs[p.name] = st.chosen.get(p.name, {}).get(step.name, p.default)
+            elif p.name in wf.steps:
+                kwargs[p.name] = st.outputs[p.name] if p.name in st.outputs else p.default
+            elif p.name in inputs:
+                kwargs[p.name] = inputs[p.name]
+            elif p.has_default:
+                kwargs[p.name] = p.default
+            else:  # check_inputs guarantees this does not happen
+                raise AssertionError(f"input {p.name!r} missing")
+        return kwargs
+
+    def take_routes(step: Step, value: Any) -> Any:
+        gotos = _as_gotos(step, value)
+        loops = [g for g in gotos if (step.name, g.step) in loop_edges]
+        forward = [g for g in gotos if (step.name, g.step) not in loop_edges]
+        st.route_log.append({"step": step.name, "visit": st.visits[step.name], "to": [g.step for g in gotos]})
+        emit(ev.Routed(step.name, [g.step for g in gotos], [g.step for g in loops]))
+        for g in loops:
+            again = {g.step} | (set(nx.descendants(graph, g.step)) & set(wf.steps))
+            for x in again:
+                if st.status[x] != "running":
+                    st.status[x] = "pending"
+                    st.chosen.pop(x, None)
+                    st.not_routed.pop(x, None)   # this pass decides again (a last result stays until then)
+                    if x != step.name:
+                        st.errors.pop(x, None)
+            st.loop_values.setdefault(g.step, {})[step.name] = g.value
+        if st.status[step.name] == "done":
+            st.chosen[step.name] = {g.step: g.value for g in forward}
+        if isinstance(value, Goto):
+            return value.value
+        return [g.value for g in gotos]
+
     async def run_step(step: Step) -> None:
+        nonlocal halted
         token = current_step.set(step.name)
         try:
-            for dep in step.deps:
-                await done[dep].wait()
-            failed = [d for d in step.deps if d in errors]
-            if failed:
-                errors[step.name] = StepError(step.name, f"skipped: depends on failed step {failed[0]!r}",
-                                              kind="skipped")
-                set_status(step.name, "skipped")
+            st.visits[step.name] += 1
+            visit = st.visits[step.name]
+            if visit > step.max_visits:
+                msg = (f"step {step.name!r} would run a {visit}th time, past max_visits={step.max_visits} (a loop "
+                       f"that does not end?); end the loop or raise @wf.step(max_visits=...)")
+                st.visits[step.name] -= 1
+                resolve(step.name, "failed", StepError(step.name, msg, kind="failed"))
+                emit(ev.StepFailed(step.name, visit, msg))
                 return
-            missing = [r for r in step.resources if r in resource_errors]
-            if missing:
-                errors[step.name] = StepError(step.name, f"skipped: resource {missing[0]!r} is unavailable: "
-                                              f"{resource_errors[missing[0]]}", kind="skipped")
-                set_status(step.name, "skipped")
-                return
-            kwargs: dict[str, Any] = {}
-            for p in step.params:
-                if p.resource:
-                    kwargs[p.name] = resources[p.resource]
-                elif p.name in wf.steps:
-                    kwargs[p.name] = outputs[p.name]
-                elif p.name in inputs:
-                    kwargs[p.name] = inputs[p.name]
-                elif p.has_default:
-                    kwargs[p.name] = p.default
-                else:  # check_inputs guarantees this does not happen
-                    raise AssertionError(f"input {p.name!r} missing")
+            kwargs = kwargs_for(step)
             set_status(step.name, "running")
+            emit(ev.StepStarted(step.name, visit))
             t0 = time.perf_counter()
             try:
                 if step.map is None:
-                    value, _ = await _attempts(step, kwargs, step.name, observer, tracer)
+                    value, _ = await _attempts(step, kwargs, step.name, observer, tracer, scope)
                 else:
                     value = await run_mapped(step, kwargs)
+                if step.routes:
+                    st.status[step.name] = "done"   # a loop route may set it pending again
+                    value = take_routes(step, value)
             except anyio.get_cancelled_exc_class():
                 raise
+            except Interrupt as e:
+                st.status[step.name] = "interrupted"
+                st.not_routed.pop(step.name, None)
+                st.interrupt = {"step": e.step, "index": e.index, "payload": to_jsonable(e.payload)}
+                halted = True
+                set_status(step.name, "interrupted")
+                emit(ev.Interrupted(e.step, e.payload, getattr(checkpoint, "run_id", None)))
             except Exception as e:
                 msg, tb = _format_exc(e)
                 n = getattr(e, "__flowrt_attempts__", 1)
@@ -267,18 +443,28 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
                     msg += f" (item {item})"
                 if n > 1:
                     msg += f" (after {n} attempts)"
-                errors[step.name] = StepError(step.name, msg, tb,
-                                              kind="timeout" if isinstance(e, _StepTimeout) else "failed",
-                                              attempts=n)
-                set_status(step.name, "failed")
+                resolve(step.name, "failed", StepError(step.name, msg, tb,
+                                                       kind="timeout" if isinstance(e, _StepTimeout) else "failed",
+                                                       attempts=n))
+                emit(ev.StepFailed(step.name, visit, msg, st.errors[step.name].kind))
             else:
-                outputs[step.name] = value
+                st.outputs[step.name] = value
+                if checkpoint is not None:
+                    checkpoint.record_output(step.name, value)
+                st.errors.pop(step.name, None)
+                st.not_routed.pop(step.name, None)
+                if st.status[step.name] in ("running", "done"):
+                    st.status[step.name] = "done"
                 set_status(step.name, "done")
+                emit(ev.StepFinished(step.name, visit, round(time.perf_counter() - t0, 6)))
             finally:
-                timings[step.name] = time.perf_counter() - t0
+                st.timings[step.name] = time.perf_counter() - t0
+            save(step.name)
         finally:
+            threads.step_done(step.name)  # the step's open threads: "finished" hints to the engine
             current_step.reset(token)
-            done[step.name].set()
+            running.discard(step.name)
+            poke()
 
     async def run_mapped(step: Step, kwargs: dict[str, Any]) -> list[Any]:
         items = kwargs[step.map]  # type: ignore[index]
@@ -301,7 +487,7 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
                     await limiter.acquire()
                 try:
                     results[i], _ = await _attempts(step, {**kwargs, step.map: item}, f"{step.name}[{i}]",
-                                                    observer, tracer)
+                                                    observer, tracer, scope)
                 finally:
                     if limiter is not None:
                         limiter.release()
@@ -312,7 +498,7 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
                 raise
             except Exception as e:
                 if not first_error:
-                    if hasattr(e, "add_note"):
+                    if hasattr(e, "add_note") and not isinstance(e, Interrupt):
                         e.add_note(f"(item {i} of step {step.name!r}: {item!r:.200})")
                     e.__flowrt_item__ = i  # type: ignore[attr-defined]
                     first_error.append(e)
@@ -329,30 +515,64 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
 
     if observer is not None:
         observer.phase = ""
+    loop_edges = set(wf.loop_edges)
+    order = wf.order()
+    running: set[str] = set()
     tok = current_tracer.set(tracer)
-    threads = RunThreads()
+    threads = RunThreads(getattr(checkpoint, "run_id", None))   # a checkpointed run: its durable id
     threads_tok = current_run_threads.set(threads)
+    sink_tok = current_sink.set(events)
+    int_tok = current_interrupts.set(scope)
     try:
         async with anyio.create_task_group() as tg:
-            for name in wf.order():
-                tg.start_soon(run_step, wf.steps[name], name=f"flowrt step {name}")
+            while True:
+                progressed = True
+                while progressed:   # skips resolve at once and may unblock others
+                    progressed = False
+                    for name in order:
+                        if st.status[name] != "pending" or name in running:
+                            continue
+                        r = readiness(wf.steps[name])
+                        if r == "resolved":
+                            progressed = True
+                        elif r == "run" and not halted:
+                            st.status[name] = "running"
+                            running.add(name)
+                            tg.start_soon(run_step, wf.steps[name], name=f"flowrt step {name}")
+                if not running:
+                    break
+                changed = anyio.Event()
+                await changed.wait()
     except BaseException:  # cancelled (or interrupted): release the run's KV now, not at garbage collection
         threads.close_all()
         raise
     finally:
+        current_interrupts.reset(int_tok)
+        current_sink.reset(sink_tok)
         current_run_threads.reset(threads_tok)
         current_tracer.reset(tok)
 
-    stats = _stats(stats_fn if "llm" in resources else None, {
+    status = "interrupted" if st.interrupt is not None else (
+        "failed" if any(e.kind != "skipped" for e in st.errors.values()) else "done")
+    run_stats = {
         "elapsed_s": round(time.perf_counter() - t_start, 6),
-        "steps_completed": len(outputs),
-        "steps_failed": sum(1 for e in errors.values() if e.kind != "skipped"),
-        "steps_skipped": sum(1 for e in errors.values() if e.kind == "skipped"),
+        "steps_completed": len(st.outputs),
+        "steps_failed": sum(1 for e in st.errors.values() if e.kind != "skipped"),
+        "steps_skipped": sum(1 for e in st.errors.values() if e.kind == "skipped"),
         **tracer.llm_totals,
-    })
-    ordered_outputs = {n: outputs[n] for n in wf.order() if n in outputs}
-    ordered_errors = {n: errors[n] for n in wf.order() if n in errors}
-    return RunResult(wf.name, ordered_outputs, ordered_errors, stats, timings, wf.sinks(), tracer)
+    }
+    if wf.has_routes:
+        run_stats["steps_not_routed"] = len(st.not_routed)
+    stats = _stats(stats_fn if "llm" in resources else None, run_stats)
+    ordered_outputs = {n: st.outputs[n] for n in order if n in st.outputs}
+    ordered_errors = {n: st.errors[n] for n in order if n in st.errors and n not in st.outputs}
+    result = RunResult(wf.name, ordered_outputs, ordered_errors, stats, dict(st.timings), wf.sinks(), tracer,
+                       skipped={n: st.not_routed[n] for n in order if n in st.not_routed},
+                       routes=list(st.route_log), visits={n: v for n, v in st.visits.items() if v > 1},
+                       status=status, run_id=getattr(checkpoint, "run_id", None), interrupt=st.interrupt)
+    if checkpoint is not None:
+        checkpoint.finish(st, status, threads)
+    return result
 
 
 def _stats(engine_fn: Callable[[], dict[str, Any]] | None, run: dict[str, Any]) -> dict[str, Any]:

@@ -9,8 +9,9 @@ from .executor import RunObserver
 
 __all__ = ["ProgressDisplay", "summary_line"]
 
-_STYLE = {"pending": "dim", "running": "yellow", "done": "green", "failed": "bold red", "skipped": "magenta"}
-_ICON = {"pending": "·", "running": "▶", "done": "✓", "failed": "✗", "skipped": "-"}
+_STYLE = {"pending": "dim", "running": "yellow", "done": "green", "failed": "bold red", "skipped": "magenta",
+          "interrupted": "cyan"}
+_ICON = {"pending": "·", "running": "▶", "done": "✓", "failed": "✗", "skipped": "-", "interrupted": "?"}
 
 
 def _rates(stats: dict[str, Any], elapsed: float, gen0: int) -> dict[str, str]:

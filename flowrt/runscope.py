@@ -4,6 +4,8 @@ gets to the frames its cancellation left in reference cycles."""
 
 from __future__ import annotations
 
+import itertools
+import os
 import weakref
 from contextvars import ContextVar
 from typing import Any
@@ -14,11 +16,33 @@ __all__ = ["RunThreads", "current_run_threads", "track"]
 class RunThreads:
     """Weak references to the threads opened while a run's steps execute."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_id: str | None = None) -> None:
+        # what the engine's program-aware scheduler knows the run by (engine/program.py)
+        self.run_id = run_id or f"run-{os.getpid()}-{next(_run_ids)}"
         self._threads: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._steps: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
 
     def add(self, thread: Any) -> None:
+        from .trace import current_step
+
         self._threads.add(thread)
+        self._steps[thread] = current_step.get()
+
+    def live(self) -> list[tuple[Any, str | None]]:
+        """(thread, the step that opened it) for every thread of the run not closed yet, oldest first."""
+        alive = [t for t in list(self._threads) if not getattr(t, "closed", False)]
+        alive.sort(key=lambda t: getattr(t, "id", 0))
+        return [(t, self._steps.get(t)) for t in alive]
+
+    def step_done(self, step: str | None) -> None:
+        """A step ended: the threads it opened that are still open are hints of "finished" to the engine
+        (their KV is released first under memory pressure; a later step may still use them)."""
+        for thread, opened_by in self.live():
+            if step is not None and opened_by is not None and (opened_by == step or opened_by.startswith(step + "[")):
+                try:
+                    thread._hint_state("finished")
+                except Exception:
+                    pass
 
     def close_all(self) -> None:
         """Close every thread still alive (each closes its engine sequence, aborting its request)."""
@@ -28,6 +52,8 @@ class RunThreads:
             except Exception:  # one thread's failure must not keep the others' blocks
                 pass
 
+
+_run_ids = itertools.count(1)
 
 current_run_threads: ContextVar[RunThreads | None] = ContextVar("flowrt_run_threads", default=None)
 

@@ -10,7 +10,7 @@ every run on the runtime, so concurrent runs are batched together by the one eng
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import anyio
 
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Runtime"]
 
+_NO_ANSWER: Any = object()
+
 
 class Runtime:
     """Shared resources for workflow runs.
@@ -35,10 +37,26 @@ class Runtime:
     ``resources``: extra objects by resource name (e.g. ``{"retriever": my_retriever}``).
     ``share_kv=False``: the no-sharing baseline (forks recompute; pair with
     ``enable_prefix_caching=False``). Other keywords go to ``AsyncLLM`` (dtype, num_kv_blocks, ...).
+    ``checkpoint``: a database path (SQLite; ``":memory:"``) or a ``flowrt.checkpoint.CheckpointStore``:
+    every run is saved after each step and can be resumed (``rt.resume``), and steps may ``fr.interrupt``.
+    ``replicas=N``: N engine replicas as Ray actors (flowrt.replicas; ``ray_address`` joins a cluster,
+    ``routing="prefix"|"round_robin"``, ``replica_options``: more ``ReplicaSet`` keywords); each run is bound
+    to one replica.
     """
 
     def __init__(self, model: str | os.PathLike[str] | EngineClient | Model | None = None, *, index: str | None = None,
-                 resources: dict[str, Any] | None = None, share_kv: bool = True, **engine_kwargs: Any) -> None:
+                 resources: dict[str, Any] | None = None, share_kv: bool = True, replicas: int | None = None,
+                 ray_address: str | None = None, routing: str = "prefix",
+                 replica_options: dict[str, Any] | None = None, checkpoint: Any = None,
+                 **engine_kwargs: Any) -> None:
+        from .checkpoint import open_store
+
+        self.checkpointer = open_store(checkpoint)   # a CheckpointStore (flowrt.checkpoint), or None
+        self._replicas = replicas if (replicas or ray_address) else None
+        if self._replicas is not None:
+            if not isinstance(model, (str, bytes, os.PathLike, type(None))):
+                raise TypeError("replicas= needs a model path (each replica loads the model itself)")
+            self._replica_options = {"ray_address": ray_address, "routing": routing, **(replica_options or {})}
         self._model_spec = model
         self._engine_kwargs = engine_kwargs
         self._index = index
@@ -86,6 +104,11 @@ class Runtime:
         path = self._model_spec
         if isinstance(path, (bytes, os.PathLike)):
             path = os.fsdecode(path)
+        if self._replicas is not None:
+            from .replicas.client import ReplicaSet, RouterClient
+
+            rs = ReplicaSet(path, self._replicas or 1, **self._replica_options, **self._engine_kwargs)
+            return RouterClient(rs, owns=True)  # type: ignore[return-value]
         return AsyncLLM(model=path, **self._engine_kwargs)
 
     async def get_resource(self, name: str) -> Any:
@@ -129,7 +152,148 @@ class Runtime:
         return await self.execute(wf, {**(inputs or {}), **kw_inputs})
 
     async def execute(self, wf: Workflow, inputs: dict[str, Any], *, tracer: Tracer | None = None,
-                      observer: RunObserver | None = None) -> RunResult:
+                      observer: RunObserver | None = None, events: Any = None, run: Any = None,
+                      file: str | None = None) -> RunResult:
+        """Run ``wf``. With a checkpointer the run is recorded (``result.run_id``); ``run``: a
+        ``RunCheckpoint`` to continue (``resume`` makes it); ``events``: an ``flowrt.events.EventSink``."""
         if not isinstance(wf, Workflow):
             raise TypeError(f"expected a flowrt Workflow, got {type(wf).__name__}")
-        return await execute(wf, inputs, self, tracer=tracer, observer=observer, stats_fn=self.stats)
+        if run is None and self.checkpointer is not None:
+            from .checkpoint import RunCheckpoint
+
+            wf.validate()
+            checked = wf.check_inputs(inputs)   # a bad input records no run
+            run = RunCheckpoint.new(self.checkpointer, wf.name, checked, file=file or _workflow_file(wf),
+                                    meta=self._run_meta())
+        kw: dict[str, Any] = dict(tracer=tracer, observer=observer, stats_fn=self.stats, checkpoint=run,
+                                  events=events)
+        if "llm" not in wf.resources or not self._binds_runs():
+            return await execute(wf, inputs, self, **kw)
+        res = _RunResources(self)  # replicas: this run's fr.Model is bound to one replica (affinity)
+        try:
+            return await execute(wf, inputs, res, **kw)
+        finally:
+            res.release()
+
+    def _binds_runs(self) -> bool:
+        """Replicas: each run gets its own ``fr.Model``, bound to one replica (also for a router passed in)."""
+        llm = self._resources.get("llm")
+        return self._replicas is not None or hasattr(getattr(llm, "engine", None), "bind")
+
+    def _run_meta(self) -> dict[str, Any]:
+        from .render import to_jsonable
+
+        spec = self._model_spec
+        model = os.fsdecode(spec) if isinstance(spec, (str, bytes, os.PathLike)) else None
+        return {"model": model, "engine": to_jsonable(self._engine_kwargs), "index": self._index}
+
+    async def resume(self, run_id: str, *, answer: Any = _NO_ANSWER, workflow: Workflow | None = None,
+                     tracer: Tracer | None = None, observer: RunObserver | None = None,
+                     events: Any = None) -> RunResult:
+        """Continue a checkpointed run (after a crash, or an interrupt: ``answer`` is what the interrupted
+        ``fr.interrupt`` call returns). Steps that finished are not run again. ``workflow``: the workflow
+        (default: loaded from the file the run recorded)."""
+        from .checkpoint import CheckpointError, RunCheckpoint
+
+        if self.checkpointer is None:
+            raise CheckpointError("resume needs a checkpointer: fr.Runtime(checkpoint=\"runs.db\")")
+        from .checkpoint.run import NO_ANSWER
+
+        run = RunCheckpoint.resume(self.checkpointer, run_id, answer=NO_ANSWER if answer is _NO_ANSWER else answer)
+        wf = workflow
+        if wf is None:
+            if not run.record or not run.record.file:
+                raise CheckpointError(f"run {run_id} recorded no workflow file; pass workflow=")
+            from .loader import load_workflow
+
+            wf = load_workflow(run.record.file, run.record.workflow)
+        elif run.record is not None and wf.name != run.record.workflow:
+            raise CheckpointError(f"run {run_id} is of workflow {run.record.workflow!r}, not {wf.name!r}")
+        assert run.record is not None
+        return await self.execute(wf, dict(run.record.inputs), tracer=tracer, observer=observer, events=events,
+                                  run=run)
+
+    async def stream(self, wf: Workflow, inputs: dict[str, Any] | None = None, /, *, tokens: bool = True,
+                     **kw_inputs: Any) -> AsyncIterator[Any]:
+        """Run ``wf``, yielding its events (flowrt.events: step started / finished / failed / skipped /
+        routed / interrupted and, with ``tokens``, every thread's token deltas); the last one is
+        ``RunFinished`` with the result. Leaving the loop early cancels the run."""
+        import asyncio
+        from collections import deque
+
+        from .events import EventSink, RunFinished
+
+        # A deque and a wake-up event, not a memory stream: events are drained in batches, without a trip
+        # through the event loop for each one (token events come by the hundred per second).
+        queue: deque[Any] = deque()
+        ready = asyncio.Event()
+        done = object()
+
+        def put(event: Any) -> None:
+            queue.append(event)
+            ready.set()
+
+        sink = EventSink(put, tokens=tokens)
+
+        async def go() -> None:
+            try:
+                result = await self.execute(wf, {**(inputs or {}), **kw_inputs}, events=sink)
+                put(RunFinished(result.status, result.run_id, result))
+            finally:
+                put(done)
+
+        task = asyncio.ensure_future(go())
+        try:
+            while True:
+                if not queue:
+                    ready.clear()
+                    await ready.wait()
+                    continue
+                event = queue.popleft()
+                if event is done:
+                    break
+                yield event
+            await task   # a failure before any step (bad inputs) is raised here
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+
+def _workflow_file(wf: Workflow) -> str | None:
+    """The file that defines ``wf`` (its steps' source file), for ``flowrt resume``."""
+    import inspect
+
+    for s in wf.steps.values():
+        try:
+            f = inspect.getsourcefile(inspect.unwrap(s.fn))
+        except TypeError:
+            continue
+        if f:
+            return os.path.abspath(f)
+    return None
+
+
+
+class _RunResources:
+    """One run's resources on a replicated runtime: its own ``fr.Model`` on a ``RunClient`` (every thread,
+    fork and request of the run goes to one replica), the runtime's shared resources otherwise."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+        self._model: Model | None = None
+
+    async def get_resource(self, name: str) -> Any:
+        if name != "llm":
+            return await self._rt.get_resource(name)
+        shared: Model = await self._rt.get_resource("llm")
+        if self._model is None:
+            bind = getattr(shared.engine, "bind", None)
+            self._model = Model(bind(), share_kv=shared.share_kv) if bind is not None else shared
+        return self._model
+
+    def release(self) -> None:
+        if self._model is not None:
+            release = getattr(self._model.engine, "release", None)
+            if release is not None:
+                release()

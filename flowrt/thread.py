@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Iterator
 import anyio
 
 from .aio import gather
+from .events import Token, token_sink
 from .runscope import track
+from .structured import split_constraint
 
 if TYPE_CHECKING:
     from .engine import Logprob, RequestOutput, SamplingParams, SequenceHandle
@@ -137,6 +139,7 @@ class Thread:
             raise TypeError(f"thread text must be a str, got {type(text).__name__}")
         self.model = model
         self.id = next(_thread_ids)
+        self.fork_index = 0             # position among the siblings of the fork that made it
         self._seq: SequenceHandle | None = None  # our own engine sequence, or
         self._base: _Base | None = None  # a lazy fork we take a sequence from, or neither (empty)
         self._uncomputed = 0            # tokens of _seq whose KV is not computed yet
@@ -254,7 +257,7 @@ class Thread:
             # Fork of a fork not taken yet: chain a base holding the extra tokens (we are its only user).
             self._base = _Base(self.model, parent=self._base, extra=ids, users=1)
         else:
-            self._seq = self.model.open_sequence(ids)
+            self._seq = self.model.open_sequence(ids, thread_id=self.id)
             self._uncomputed = len(ids)
 
     def _flush(self) -> None:
@@ -283,9 +286,9 @@ class Thread:
         elif self._base is not None:
             self._base.users += n
         children = []
-        for _ in range(n):
+        for i in range(n):
             c = self._new_like()
-            c._base, c._text = self._base, self._text
+            c._base, c._text, c.fork_index = self._base, self._text, i
             children.append(c)
         return children
 
@@ -349,16 +352,34 @@ class Thread:
         self._text += self.model.kv_text(co, params)
         self._uncomputed = 1 if co.token_ids else 0
 
-    async def gen(self, **sampling: Any) -> str:
+    async def gen(self, **sampling: Any) -> Any:
         """Generate onto the thread (any SamplingParams field as a keyword: max_tokens, temperature,
         stop, seed, top_p, ...). Returns the generated text without the stop string; the thread keeps
-        every generated token."""
+        every generated token.
+
+        Constrained (flowrt/structured.py): ``json=`` a pydantic model class (returns a validated
+        instance), a type such as ``list[Record]`` (the validated value) or a JSON schema dict (the parsed
+        value); ``regex=``, ``choice=[...]``, ``grammar=`` (Lark) return the text. Output cut off by
+        max_tokens raises ``IncompleteOutputError``; a bad constraint, ValueError naming the keyword."""
+        con, sampling = split_constraint(sampling)
+        if con is not None:
+            sampling = con.sampling(sampling)
+            with con.translating("gen"):
+                await Thread.gen(self, **sampling)
+            assert self.last_output is not None
+            return con.result(self.last_output, "gen", sampling.get("max_tokens"))
+        if token_sink() is not None:  # a run streams its tokens (flowrt.events): generate as a stream
+            async with aclosing(Thread.stream(self, **sampling)) as pieces:
+                async for _ in pieces:
+                    pass
+            assert self.last_output is not None
+            return self.last_output.outputs[0].text
         params = self._params(sampling)
         with self._op():
             seq = await self._materialize()
             n_before = len(seq)
             try:
-                out = await self.model.run(seq, params, kind="gen", uncomputed=self._uncomputed)
+                out = await self.model.run(seq, params, kind="gen", uncomputed=self._uncomputed, thread_id=self.id)
             except BaseException:
                 self._after_interrupt(n_before)
                 raise
@@ -370,17 +391,34 @@ class Thread:
 
         Leaving the loop early aborts the request (when the event loop finalizes the stream, at once
         under ``contextlib.aclosing``); the tokens generated so far stay in the thread. Until then
-        ``text`` and ``token_ids`` show what the loop has seen, consistently."""
+        ``text`` and ``token_ids`` show what the loop has seen, consistently. With ``json=`` / ``regex=`` /
+        ``choice=`` / ``grammar=`` it yields the constrained text (and raises at the end if max_tokens
+        cut it off)."""
+        con, sampling = split_constraint(sampling)
+        if con is not None:
+            sampling = con.sampling(sampling)
+            with con.translating("stream"):
+                async with aclosing(Thread.stream(self, **sampling)) as pieces:
+                    async for piece in pieces:
+                        yield piece
+            assert self.last_output is not None
+            con.check(self.last_output, "stream", sampling.get("max_tokens"))
+            return
         params = self._params(sampling)
         with self._op():
             seq = await self._materialize()
             n_before = len(seq)
             prev = ""
             final = None
+            sink, step, n_ids = token_sink(), None, 0
+            if sink is not None:
+                from .trace import current_step
+
+                step = current_step.get()
             self._live = (seq, n_before, n_before)
             # aclosing: when this stream is closed, the engine request is aborted then, not at finalization
             try:
-                outs = self.model.stream(seq, params, kind="stream", uncomputed=self._uncomputed)
+                outs = self.model.stream(seq, params, kind="stream", uncomputed=self._uncomputed, thread_id=self.id)
                 async with aclosing(outs):
                     async for out in outs:
                         final = out
@@ -388,6 +426,10 @@ class Thread:
                         text = out.outputs[0].text
                         delta = text[len(prev):] if text.startswith(prev) else text
                         prev = text
+                        if sink is not None and len(out.outputs[0].token_ids) > n_ids:
+                            ids = list(out.outputs[0].token_ids)
+                            sink(Token(step, self.id, self.fork_index, delta, ids[n_ids:]))
+                            n_ids = len(ids)
                         if delta:
                             yield delta
             finally:
@@ -496,6 +538,16 @@ class Thread:
                 b.close()
             return result, winner
 
+    @classmethod
+    def from_tokens(cls, model: "Model", token_ids: list[int], text: str, **state: Any) -> "Thread":
+        """A thread holding ``token_ids`` (whose text is ``text``), e.g. restored from a checkpoint: nothing
+        is computed until a call needs it, and then the engine's prefix cache supplies the blocks it
+        still holds."""
+        t = cls(model, **state) if state else cls(model)
+        t._push_ids(list(token_ids))
+        t._text = text
+        return t
+
     # ------------------------------------------------------------------ closing
     def _drop_state(self, hard: bool = True) -> None:
         seq, base = self._seq, self._base
@@ -507,6 +559,12 @@ class Thread:
                 pass
         if base is not None:
             base.release(hard)
+
+    def _hint_state(self, state: str) -> None:
+        """Tell the engine how soon this thread's KV is needed ("waiting" / "finished"; a hint)."""
+        seq = self._seq
+        if seq is not None and not self._closed and hasattr(seq, "set_state"):
+            seq.set_state(state)
 
     def close(self) -> None:
         """Release the thread's KV blocks (to the prefix cache). Idempotent."""
@@ -577,17 +635,20 @@ class ChatThread(Thread):
         tok = model.tokenizer
         self.chat_template = chat_template
         self._fallback_template = chat_template is None and not getattr(tok, "chat_template", None)
+        self.tools: list[Any] = []  # the tools rendered into the conversation (set by assistant(tools=...))
 
     def _copy_extra_state(self, child: "Thread") -> None:
         assert isinstance(child, ChatThread)
         child.messages = [dict(m) for m in self.messages]
         child.chat_template = self.chat_template
         child._fallback_template = self._fallback_template
+        child.tools = list(self.tools)
 
     def _new_like(self) -> "Thread":
         child = super()._new_like()
         assert isinstance(child, ChatThread)
         child.messages, child.chat_template, child._fallback_template = [], None, False
+        child.tools = []
         return child
 
     # ------------------------------------------------------------------ messages
@@ -612,9 +673,13 @@ class ChatThread(Thread):
         template = DEFAULT_CHAT_TEMPLATE if self._fallback_template else self.chat_template
         if not self.messages:
             return ""
+        from .tools import messages_for_template
+
+        messages, tools = messages_for_template(
+            self.messages, self.tools, template or getattr(self.model.tokenizer, "chat_template", None))
         return self.model.tokenizer.apply_chat_template(
-            self.messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            **({"chat_template": template} if template else {}))
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **({"chat_template": template} if template else {}), **({"tools": tools} if tools else {}))
 
     def _sync(self, add_generation_prompt: bool) -> None:
         """Bring the thread's text up to the rendering of ``messages``, appending only what is new."""
@@ -638,14 +703,94 @@ class ChatThread(Thread):
             sampling = {**sampling, "stop": [_DEFAULT_TEMPLATE_STOP]}
         return sampling
 
-    async def assistant(self, **sampling: Any) -> str:
-        """Generate the assistant's reply to the conversation so far and record it."""
+    async def assistant(self, *, tools: Iterable[Any] | None = None, tool_choice: str | None = None,
+                        parallel_tool_calls: bool = True, **sampling: Any) -> Any:
+        """Generate the assistant's reply to the conversation so far and record it.
+
+        ``json=`` / ``regex=`` / ``choice=`` / ``grammar=`` constrain the reply as in ``Thread.gen`` (``json=``
+        returns the parsed value; the message records the text). ``tools=[...]`` (``@fr.tool`` functions,
+        ToolSpecs or OpenAI tool dicts) are rendered through the chat template and stay with the chat
+        (``c.tools``; ``tools=[]`` removes them). With tools the reply is an ``AssistantReply`` (a str, plus
+        ``.content`` and ``.tool_calls``); ``tool_choice``: "auto" (default: the model may call; a call it
+        starts is constrained to the tools' schemas), "required" (at least one call, constrained),
+        a tool's name (a call of that tool), "none" (no calls: generation stops at a ``<tool_call>``)."""
+        from . import toolcalls
+        from .tools import TOOL_CHOICES, AssistantReply, as_tools, assistant_message
+
         self._check_usable()
+        if tools is not None:
+            self.tools = as_tools(tools)
+        if not self.tools:
+            if tool_choice not in (None, "none", "auto"):
+                raise ValueError(f"tool_choice={tool_choice!r} needs tools: pass tools=[...]")
+            self._sync(add_generation_prompt=True)
+            reply = await super().gen(**self._chat_params(sampling))
+            assert self.last_output is not None
+            self.messages.append({"role": "assistant", "content": self.last_output.outputs[0].text})
+            self.model.counters["chat_turns"] += 1
+            return reply
+        choice = "auto" if tool_choice is None else tool_choice
+        names = [t.name for t in self.tools]
+        if not isinstance(choice, str) or (choice not in TOOL_CHOICES and choice not in names):
+            raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or a tool's name "
+                             f"({', '.join(names)}), got {choice!r}")
+        if choice != "none" and any(sampling.get(k) is not None for k in ("json", "regex", "choice", "grammar")):
+            raise ValueError("json=/regex=/choice=/grammar= cannot be combined with tool calls: pass "
+                             "tool_choice='none'")
+        from .tools import specs as _specs
+
+        tool_specs = _specs(self.tools)
+        sampling = dict(sampling)
+        if choice == "none":
+            if "sampling_params" not in sampling:
+                stop = sampling.get("stop")
+                stops = [stop] if isinstance(stop, str) else list(stop or [])
+                if self._fallback_template and not stops:
+                    stops.append(_DEFAULT_TEMPLATE_STOP)
+                sampling["stop"] = stops + [toolcalls.OPEN]
+        elif "sampling_params" in sampling:
+            raise ValueError("tool calls need sampling keywords, not sampling_params=")
+        else:
+            constraint = (toolcalls.call_constraint(tool_specs, choice, parallel=parallel_tool_calls)
+                          if choice != "auto" else toolcalls.auto_constraint(tool_specs))
+            if constraint is not None:
+                sampling["structured_outputs"] = constraint
+                sampling.setdefault("max_tokens", 256)
         self._sync(add_generation_prompt=True)
-        reply = await super().gen(**self._chat_params(sampling))
-        self.messages.append({"role": "assistant", "content": reply})
+        await super().gen(**self._chat_params(sampling))
+        assert self.last_output is not None
+        co = self.last_output.outputs[0]
+        text = co.text
+        if choice == "none":
+            reply = AssistantReply(text, text, [])
+        else:
+            content, calls = toolcalls.parse_tool_calls(text)
+            if choice != "auto" and (co.finish_reason == "length" or not calls):
+                from .structured import IncompleteOutputError
+
+                raise IncompleteOutputError(
+                    f"assistant(tool_choice={choice!r}): the tool call was cut off at max_tokens="
+                    f"{sampling.get('max_tokens')} (finish_reason {co.finish_reason!r}); raise max_tokens", text)
+            reply = AssistantReply(text, content, calls)
+        self.messages.append(assistant_message(reply))
         self.model.counters["chat_turns"] += 1
         return reply
+
+    async def call_tools(self, reply: Any, *, tools: Iterable[Any] | None = None) -> list[str]:
+        """Run the tool calls of ``reply`` (an ``AssistantReply``, or a list of ToolCalls) concurrently (sync
+        tools in worker threads), with the chat's tools (or ``tools``), and append one ``role: "tool"``
+        message per call (``tool_call_id``, ``name``, ``content``). Invalid arguments, unknown tools and
+        exceptions become the tool message's text ("error: ..."), not a crash. Returns the results."""
+        from .tools import as_tools, run_tool_calls
+
+        self._check_usable()
+        calls = list(getattr(reply, "tool_calls", reply) or [])
+        available = as_tools(tools) if tools is not None else self.tools
+        results = await run_tool_calls(calls, available)
+        self._check_usable()
+        for call, result in zip(calls, results):
+            self.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": result})
+        return results
 
     async def gen(self, **sampling: Any) -> str:  # a chat thread's generation is the assistant turn
         return await self.assistant(**sampling)

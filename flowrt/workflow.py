@@ -60,6 +60,12 @@ class Step:
     doc: str = ""
     # filled by the workflow: names of the steps this one depends on
     deps: tuple[str, ...] = field(default=())
+    routes: tuple[str, ...] = ()       # successors this step may route to (fr.goto)
+    max_visits: int = 25               # most runs of this step in one run (loops)
+    # filled by the workflow: forward routes into this step (it runs only when one of them chooses it) and
+    # loop routes into it (routes back from a later step; their value arrives in the parameter of that name)
+    gates: tuple[str, ...] = field(default=())
+    loop_sources: tuple[str, ...] = field(default=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Steps stay callable as the plain functions they wrap (handy in tests)."""
@@ -119,19 +125,23 @@ class Workflow:
     # ------------------------------------------------------------------ definition
     def step(self, fn: Callable[..., Any] | None = None, *, name: str | None = None, map: str | None = None,
              retries: int = 0, timeout: float | None = None, retry_delay: float = 0.0,
-             max_concurrency: int | None = None, after: Iterable[str] = ()) -> Any:
+             max_concurrency: int | None = None, after: Iterable[str] = (), routes: Iterable[str] = (),
+             max_visits: int = 25) -> Any:
         """Register a step; usable as ``@wf.step`` or ``@wf.step(map="items", retries=2, timeout=30)``.
 
         ``map``: the name of a parameter holding a list; the step runs once per item (concurrently, at
         most ``max_concurrency`` at a time) with that parameter bound to the item, and its result is the
         list of the per-item results, in order. ``retries``: extra attempts after a failure (per item
         when mapped). ``timeout``: seconds per attempt. ``after``: steps that must finish first although
-        their result is not a parameter.
+        their result is not a parameter. ``routes``: successors the step chooses among by returning
+        ``fr.goto(name, value)`` (flowrt.routing); a route back to an earlier step makes a loop, and
+        ``max_visits`` bounds how often the step runs in one run.
         """
 
         def register(f: Callable[..., Any]) -> Step:
             return self.add_step(f, name=name, map=map, retries=retries, timeout=timeout,
-                                 retry_delay=retry_delay, max_concurrency=max_concurrency, after=after)
+                                 retry_delay=retry_delay, max_concurrency=max_concurrency, after=after,
+                                 routes=routes, max_visits=max_visits)
 
         if fn is not None:
             return register(fn)
@@ -139,7 +149,8 @@ class Workflow:
 
     def add_step(self, fn: Callable[..., Any], *, name: str | None = None, map: str | None = None,
                  retries: int = 0, timeout: float | None = None, retry_delay: float = 0.0,
-                 max_concurrency: int | None = None, after: Iterable[str] = ()) -> Step:
+                 max_concurrency: int | None = None, after: Iterable[str] = (), routes: Iterable[str] = (),
+                 max_visits: int = 25) -> Step:
         if isinstance(fn, Step):
             fn = fn.fn
         if not callable(fn):
@@ -188,10 +199,22 @@ class Workflow:
             if mp.resource:
                 raise WorkflowError(f"step {step_name!r}: map={map!r} names an injected resource")
         after = tuple(after)
+        if isinstance(routes, str):
+            routes = [routes]
+        routes = tuple(routes)
+        for r in routes:
+            if not isinstance(r, str) or not r.isidentifier():
+                raise WorkflowError(f"step {step_name!r}: route {r!r} is not a step name")
+        if len(set(routes)) != len(routes):
+            raise WorkflowError(f"step {step_name!r}: duplicate route in {list(routes)}")
+        if routes and map is not None:
+            raise WorkflowError(f"step {step_name!r}: a mapped step cannot route (map= and routes= together)")
+        if isinstance(max_visits, bool) or not isinstance(max_visits, int) or max_visits < 1:
+            raise WorkflowError(f"step {step_name!r}: max_visits must be an int >= 1, got {max_visits!r}")
         step = Step(name=step_name, fn=fn, params=params, map=map, retries=retries,
                     timeout=float(timeout) if timeout is not None else None, retry_delay=float(retry_delay),
                     max_concurrency=max_concurrency, after=after, is_async=_is_async_callable(fn),
-                    doc=inspect.getdoc(fn) or "")
+                    doc=inspect.getdoc(fn) or "", routes=routes, max_visits=max_visits)
 
         old_steps = dict(self.steps)
         self.steps[step_name] = step
@@ -204,6 +227,9 @@ class Workflow:
         return step
 
     # ------------------------------------------------------------------ graph
+    def _route_sources(self, target: str) -> set[str]:
+        return {s.name for s in self.steps.values() if target in s.routes}
+
     def _rebuild(self) -> None:
         g = nx.DiGraph()
         for s in self.steps.values():
@@ -211,12 +237,17 @@ class Workflow:
         declared = set(self.declared_inputs or ())
         for inp in declared:
             g.add_node(inp, kind="input")
+        routed_params: dict[str, set[str]] = {}   # step -> its parameters that name a step routing to it
         for s in self.steps.values():
             deps: list[str] = []
+            sources = self._route_sources(s.name)
             for p in s.params:
                 if p.resource:
                     continue
                 if p.name in self.steps:
+                    if p.name in sources:   # the value of a route (forward or loop), wired below
+                        routed_params.setdefault(s.name, set()).add(p.name)
+                        continue
                     deps.append(p.name)
                     g.add_edge(p.name, s.name)
                 else:
@@ -240,6 +271,31 @@ class Workflow:
             cycle = nx.find_cycle(g)
             path = " -> ".join([cycle[0][0]] + [v for _, v in cycle])
             raise WorkflowError(f"workflow {self.name!r}: cycle between steps: {path}")
+        # Routes: forward where they keep the graph acyclic (routes to later-defined steps first), loops
+        # (back edges) otherwise; a loop route's target runs again when chosen.
+        index = {n: i for i, n in enumerate(self.steps)}
+        edges = [(s.name, t) for s in self.steps.values() for t in s.routes if t in self.steps]
+        edges.sort(key=lambda e: (index[e[1]] <= index[e[0]], index[e[0]]))
+        back: list[tuple[str, str]] = []
+        gates: dict[str, list[str]] = {}
+        for u, v in edges:
+            if u == v or nx.has_path(g, v, u):
+                back.append((u, v))
+            else:
+                g.add_edge(u, v, route=True)
+                gates.setdefault(v, []).append(u)
+        loops: dict[str, list[str]] = {}
+        for u, v in back:
+            loops.setdefault(v, []).append(u)
+        for s in self.steps.values():
+            s.gates = tuple(gates.get(s.name, ()))
+            s.loop_sources = tuple(loops.get(s.name, ()))
+            for p in s.params:
+                if p.name in s.loop_sources and not p.has_default:
+                    raise WorkflowError(
+                        f"step {s.name!r}: parameter {p.name!r} receives the value of the loop route from step "
+                        f"{p.name!r} back to {s.name!r}; give it a default (its value on the first visit)")
+        self._back_edges = back
         self._graph = g
 
     @property
@@ -255,7 +311,25 @@ class Workflow:
             for a in s.after:
                 if a not in self.steps:
                     raise WorkflowError(f"step {s.name!r}: after={a!r} is not a step of workflow {self.name!r}")
+            for r in s.routes:
+                if r not in self.steps:
+                    raise WorkflowError(f"step {s.name!r}: route {r!r} is not a step of workflow {self.name!r} "
+                                        f"(its steps: {', '.join(self.steps)})")
         self._rebuild()
+
+    @property
+    def has_routes(self) -> bool:
+        return any(s.routes for s in self.steps.values())
+
+    @property
+    def loop_edges(self) -> list[tuple[str, str]]:
+        """Routes back to an earlier step (or the step itself): (routing step, target)."""
+        return list(getattr(self, "_back_edges", []))
+
+    def route_edges(self) -> list[tuple[str, str, bool]]:
+        """Every route (routing step, target, is_loop), in definition order."""
+        back = set(self.loop_edges)
+        return [(s.name, t, (s.name, t) in back) for s in self.steps.values() for t in s.routes if t in self.steps]
 
     @property
     def inputs(self) -> dict[str, InputSpec]:
@@ -294,7 +368,8 @@ class Workflow:
 
     def sinks(self) -> list[str]:
         """Steps no other step depends on (the workflow's final results)."""
-        return [n for n in self.order() if not any(v in self.steps for v in self._graph.successors(n))]
+        return [n for n in self.order() if not self.steps[n].routes
+                and not any(v in self.steps for v in self._graph.successors(n))]
 
     def check_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """The inputs, validated (none unknown or missing) and converted to the steps' annotations
@@ -367,6 +442,8 @@ class Workflow:
             bits.append(f"timeout {s.timeout:g}s")
         if s.resources:
             bits.append("uses " + ", ".join(s.resources))
+        if s.routes and s.max_visits != 25:
+            bits.append(f"max_visits {s.max_visits}")
         bits.append("async" if s.is_async else "sync")
         return f"{s.name} ({'; '.join(bits)})"
 
@@ -381,6 +458,11 @@ class Workflow:
             srcs = list(dict.fromkeys([p.name for p in s.params if not p.resource] + list(s.after)))
             arrow = f"  <- {', '.join(srcs)}" if srcs else ""
             lines.append(f"  {self._step_label(s)}{arrow}")
+        routes = self.route_edges()
+        if routes:
+            lines.append("routes (conditional, dashed):")
+            for u, v, loop in routes:
+                lines.append(f"  {u} -.-> {v}" + (" (loop)" if loop else ""))
         sinks = self.sinks()
         if sinks:
             lines.append("results: " + ", ".join(sinks))
@@ -397,7 +479,11 @@ class Workflow:
             else:
                 lines.append(f'  {n}["{esc(self._step_label(self.steps[n]))}"]')
         for u, v, data in self._graph.edges(data=True):
+            if data.get("route"):
+                continue
             lines.append(f"  {u} {'-.->' if data.get('order_only') else '-->'} {v}")
+        for u, v, loop in self.route_edges():
+            lines.append(f"  {u} -. {'loop' if loop else 'route'} .-> {v}")
         return "\n".join(lines)
 
     def _render_dot(self) -> str:
@@ -411,7 +497,12 @@ class Workflow:
             else:
                 lines.append(f"  {q(n)} [shape=box, label={q(self._step_label(self.steps[n]))}];")
         for u, v, data in self._graph.edges(data=True):
+            if data.get("route"):
+                continue
             style = " [style=dashed]" if data.get("order_only") else ""
             lines.append(f"  {q(u)} -> {q(v)}{style};")
+        for u, v, loop in self.route_edges():
+            lines.append(f"  {q(u)} -> {q(v)} [style=dashed, label={q('loop' if loop else 'route')}"
+                         f"{', constraint=false' if loop else ''}];")
         lines.append("}")
         return "\n".join(lines)

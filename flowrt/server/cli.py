@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="workflow file(s) to serve; each workflow at POST /v1/workflows/NAME/runs, NAME being "
                         "its fr.Workflow(NAME)")
     p.add_argument("--index", metavar="DIR", help="retrieval index directory for served workflows (`retriever`)")
+    p.add_argument("--checkpoint", metavar="DB", help="SQLite database where served workflow runs are checkpointed "
+                   "(resumable after a restart; default: in memory, for this server's life)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body accepted; larger ones get 413 (default 16 MiB)")
     p.add_argument("--trust-request-chat-template", action="store_true",
@@ -91,8 +93,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"flowrt serve: {e}", file=sys.stderr)
         return 2
     try:
-        engine = AsyncLLM(model=model_path, **engine_kwargs_from_args(args))
-    except (ValueError, OSError) as e:  # bad engine options (pydantic names the field), missing model
+        if getattr(args, "replicas", None) or getattr(args, "ray_address", None):
+            from flowrt.replicas.client import ReplicaSet, RouterClient  # the router is the server's engine
+
+            engine = RouterClient(ReplicaSet(model_path, args.replicas or 1, ray_address=args.ray_address,
+                                             routing=args.routing, **engine_kwargs_from_args(args)), owns=True)
+        else:
+            engine = AsyncLLM(model=model_path, **engine_kwargs_from_args(args))
+    except (ValueError, OSError, RuntimeError, ImportError) as e:  # bad engine options (pydantic names the field), missing model
         print(f"flowrt serve: cannot start the engine: {e}", file=sys.stderr)
         return 2
     try:
@@ -100,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         if workflows:
             from flowrt.runtime import Runtime
 
-            runtime = Runtime(model=engine, index=args.index)
+            runtime = Runtime(model=engine, index=args.index, checkpoint=args.checkpoint or ":memory:")
         app = create_app(engine, served_model_name=args.served_model_name, model_path=model_path,
                          api_key=args.api_key, max_body_bytes=args.max_body_bytes, workflows=workflows,
                          workflow_runtime=runtime, trust_request_chat_template=args.trust_request_chat_template,

@@ -53,6 +53,14 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and older guided_* fields
+    # (at most one; see structured.py).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_unsupported(self) -> None:
         if self.logit_bias:
@@ -125,6 +133,7 @@ class ChatMessage(_Request):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls (OpenAI shape)
 
     def text(self) -> str:
         if self.content is None:
@@ -145,7 +154,29 @@ class ChatMessage(_Request):
             m["name"] = self.name
         if self.tool_call_id is not None:
             m["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            m["tool_calls"] = [_template_call(c, i) for i, c in enumerate(self.tool_calls)]
         return m
+
+
+def _template_call(c: Any, i: int) -> dict[str, Any]:
+    """An OpenAI tool call as chat templates take it: function.arguments as a dict (templates `tojson` it)."""
+    fn = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request("An assistant message's tool_calls need function.name.", param=f"messages.tool_calls.{i}")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise bad_request("tool_calls function.arguments must be a JSON object (as a string).",
+                              param=f"messages.tool_calls.{i}") from None
+    if not isinstance(args, dict):
+        raise bad_request("tool_calls function.arguments must be a JSON object.", param=f"messages.tool_calls.{i}")
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if c.get("id") is not None:
+        out["id"] = c["id"]
+    return out
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -155,8 +186,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # Extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -171,10 +202,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise bad_request("tools are not supported by this server.", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than text is not supported.", param="response_format")
         if self.continue_final_message and self.add_generation_prompt:
             raise bad_request("continue_final_message requires add_generation_prompt to be false.",
                               param="continue_final_message")
@@ -187,6 +214,13 @@ class ChatCompletionRequest(_SamplingFields):
 class WorkflowRunRequest(_Request):
     inputs: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
+    stream_tokens: bool = False   # with stream: also a `token` event per piece of generated text
+
+
+class WorkflowResumeRequest(_Request):
+    answer: Any = None            # what the interrupted step's fr.interrupt() call returns
+    stream: bool = False
+    stream_tokens: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------

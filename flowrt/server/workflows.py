@@ -1,11 +1,20 @@
-"""Workflows as endpoints: ``POST /v1/workflows/{name}/runs`` and ``GET /v1/workflows``.
+"""Workflows as endpoints: ``POST /v1/workflows/{name}/runs``, ``POST /v1/workflows/{name}/runs/{id}/resume``
+and ``GET /v1/workflows``.
 
-Body ``{"inputs": {...}, "stream": false}``. Runs the workflow on the server's engine (through an
+Body ``{"inputs": {...}, "stream": false, "stream_tokens": false}``. Runs the workflow on the server's engine (through an
 ``fr.Runtime`` sharing it, so workflow steps batch with API requests) and returns the same JSON as
 ``flowrt run --json``: ``{"outputs": {...}, "errors": {...}, "stats": {...}}`` (200 even when a step
 failed: the failure is in ``errors``, as with ``flowrt run``). With ``"stream": true`` the response is
 Server-Sent Events: ``step`` events as steps start and finish, a final ``result`` event holding the JSON
-above, then ``data: [DONE]``. Each workflow is served under its own name, ``fr.Workflow("name")``.
+above, then ``data: [DONE]``; ``"stream_tokens": true`` adds a ``token`` event for every piece of text a thread
+generates (``{"step", "thread_id", "fork_index", "text", "token_ids"}``) and ``route`` / ``interrupt``
+events. Each workflow is served under its own name, ``fr.Workflow("name")``.
+
+Every run is checkpointed (in memory, or in ``flowrt serve --checkpoint runs.db``); its id is in the
+``X-Flowrt-Run-Id`` header. A step that calls ``fr.interrupt(payload)`` ends the request with
+``{"status": "interrupted", "run_id": ..., "interrupt": {"step", "payload"}, "outputs": ...}``;
+``POST /v1/workflows/{name}/runs/{run_id}/resume`` with ``{"answer": ...}`` continues that run (the step
+runs again from its start, its ``fr.interrupt`` call returning the answer) and answers like a run.
 """
 
 from __future__ import annotations
@@ -87,10 +96,14 @@ class _Run:
     """One workflow run as a task that the server can stop when it shuts down (then its result is a 503
     saying so, not a cut connection)."""
 
-    def __init__(self, st: ServerState, wf: Any, inputs: dict[str, Any], observer: Any = None) -> None:
+    def __init__(self, st: ServerState, wf: Any, inputs: dict[str, Any], observer: Any = None, *,
+                 events: Any = None, resume: str | None = None, answer: Any = None) -> None:
         self.st = st
         self.stopped = False
-        self.task = asyncio.create_task(_runtime(st).execute(wf, inputs, observer=observer))
+        rt = _runtime(st)
+        work = (rt.resume(resume, answer=answer, workflow=wf, observer=observer, events=events) if resume
+                else rt.execute(wf, inputs, observer=observer, events=events))
+        self.task = asyncio.create_task(work)
         self.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
         st.stoppers.add(self.stop)
 
@@ -115,6 +128,16 @@ class _Run:
             raise
         except WorkflowError as e:
             raise bad_request(str(e), param="inputs") from None
+        except Exception as e:
+            from flowrt.checkpoint import CheckpointError
+
+            if isinstance(e, CheckpointError):
+                raise OpenAIError(str(e), 404 if "no run" in str(e) else 409, param="run_id") from None
+            raise
+        self.run_id = result.run_id
+        store = getattr(_runtime(self.st), "checkpointer", None)
+        if result.run_id and not result.interrupted and getattr(store, "path", None) == ":memory:":
+            store.delete_run(result.run_id)   # in memory, only runs waiting for an answer are kept
         return result.to_dict()
 
 
@@ -122,7 +145,8 @@ def _runtime(st: ServerState) -> Any:
     if st.workflow_runtime is None:
         from flowrt.runtime import Runtime
 
-        st.workflow_runtime = Runtime(model=st.engine)  # shares the server's engine; does not own it
+        # shares the server's engine (does not own it); runs checkpointed in memory, for interrupts
+        st.workflow_runtime = Runtime(model=st.engine, checkpoint=":memory:")
     return st.workflow_runtime
 
 
@@ -144,17 +168,68 @@ async def run_workflow(name: str, req: P.WorkflowRunRequest, request: Request, s
         wf.check_inputs(req.inputs)
     except WorkflowError as e:
         raise bad_request(str(e), param="inputs") from None
-    if req.stream:
+    return await _respond(st, request, wf, dict(req.inputs), req.stream, req.stream_tokens)
+
+
+@router.post("/workflows/{name}/runs/{run_id}/resume")
+async def resume_workflow(name: str, run_id: str, req: P.WorkflowResumeRequest, request: Request,
+                          st: State) -> Response:
+    wf = st.workflows.get(name)
+    if wf is None:
+        known = ", ".join(st.workflows) or "none"
+        raise OpenAIError(f"Unknown workflow '{name}' (served: {known}).", 404, param="name",
+                          code="workflow_not_found")
+    rt = _runtime(st)
+    if getattr(rt, "checkpointer", None) is None:
+        raise OpenAIError("This server keeps no checkpoints (its workflow runtime has none); nothing to resume.",
+                          409, param="run_id")
+    from flowrt.checkpoint import CheckpointError
+
+    try:
+        record = rt.checkpointer.get_run(run_id, with_state=False)
+    except CheckpointError as e:
+        raise OpenAIError(str(e), 404, param="run_id", code="run_not_found") from None
+    if record.workflow != wf.name:
+        raise OpenAIError(f"Run {run_id} is a run of workflow '{record.workflow}', not '{name}'.", 404,
+                          param="run_id", code="run_not_found")
+    if record.status != "interrupted":
+        raise OpenAIError(f"Run {run_id} is not waiting for an answer (status {record.status}).", 409,
+                          param="run_id")
+    return await _respond(st, request, wf, {}, req.stream, req.stream_tokens, resume=run_id, answer=req.answer)
+
+
+async def _respond(st: ServerState, request: Request, wf: Any, inputs: dict[str, Any], stream: bool,
+                   stream_tokens: bool, **run_kw: Any) -> Response:
+    if stream:
         queue: asyncio.Queue = asyncio.Queue()
-        run = _Run(st, wf, dict(req.inputs), _observer_class()(wf, queue, asyncio.get_running_loop()))
+        sink = None
+        if stream_tokens:
+            from flowrt.events import EventSink
+
+            sink = EventSink(lambda ev: _forward(queue, ev), tokens=True)
+        run = _Run(st, wf, inputs, _observer_class()(wf, queue, asyncio.get_running_loop()), events=sink, **run_kw)
         events = guarded(st, request, _events(wf, run, queue), f"workflow {wf.name} run")
         return SSEResponse(events, on_close=run.close)
-    run = _Run(st, wf, dict(req.inputs))
+    run = _Run(st, wf, inputs, **run_kw)
     try:
         done, result = await until_disconnect(st, request, run.result())
     finally:
         run.close()
-    return JSONResponse(result) if done else Response(status_code=499)
+    if not done:
+        return Response(status_code=499)
+    rid = getattr(run, "run_id", None)
+    return JSONResponse(result, headers={"X-Flowrt-Run-Id": rid} if rid else None)
+
+
+def _forward(queue: asyncio.Queue, ev: Any) -> None:
+    """Run events for a stream with tokens: token, route and interrupt events (steps come from the observer)."""
+    kind = {"token": "token", "routed": "route", "interrupted": "interrupt", "run_started": "run_id"}.get(ev.type)
+    if kind is None:
+        return
+    data = {**ev.to_dict(), "type": kind}
+    if kind == "run_id":
+        data = {"type": "run_id", "run_id": data.get("run_id")}
+    queue.put_nowait((kind, data))
 
 
 async def _events(wf: Any, run: _Run, queue: asyncio.Queue) -> AsyncIterator[str]:
@@ -163,19 +238,26 @@ async def _events(wf: Any, run: _Run, queue: asyncio.Queue) -> AsyncIterator[str
         getter = asyncio.create_task(queue.get())
         await asyncio.wait({getter, run.task}, return_when=asyncio.FIRST_COMPLETED)
         if getter.done():
-            yield _event("step", getter.result())
+            yield _queued(getter.result())
         else:
             getter.cancel()
             await asyncio.gather(getter, return_exceptions=True)
             if not getter.cancelled():  # it got an event just as the run ended
-                yield _event("step", getter.result())
+                yield _queued(getter.result())
     while not queue.empty():
-        yield _event("step", queue.get_nowait())
+        yield _queued(queue.get_nowait())
     try:
         yield _event("result", {"type": "result", **await run.result()})
     except OpenAIError as e:
         yield e.sse()
     yield P.SSE_DONE
+
+
+def _queued(item: Any) -> str:
+    """A queued event: a step event (dict, from the observer) or (kind, data) from the run's event sink."""
+    if isinstance(item, tuple):
+        return _event(item[0], item[1])
+    return _event("step", item)
 
 
 def _event(kind: str, data: dict[str, Any]) -> str:

@@ -1,0 +1,153 @@
+"""``RunCheckpoint``: one run's view of a store, used by the executor (save after every step, restore)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+from ..render import to_jsonable
+from .codec import NotRestorable, decode, encode, encode_thread
+from .store import CheckpointError, CheckpointStore, RunRecord
+
+__all__ = ["RunCheckpoint", "open_store", "NO_ANSWER"]
+
+NO_ANSWER: Any = object()
+
+
+def open_store(spec: Any) -> CheckpointStore | None:
+    """A store from ``None``, a path (SQLite file; ``":memory:"``) or a store object."""
+    if spec is None:
+        return None
+    if isinstance(spec, (str, bytes, os.PathLike)):
+        from .sqlite import SQLiteStore
+
+        return SQLiteStore(os.fsdecode(spec))
+    if isinstance(spec, CheckpointStore):
+        return spec
+    raise TypeError(f"checkpoint must be a database path or a CheckpointStore, got {type(spec).__name__}")
+
+
+class RunCheckpoint:
+    """Saves a run's state to ``store`` after every step; ``resume`` continues a stored run."""
+
+    def __init__(self, store: CheckpointStore, run_id: str, *, record: RunRecord | None = None,
+                 answer: Any = NO_ANSWER) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.record = record
+        self.answer = answer
+        self._enc: dict[str, dict[str, Any]] = {}
+        self._scope: Any = None
+        self.restored_steps: list[str] = []   # steps a resume did not run again
+
+    @classmethod
+    def new(cls, store: CheckpointStore, workflow: str, inputs: dict[str, Any], *, file: str | None = None,
+            meta: dict[str, Any] | None = None, run_id: str | None = None) -> "RunCheckpoint":
+        run_id = run_id or uuid.uuid4().hex[:16]
+        store.create_run(run_id, workflow, to_jsonable(inputs), file=file, meta=meta)
+        return cls(store, run_id)
+
+    @classmethod
+    def resume(cls, store: CheckpointStore, run_id: str, *, answer: Any = NO_ANSWER) -> "RunCheckpoint":
+        record = store.get_run(run_id)
+        if record.status == "done":
+            raise CheckpointError(f"run {run_id} already finished (status done); nothing to resume")
+        return cls(store, run_id, record=record, answer=answer)
+
+    # ------------------------------------------------------------------ executor hooks
+    def start(self, st: Any, scope: Any, model: Any) -> bool:
+        """Fill the executor's state from the stored one (a resume); False for a new run."""
+        self._scope = scope
+        state = self.record.state if self.record is not None else None
+        if not state:
+            if self.record is not None and self.answer is not NO_ANSWER:
+                raise CheckpointError(f"run {self.run_id} is not waiting for an answer")
+            return False
+        status = dict(state.get("status", {}))
+        for name in list(status):
+            if name not in st.status:
+                raise CheckpointError(f"run {self.run_id}: its checkpoint has step {name!r}, which the workflow no "
+                                      f"longer defines (the workflow file changed?)")
+        for name, enc in state.get("outputs", {}).items():
+            try:
+                st.outputs[name] = decode(enc, model)
+                self._enc[name] = enc
+            except NotRestorable:
+                status[name] = "pending"   # cannot be restored: the step runs again
+        for name, s in status.items():
+            if s in ("running", "interrupted", "failed", "skipped"):
+                if s in ("running", "interrupted"):
+                    state.get("visits", {})[name] = max(0, int(state.get("visits", {}).get(name, 1)) - 1)
+                status[name] = "pending"
+            elif s == "done" and name not in st.outputs:
+                status[name] = "pending"
+        st.status.update(status)
+        st.visits.update({k: int(v) for k, v in state.get("visits", {}).items() if k in st.visits})
+        from ..executor import StepError
+
+        st.not_routed = {n: StepError(n, m, kind="not_routed") for n, m in state.get("not_routed", {}).items()
+                         if status.get(n) == "not_routed"}
+        st.chosen = {r: {t: self._dec(v, model) for t, v in c.items()} for r, c in state.get("chosen", {}).items()}
+        st.loop_values = {t: {r: self._dec(v, model) for r, v in c.items()}
+                          for t, c in state.get("loop_values", {}).items()}
+        st.route_log = list(state.get("routes", []))
+        st.timings = dict(state.get("timings", {}))
+        scope.answers = {k: list(v) for k, v in state.get("answers", {}).items()}
+        pending = state.get("interrupt")
+        if self.answer is not NO_ANSWER:
+            if not pending:
+                raise CheckpointError(f"run {self.run_id} is not waiting for an answer (status "
+                                      f"{self.record.status if self.record else '?'})")
+            scope.answers.setdefault(pending["step"], []).append(self.answer)
+        self.restored_steps = [n for n, s in status.items() if s == "done" and n in st.outputs]
+        return True
+
+    @staticmethod
+    def _dec(enc: Any, model: Any) -> Any:
+        try:
+            return decode(enc, model)
+        except NotRestorable:
+            return None
+
+    def record_output(self, step: str, value: Any) -> None:
+        self._enc[step] = encode(value)
+
+    def _state(self, st: Any) -> dict[str, Any]:
+        return {
+            "status": dict(st.status),
+            "visits": dict(st.visits),
+            "outputs": {n: self._enc[n] for n in st.outputs if n in self._enc},
+            "errors": {n: {"message": e.message, "kind": e.kind, "traceback": e.traceback, "attempts": e.attempts}
+                       for n, e in st.errors.items()},
+            "not_routed": {n: e.message for n, e in st.not_routed.items()},
+            "chosen": {r: {t: encode(v) for t, v in c.items()} for r, c in st.chosen.items()},
+            "loop_values": {t: {r: encode(v) for r, v in c.items()} for t, c in st.loop_values.items()},
+            "routes": list(st.route_log),
+            "timings": dict(st.timings),
+            "interrupt": st.interrupt,
+            "answers": to_jsonable(self._scope.answers) if self._scope is not None else {},
+        }
+
+    @staticmethod
+    def _threads(threads: Any) -> list[dict[str, Any]]:
+        out = []
+        for t, step in threads.live():
+            try:
+                d = encode_thread(t)
+            except Exception:  # a thread in a state that cannot be read now is left out
+                continue
+            d.pop("__flowrt__", None)
+            out.append({"id": t.id, "step": step, "fork_index": getattr(t, "fork_index", 0), **d})
+        return out
+
+    def save(self, st: Any, step: str | None, threads: Any, run_status: str = "running") -> None:
+        route = next((r for r in reversed(st.route_log) if r["step"] == step), None) if step else None
+        status = st.status.get(step, "") if step else run_status
+        self.store.save(self.run_id, step=step, visit=st.visits.get(step, 0) if step else 0, step_status=status,
+                        result=self._enc.get(step) if step and step in st.outputs else None,
+                        route=route, threads=self._threads(threads), state=self._state(st),
+                        run_status=run_status if step is None else "running", interrupt=st.interrupt)
+
+    def finish(self, st: Any, status: str, threads: Any) -> None:
+        self.save(st, None, threads, run_status=status)
