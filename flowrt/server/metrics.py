@@ -65,6 +65,27 @@ class EngineCollector:
                 yield CounterMetricFamily(name, doc, value=float(value))
             else:
                 yield GaugeMetricFamily(name, doc, value=float(value))
+        replicas = stats.get("replicas")
+        if replicas:  # engine replicas (flowrt.replicas): health and load of each
+            for key, doc in _REPLICA_STATS.items():
+                fam = GaugeMetricFamily(f"flowrt_replica_{key}", doc, labels=["replica", "node"])
+                for r in replicas:
+                    fam.add_metric([str(r.get("replica")), str(r.get("node"))], float(r.get(key) or 0))
+                yield fam
+
+
+_REPLICA_STATS = {
+    "healthy": "1 if the engine replica is up (0 while dead or restarting).",
+    "load": "Requests in flight plus workflow runs bound to the replica (what the router balances).",
+    "in_flight": "Requests in flight on the replica.",
+    "runs": "Workflow runs bound to the replica.",
+    "num_running": "Requests in the replica's running batch.",
+    "num_waiting": "Requests waiting in the replica's queue.",
+    "kv_blocks_used": "KV-cache blocks referenced on the replica.",
+    "routed": "New runs and requests the router sent to the replica.",
+    "restarts": "Times the replica came back after dying.",
+    "index_blocks": "Prefix blocks the router's index believes the replica holds.",
+}
 
 
 class ServerMetrics:
