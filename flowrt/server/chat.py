@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from . import protocol as P
+from . import structured as S
 from .generation import Job, Submission, sampling_params
 from .outputs import ChatLogprobs, Delta, stop_holdback, usage_of
 from .prompts import encode, max_tokens_for
@@ -30,6 +31,7 @@ class _Chat:
     id: str
     model: str
     top_logprobs: int | None  # None: no logprobs
+    tools: S.Tools | None = None
     created: int = field(default_factory=P.now)
 
     def logprobs(self, job: Job) -> ChatLogprobs:
@@ -48,7 +50,8 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request, st: S
     t0 = time.perf_counter()
     st.check_model(req.model)
     req.check_unsupported()
-    text = await render_chat(st, req)
+    constraint, tools = S.resolve(req)
+    text = await render_chat(st, req, tools.specs if tools else None)
     ids = await encode(st.tokenizer, text, False, "messages")
     base = f"chatcmpl-{uuid.uuid4().hex}"
     job = Job(0, ids, text, base)
@@ -56,8 +59,12 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request, st: S
     k = (req.top_logprobs or 0) if req.logprobs else None
     if k is not None:
         kw["logprobs"] = k
-    c = _Chat(req, st.tokenizer, base, st.model_name(req.model), k)
-    sub = Submission(st, [job], sampling_params(kw), t0)
+    if constraint is not None:
+        kw["structured_outputs"] = constraint.params
+    params = sampling_params(kw)
+    await S.precompile(st.engine, constraint)  # off the event loop; the submission then hits the cache
+    c = _Chat(req, st.tokenizer, base, st.model_name(req.model), k, tools)
+    sub = Submission(st, [job], params, t0)
     if req.stream:
         return SSEResponse(guarded(st, request, _events(c, sub), f"chat stream {base}"), on_close=sub.close)
     try:
@@ -70,8 +77,9 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request, st: S
     for o in finals[0].outputs:
         lp = ({"content": c.logprobs(job).build(list(o.token_ids), list(o.logprobs or []))}
               if k is not None else None)
-        choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text},
-                        "logprobs": lp, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+        message, finish = S.message(o.text, o.finish_reason, tools)
+        choices.append({"index": o.index, "message": message,
+                        "logprobs": lp, "finish_reason": finish, "stop_reason": o.stop_reason})
     return JSONResponse({"id": base, "object": "chat.completion", "created": c.created, "model": c.model,
                          "choices": choices, "usage": usage_of(finals, [job])})
 
@@ -80,6 +88,7 @@ async def _events(c: _Chat, sub: Submission) -> AsyncIterator[str]:
     req, job = c.req, sub.jobs[0]
     delta = Delta(stop_holdback(req.stop))
     builders: dict[int, ChatLogprobs] = {}
+    calls: dict[int, S.ToolStream] | None = {} if (c.tools is not None and c.tools.parse) else None
     final = None
     for i in range(req.n):
         yield c.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -90,6 +99,14 @@ async def _events(c: _Chat, sub: Submission) -> AsyncIterator[str]:
                 final = out
             for o in out.outputs:
                 text = delta.text(o.index, o.text, o.finish_reason is not None)
+                d: dict[str, Any] = {}
+                if calls is not None:  # content and tool-call deltas
+                    ts = calls.setdefault(o.index, S.ToolStream())
+                    text, call_deltas = ts.feed(text, o.finish_reason is not None)
+                    if call_deltas:
+                        d["tool_calls"] = call_deltas
+                if text:
+                    d = {"content": text, **d}
                 lp = None
                 if c.top_logprobs is not None:
                     if o.index not in builders:
@@ -98,9 +115,11 @@ async def _events(c: _Chat, sub: Submission) -> AsyncIterator[str]:
                 fin = o.finish_reason if (o.finish_reason is not None and o.index not in delta.done) else None
                 if fin is not None:
                     delta.done.add(o.index)
-                if text or fin is not None or (lp and lp["content"]):
+                    if fin == "stop" and calls is not None and calls[o.index].made_calls:
+                        fin = "tool_calls"
+                if d or fin is not None or (lp and lp["content"]):
                     # one choice per chunk, as OpenAI streams n > 1
-                    yield c.chunk([{"index": o.index, "delta": {"content": text} if text else {}, "logprobs": lp,
+                    yield c.chunk([{"index": o.index, "delta": d, "logprobs": lp,
                                     "finish_reason": fin, **({"stop_reason": o.stop_reason} if fin else {})}])
     if req.include_usage:
         yield c.chunk([], usage_of({0: final} if final is not None else {}, [job]))

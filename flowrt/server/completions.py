@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from . import protocol as P
+from . import structured as S
 from .generation import Job, Submission, sampling_params
 from .outputs import CompletionLogprobs, Delta, stop_holdback, usage_of
 from .prompts import check_token_ids, encode, max_tokens_for
@@ -67,8 +68,10 @@ async def _jobs(st: ServerState, req: P.CompletionRequest, base: str) -> list[Jo
     return jobs
 
 
-def _sampling(req: P.CompletionRequest, max_tokens: int) -> Any:
+def _sampling(req: P.CompletionRequest, max_tokens: int, constraint: S.Constraint | None) -> Any:
     kw = req.sampling_kwargs(max_tokens)
+    if constraint is not None:
+        kw["structured_outputs"] = constraint.params
     if req.logprobs is not None:
         kw["logprobs"] = req.logprobs
         if req.echo:
@@ -81,11 +84,14 @@ async def completions(req: P.CompletionRequest, request: Request, st: State) -> 
     t0 = time.perf_counter()
     st.check_model(req.model)
     req.check_unsupported()
+    constraint = S.from_request(req)
     base = f"cmpl-{uuid.uuid4().hex}"
     jobs = await _jobs(st, req, base)
     max_tokens = min(max_tokens_for(st, len(j.prompt_ids), req.max_tokens, "prompt") for j in jobs)
     c = _Completion(req, st.tokenizer, base, st.model_name(req.model))
-    sub = Submission(st, jobs, _sampling(req, max_tokens), t0)
+    params = _sampling(req, max_tokens, constraint)
+    await S.precompile(st.engine, constraint)  # off the event loop; the submission then hits the cache
+    sub = Submission(st, jobs, params, t0)
     if req.stream:
         return SSEResponse(guarded(st, request, _events(c, sub), f"completion stream {base}"), on_close=sub.close)
     try:
