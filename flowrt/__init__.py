@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 # public name -> (module, attribute)
-_LAZY: dict[str, tuple[str, str]] = {
+_LAZY: dict[str, tuple[str, str | None]] = {
     "Workflow": ("flowrt.workflow", "Workflow"),
     "WorkflowError": ("flowrt.workflow", "WorkflowError"),
     "Model": ("flowrt.model", "Model"),
@@ -44,6 +44,15 @@ _LAZY: dict[str, tuple[str, str]] = {
     "RunObserver": ("flowrt.executor", "RunObserver"),
     "Tracer": ("flowrt.trace", "Tracer"),
     "register_resource": ("flowrt.resources", "register_resource"),
+    "goto": ("flowrt.routing", "goto"),
+    "Goto": ("flowrt.routing", "Goto"),
+    "interrupt": ("flowrt.interrupts", "interrupt"),
+    "Interrupt": ("flowrt.interrupts", "Interrupt"),
+    "events": ("flowrt.events", None),
+    "tool": ("flowrt.tools", "tool"),
+    "Tool": ("flowrt.tools", "Tool"),
+    "AssistantReply": ("flowrt.tools", "AssistantReply"),
+    "IncompleteOutputError": ("flowrt.structured", "IncompleteOutputError"),
     # flowrt.retrieval pulls in faiss / sentence-transformers
     "Retriever": ("flowrt.retrieval", "Retriever"),
     "rag": ("flowrt.retrieval", "rag"),
@@ -52,17 +61,23 @@ _LAZY: dict[str, tuple[str, str]] = {
 __all__ = [
     "Workflow", "WorkflowError", "Model", "Runtime", "Thread", "ChatThread", "gather",
     "RunResult", "StepError", "StepFailed", "RunObserver", "Tracer", "register_resource",
-    "Retriever", "rag", "__version__",
+    "Retriever", "rag", "goto", "Goto", "interrupt", "Interrupt", "events", "tool", "Tool", "AssistantReply", "IncompleteOutputError",
+    "__version__",
 ]
 
 if TYPE_CHECKING:
     from .aio import gather
     from .executor import RunObserver, RunResult, StepError, StepFailed
     from .model import Model
+    from . import events
+    from .interrupts import Interrupt, interrupt
     from .resources import register_resource
+    from .routing import Goto, goto
     from .retrieval import Retriever, rag
     from .runtime import Runtime
     from .thread import ChatThread, Thread
+    from .structured import IncompleteOutputError
+    from .tools import AssistantReply, Tool, tool
     from .trace import Tracer
     from .workflow import Workflow, WorkflowError
 
@@ -72,7 +87,8 @@ def __getattr__(name: str) -> Any:
     if target is None:
         raise AttributeError(f"module 'flowrt' has no attribute {name!r}")
     module, attr = target
-    value = getattr(importlib.import_module(module), attr)
+    mod = importlib.import_module(module)
+    value = mod if attr is None else getattr(mod, attr)
     globals()[name] = value
     return value
 

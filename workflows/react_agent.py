@@ -1,48 +1,37 @@
-"""ReAct agent: the model alternates thoughts and tool calls (a calculator, a small fact table) until it
-gives a final answer, within a bounded number of steps.
+"""ReAct agent with tools: the model calls typed Python tools (a calculator, a small fact table) through the
+chat template's tool format until it can answer, within a bounded number of steps.
 
     flowrt run workflows/react_agent.py --input question="What is 17 times 23, plus 4?"
 
-The whole episode is one thread: each tool result is appended to it, so every step reuses the KV of the
-steps before it instead of re-sending the transcript.
+`@fr.tool` makes each function a tool (its JSON schema comes from the signature and docstring). The first
+turn must call a tool (`tool_choice="required"`: the call is constrained to the tools' schemas, so it always
+parses); later turns may call more (`"auto"`) until the model answers in text, repeats a call, or runs out of
+steps; the final answer is then generated with `tool_choice="none"`. The whole episode is one chat thread:
+each turn reuses the KV of the turns before it.
 """
 
 import ast
 import operator
-import re
+from typing import Annotated, Literal
+
+from pydantic import Field
 
 import flowrt as fr
 
 FACTS = {"speed of light": "299792 km/s", "boiling point of water": "100 C", "days in a leap year": "366"}
 
-FEW_SHOT = """Answer the question. Use tools when needed: calculator[expression] or lookup[topic].
-
-Question: What is 12 times 7?
-Thought: I should multiply.
-Action: calculator[12 * 7]
-Observation: 84
-Thought: I know the answer.
-Final Answer: 84
-
-Question: How many days are in a leap year, minus 6?
-Thought: I need the number of days in a leap year.
-Action: lookup[days in a leap year]
-Observation: 366
-Thought: Now subtract 6.
-Action: calculator[366 - 6]
-Observation: 360
-Thought: I know the answer.
-Final Answer: 360
-
-"""
+SYSTEM = ("You answer questions. Use the calculator tool for arithmetic and the lookup tool for facts, "
+          "then give the final answer in one short sentence.")
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
         ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
-def calculator(expression: str) -> str:
-    """Arithmetic only (no names, no calls): + - * / // % ** and parentheses."""
+@fr.tool
+def calculator(expression: Annotated[str, Field(description="an arithmetic expression, e.g. 17 * 23 + 4",
+                                                 pattern=r"^[-(]*[0-9][-+*/^%(). 0-9]*$", max_length=64)]) -> str:
+    """Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses."""
     def ev(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
             return node.value
@@ -61,31 +50,46 @@ def calculator(expression: str) -> str:
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
-def lookup(topic: str) -> str:
+@fr.tool
+def lookup(topic: Literal["speed of light", "boiling point of water", "days in a leap year"]) -> str:
+    """Look up a fact in a small table (the topic's type lists what it knows)."""
     return FACTS.get(topic.strip().lower(), f"no entry for {topic!r}")
 
 
-TOOLS = {"calculator": calculator, "lookup": lookup}
+TOOLS = [calculator, lookup]
 
 wf = fr.Workflow("react-agent")
 
 
 @wf.step
 async def agent(question: str, llm: fr.Model, max_steps: int = 6) -> dict:
-    """Thought / Action / Observation turns until "Final Answer:" (or `max_steps` turns)."""
-    t = llm.thread(FEW_SHOT) + f"Question: {question}\nThought:"
-    actions = []
-    for _ in range(max_steps):
-        out = await t.gen(max_tokens=64, temperature=0, stop=["\nObservation:", "\n\n"])
-        final = re.search(r"Final Answer:\s*(.+)", out)
-        if final:
-            return {"answer": final.group(1).strip(), "actions": actions}
-        call = re.search(r"Action:\s*(\w+)\[(.*?)\]", out)
-        if call is None or t.last_output.outputs[0].stop_reason != "\nObservation:":
-            t += "\nThought:"  # no tool call this turn: let the model keep thinking
-            continue
-        tool, arg = call.group(1), call.group(2)
-        observation = TOOLS[tool](arg) if tool in TOOLS else f"unknown tool {tool!r}"
-        actions.append({"tool": tool, "input": arg, "observation": observation})
-        t += f" {observation}\nThought:"  # the stop string "\nObservation:" is already in the thread
-    return {"answer": None, "actions": actions}
+    """Tool-calling turns (at most `max_steps`), then the final answer."""
+    c = llm.chat(system=SYSTEM)
+    c.user(question)
+    actions: list[dict] = []
+    seen: set[str] = set()
+    answer = None
+    c.tools = TOOLS
+    if len(llm.encode(c.render(add_generation_prompt=True), first=True)) + 4 * 96 > llm.max_model_len:
+        c.tools, max_steps = [], 0  # a tiny context (a test model) cannot hold the tool descriptions: just answer
+    for step in range(max_steps):
+        reply = await c.assistant(tools=TOOLS, tool_choice="required" if step == 0 else "auto",
+                                  parallel_tool_calls=False, max_tokens=96, temperature=0)
+        calls = [tc for tc in reply.tool_calls if repr((tc.name, tc.arguments)) not in seen]
+        if not reply.tool_calls:
+            answer = reply.content.strip() or None  # the model answered in text
+            break
+        results = await c.call_tools(reply)
+        for tc, result in zip(reply.tool_calls, results):
+            if repr((tc.name, tc.arguments)) not in seen:
+                seen.add(repr((tc.name, tc.arguments)))
+                actions.append({"tool": tc.name, "input": tc.arguments, "observation": result})
+        if not calls:  # it repeated a call it already made: it has what it needs
+            break
+    if answer is None:
+        # Plain text that does not open another tool call (a small model would rather keep calling).
+        final = await c.assistant(tool_choice="none", regex=r"[A-Za-z0-9][^<\n]{0,160}", max_tokens=96,
+                                  temperature=0)
+        answer = final.strip() or None
+    c.close()
+    return {"answer": answer, "actions": actions}
