@@ -5,7 +5,10 @@ from .config import EngineArgs, default_model_path
 from .llm import LLM
 from .llm_engine import LLMEngine
 from .outputs import CompletionOutput, Logprob, RequestOutput
+from .program import ProgramContext, ProgramState
+from .protocol import EngineClient, SequenceHandle  # the typed contract the runtime and server use
 from .sampling_params import SamplingParams
+from .structured_output import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -13,9 +16,14 @@ __all__ = [
     "LLMEngine",
     "EngineArgs",
     "EngineSequence",
+    "EngineClient",
+    "SequenceHandle",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
     "default_model_path",
+    "ProgramContext",
+    "ProgramState",
 ]

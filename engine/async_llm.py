@@ -11,11 +11,13 @@ import asyncio
 import logging
 import threading
 import weakref
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from .config import EngineArgs
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
+from .program import ProgramContext
 from .sampling_params import SamplingParams
 from .sequence import Request, Sequence, SeqStatus
 
@@ -55,6 +57,19 @@ class EngineSequence:
         self._finalizer.detach()
         self._engine.close(self._seq)
 
+    @property
+    def program(self):
+        """The ProgramContext (run, step, thread, state) the engine has for this sequence, or None."""
+        return self._seq.program
+
+    def set_state(self, state: str, **context) -> None:
+        """A scheduling hint: "generating", "waiting" (idle, used again soon: on a tool, a sibling, a
+        gather) or "finished" (its step is done); keywords (run_id, step, thread_id) update the context."""
+        ctx = (self._seq.program or ProgramContext())
+        if context:
+            ctx = replace(ctx, **context)
+        self._engine.set_program(self._seq, ctx, state)
+
     def __repr__(self) -> str:
         return f"EngineSequence(id={self._seq.seq_id}, tokens={self._seq.num_tokens}, status={self._seq.status.value})"
 
@@ -86,6 +101,9 @@ class AsyncLLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def run_stats(self, run_id: str | None = None) -> dict | None:
+        return self.engine.run_stats(run_id)
 
     # ---- the loop ----------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -124,25 +142,28 @@ class AsyncLLM:
         self.shutdown()
 
     # ---- requests ----------------------------------------------------------------------------------
-    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> RequestOutput:
-        """Runs one request to completion and returns its final output."""
+    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       program: ProgramContext | dict | str | None = None) -> RequestOutput:
+        """Runs one request to completion and returns its final output. `program`: the workflow run, step
+        and thread the request belongs to (a ProgramContext, a dict of its fields, or a run id)."""
         out = None
-        async for out in self._submit(prompt, params, request_id, stream=False):
+        async for out in self._submit(prompt, params, request_id, stream=False, program=program):
             pass
         return out
 
-    def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+               program: ProgramContext | dict | str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields cumulative snapshots after every step that changed the request; the last has finished=True.
 
         The request is validated and queued when stream() is called (a bad request raises here, before
         any iteration), so a server can answer 400 before it starts a response. Call it from a coroutine.
         """
-        return self._submit(prompt, params, request_id, stream=True)
+        return self._submit(prompt, params, request_id, stream=True, program=program)
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
 
-    def _submit(self, prompt, params, request_id, stream: bool) -> AsyncIterator[RequestOutput]:
+    def _submit(self, prompt, params, request_id, stream: bool, program=None) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         eng = self.engine
@@ -163,7 +184,8 @@ class AsyncLLM:
             if prompt._engine is not eng:
                 raise ValueError("the sequence was opened on another engine (sequences cannot move between engines)")
             prompt = prompt._seq
-        req = eng.add_request(prompt, params, request_id, on_output=on_output, on_error=deliver, stream=stream)
+        req = eng.add_request(prompt, params, request_id, on_output=on_output, on_error=deliver, stream=stream,
+                              program=program)
         self._wakeup.set()
         return self._results(req, queue)
 
@@ -181,5 +203,5 @@ class AsyncLLM:
                 self.engine.abort(req.request_id)
 
     # ---- open sequences ---------------------------------------------------------------------------
-    def open(self, token_ids=()) -> EngineSequence:
-        return EngineSequence(self.engine, self.engine.open(token_ids))
+    def open(self, token_ids=(), program: ProgramContext | dict | str | None = None) -> EngineSequence:
+        return EngineSequence(self.engine, self.engine.open(token_ids, program))

@@ -52,6 +52,12 @@ class EngineArgs(BaseModel):
     seed: int = Field(0, ge=0, le=2**63 - 1)
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(None, ge=1)
+    # "fcfs": request by request (vLLM). "program": uses requests' ProgramContext (run, step, thread, state)
+    # to rank work and keep KV (engine/program.py, engine/scheduler.py); plain requests work the same.
+    scheduling_policy: Literal["fcfs", "program"] = "program"
+    max_wait_steps: int = Field(256, ge=1)  # program policy: no request waits more steps than this
+    # structured outputs: append the tokens a grammar forces (the only one its mask allows) without sampling
+    enable_forced_tokens: bool = True
 
     @field_validator("dtype", "kv_cache_dtype", mode="before")
     @classmethod

@@ -37,8 +37,10 @@ def is_token_ids(prompt) -> bool:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, num_kv_blocks: int, block_size: int):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, num_kv_blocks: int, block_size: int,
+                 structured=None):
         self.tokenizer = tokenizer
+        self.structured = structured  # StructuredOutputManager: compiles structured_outputs constraints
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_kv_blocks
@@ -91,8 +93,19 @@ class InputProcessor:
         (capped where max_model_len ends it) fits the whole KV pool. The last sampled token is never fed
         back, so a sequence of T tokens holds T - 1 in the KV cache."""
         self.token_ids(params.stop_token_ids, "stop_token_ids")
+        self.constraint_matcher(params)  # compiled (and cached) now: a bad constraint fails before any work
         if params.max_tokens:
             final = min(num_tokens + params.max_tokens, self.max_model_len)
             self._check_fits(max(num_tokens, final - 1),
                              f"{what} has {num_tokens} tokens and max_tokens={params.max_tokens}: "
                              f"up to {max(num_tokens, final - 1)} tokens of KV")
+
+    def constraint_matcher(self, params: SamplingParams):
+        """A fresh llguidance matcher for params.structured_outputs (None when unconstrained). Raises ValueError
+        "structured_outputs.KIND: ..." for a bad, too large or too slow to compile constraint."""
+        so = params.structured_outputs
+        if so is None:
+            return None
+        if self.structured is None:
+            raise ValueError("structured_outputs: not supported by this engine")
+        return self.structured.compile(so)

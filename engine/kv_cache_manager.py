@@ -15,6 +15,8 @@ class KVStats:
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     cow_copies: int = 0
+    prefill_tokens_recomputed: int = 0  # tokens whose KV this engine had computed before, computed again
+    kv_evicted_in_use_later: int = 0  # dropped KV blocks (evicted, or released by an idle/preempted sequence) needed again
 
 
 @dataclass
@@ -85,6 +87,53 @@ class KVCacheManager:
                 return seq.block_hashes[i]
         return None
 
+    def cached_prefix_hashes(self, seq: Sequence) -> list[bytes]:
+        """Hashes of the cached full blocks that match_prefix would find for seq now (none if it cannot)."""
+        if not self.pool.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        start = len(seq.block_table)
+        if seq.num_computed_tokens != start * bs:
+            return []
+        max_blocks = (seq.num_tokens - 1) // bs
+        if max_blocks <= start:
+            return []
+        self._ensure_hashes(seq, max_blocks)
+        out = []
+        for i in range(start, max_blocks):
+            h = seq.block_hashes[i]
+            if h not in self.pool.cached:
+                break
+            out.append(h)
+        return out
+
+    def account_computed(self, seq: Sequence, c0: int, n: int) -> int:
+        """Tokens [c0, c0 + n) of seq were just computed: returns (and counts) how many of them this engine
+        had computed before (below seq's high-water mark, or in a full block evicted from the cache)."""
+        bs = self.block_size
+        end = c0 + n
+        hw = seq.max_computed_tokens
+        top = min(end, hw)
+        recomputed = max(0, top - c0)
+        blocks = (top - 1) // bs - c0 // bs + 1 if recomputed else 0
+        evicted = self.pool.evicted_hashes
+        if evicted and end > hw:
+            lo = max(c0, hw)
+            full = end // bs
+            self._ensure_hashes(seq, full)
+            for i in range(lo // bs, full):
+                h = seq.block_hashes[i]
+                if h in evicted:
+                    del evicted[h]
+                    recomputed += min(end, (i + 1) * bs) - max(lo, i * bs)
+                    blocks += 1
+        if end > hw:
+            seq.max_computed_tokens = end
+        if recomputed:
+            self.stats.prefill_tokens_recomputed += recomputed
+            self.stats.kv_evicted_in_use_later += blocks
+        return recomputed
+
     def uncomputed_full_hashes(self, seq: Sequence) -> list[bytes]:
         """Hashes of the full blocks this sequence has yet to compute (work in flight)."""
         bs = self.block_size
@@ -152,14 +201,16 @@ class KVCacheManager:
         child.num_computed_tokens = seq.num_computed_tokens
         child.block_hashes = list(seq.block_hashes)
         child.num_registered_blocks = seq.num_registered_blocks
+        child.max_computed_tokens = seq.max_computed_tokens
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence, low_priority: bool = False) -> None:
         """Release seq's blocks, tail first, so a chain's tail is evicted before its head.
 
         Its tokens stay; its KV is recomputed (or found in the prefix cache) when next needed.
+        `low_priority`: its cached blocks are evicted before other cached blocks (a closed thread's).
         """
         for bid in reversed(seq.block_table):
-            self.pool.decref(bid)
+            self.pool.decref(bid, low_priority)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
@@ -173,4 +224,5 @@ class KVCacheManager:
             self.pool.decref(bid)
         del seq.block_table[keep:]
         seq.num_computed_tokens = num_tokens
+        seq.max_computed_tokens = min(seq.max_computed_tokens, num_tokens)  # a deliberate recompute
         seq.num_registered_blocks = min(seq.num_registered_blocks, num_tokens // self.block_size)

@@ -27,12 +27,14 @@ from .kv_cache_manager import KVCacheManager
 from .model_loader import load_model
 from .model_runner import ModelRunner, make_backend
 from .open_sequences import OpenSequences
+from .program import ProgramContext, as_program_context
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, Sequence, SeqStatus
+from .structured_output import StructuredOutputManager
 
 logger = logging.getLogger("flowrt.engine")
 
@@ -70,11 +72,14 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.pool, bs)
         self.scheduler = Scheduler(self.kv_manager, args.max_num_seqs, args.max_num_batched_tokens,
-                                   enable_prefix_caching=args.enable_prefix_caching)
+                                   enable_prefix_caching=args.enable_prefix_caching,
+                                   policy=args.scheduling_policy, max_wait_steps=args.max_wait_steps)
         self.backend_name = args.resolved_backend(self.device)
         self.runner = ModelRunner(loaded.model, self.kv, bs, make_backend(self.backend_name), self.device)
-        self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, max_len, num_blocks, bs)
-        self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.eos_ids, max_len)
+        self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_ids)
+        self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, max_len, num_blocks, bs, self.structured)
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.eos_ids, max_len, self.structured,
+                                       args.enable_forced_tokens)
         self.generator = torch.Generator().manual_seed(args.seed)
         self.lock = threading.RLock()
         self._step_lock = threading.Lock()  # one step at a time, whoever calls it
@@ -114,13 +119,17 @@ class LLMEngine:
         stream: bool = False,
         _resolved: tuple[str | None, list[int]] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
+        program: ProgramContext | dict | str | None = None,
     ) -> Request:
-        """Queues a request. `prompt` may be an open Sequence: it generates onto it (its KV is kept)."""
+        """Queues a request. `prompt` may be an open Sequence: it generates onto it (its KV is kept).
+        `program`: the workflow run / step / thread it belongs to (engine/program.py); a sequence keeps it."""
+        program = as_program_context(program)
         params = params if params is not None else SamplingParams()
         if isinstance(params, dict):
             params = SamplingParams(**params)
         if not isinstance(prompt, Sequence) and _resolved is None:
             _resolved = self.validate(prompt, params)  # tokenize outside the lock
+        matcher = self.inputs.constraint_matcher(params)  # outside the lock (validate left it in the cache)
         with self.lock:
             self.open_seqs.drain()
             rid = request_id or f"req-{next(self._req_ids)}"
@@ -135,6 +144,9 @@ class LLMEngine:
             req = Request(rid, params, text, ids, [seq], on_output=on_output, on_error=on_error,
                           needs_text_each_step=stream or bool(params.stop))
             self.kv_manager.truncate_computed(seq, self.outputs.add(req))
+            seq.matcher = matcher
+            if program is not None or seq.program is not None:
+                seq.program = (program or seq.program).with_state("generating")
             self.scheduler.add(seq)
             return req
 
@@ -153,8 +165,29 @@ class LLMEngine:
                 self.outputs.fail(req, exc)
 
     # ---- open sequences (KV that outlives a call; see open_sequences.py) ----------------------------------
-    def open(self, token_ids) -> Sequence:
-        return self.open_seqs.open(token_ids)
+    def open(self, token_ids, program: ProgramContext | dict | str | None = None) -> Sequence:
+        seq = self.open_seqs.open(token_ids)
+        seq.program = as_program_context(program)
+        return seq
+
+    def set_program(self, seq: Sequence, program: ProgramContext | dict | str | None = None,
+                    state: str | None = None) -> None:
+        """Update what an open sequence belongs to and/or its state ("generating" / "waiting" /
+        "finished"): a scheduling hint, never an error for a closed or foreign sequence's sake."""
+        ctx = as_program_context(program)
+        with self.lock:
+            ctx = ctx or seq.program or ProgramContext()
+            seq.program = ctx.with_state(state) if state is not None else ctx
+
+    def run_stats(self, run_id: str | None = None) -> dict | None:
+        """What a workflow run got (service_tokens, queue_time_s, requests, prefill_tokens_recomputed,
+        preemptions); None if unknown. Without run_id: {run_id: that dict} for the newest runs (1024)."""
+        with self.lock:
+            runs = self.scheduler.tracker.runs
+            if run_id is None:
+                return {k: r.as_dict() for k, r in runs.items()}
+            rec = runs.get(str(run_id))
+            return rec.as_dict() if rec is not None else None
 
     def append(self, seq: Sequence, token_ids: Iterable[int]) -> None:
         self.open_seqs.append(seq, token_ids)
@@ -191,6 +224,8 @@ class LLMEngine:
                 result = None
                 if live:
                     lg = mo.logits[torch.tensor(rows)] if rows != list(range(len(mo.logits))) else mo.logits
+                    if any(s.matcher is not None for s in live):
+                        self.structured.apply(lg, live)  # grammar masks, before penalties and sampling
                     result = sample(lg, live, self.eos_ids, self.generator)
                 return self.outputs.process(so, computed, mo, live, result)
 
@@ -208,6 +243,8 @@ class LLMEngine:
                     child = Sequence(list(seq.token_ids))
                     self.kv_manager.fork(seq, child)
                     self.outputs.attach(req, child, i)
+                    if seq.matcher is not None:  # each sample continues the grammar from the shared state
+                        child.matcher, child.grammar_mask = seq.matcher.deep_copy(), seq.grammar_mask
                     self.scheduler.add_running(child, after=req.seqs[-1])
                     req.seqs.append(child)
                     live.append(child)
@@ -241,6 +278,9 @@ class LLMEngine:
                 "num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting),
                 "open_sequences": len(self.open_seqs),
+                "prefill_tokens_recomputed": kvs.prefill_tokens_recomputed,
+                "kv_evicted_in_use_later": kvs.kv_evicted_in_use_later,
+                "program_runs": len(self.scheduler.tracker.runs),
             }
 
     def reset_prefix_cache(self) -> int:

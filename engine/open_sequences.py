@@ -82,6 +82,7 @@ class OpenSequences:
             for _ in range(n):
                 child = Sequence(list(seq.token_ids), persistent=True)
                 self.kv.fork(seq, child)
+                child.program = seq.program  # same run, step and thread state (a hint; set_program changes it)
                 self.seqs[child.seq_id] = child
                 self.scheduler.park(child)
                 children.append(child)
@@ -101,7 +102,10 @@ class OpenSequences:
             if seq.request is not None and not seq.request.finished:
                 self.abort(seq.request.request_id)
             self.scheduler.remove(seq)
-            self.kv.free(seq)
+            if seq.program is not None and seq.max_computed_tokens:
+                self.scheduler.tracker.observe_final(seq.program.step, seq.num_tokens)
+            # program policy: a closed thread's blocks are the first cached ones to go
+            self.kv.free(seq, low_priority=self.scheduler.program)
             seq.status = SeqStatus.CLOSED
             seq.request = None
             self.seqs.pop(seq.seq_id, None)

@@ -28,14 +28,17 @@ logger = logging.getLogger("flowrt.engine")
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, scheduler: Scheduler, eos_ids: tuple[int, ...], max_model_len: int):
+    def __init__(self, tokenizer, scheduler: Scheduler, eos_ids: tuple[int, ...], max_model_len: int,
+                 structured=None, enable_forced_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.structured = structured  # StructuredOutputManager (grammar masks of constrained sequences)
+        self.enable_forced_tokens = enable_forced_tokens
         self.scheduler = scheduler
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
         self.counters = dict(prompt_tokens=0, prefill_tokens_computed=0, decode_tokens_computed=0,
-                             generated_tokens=0, steps=0)
+                             generated_tokens=0, forced_tokens=0, steps=0)
 
     # ---- request lifecycle ----------------------------------------------------------------------
     def add(self, req: Request) -> int:
@@ -65,6 +68,7 @@ class OutputProcessor:
         seq.output_logprobs = [] if p.logprobs is not None else None
         seq.cumulative_logprob = 0.0
         seq.finish_reason = seq.stop_reason = None
+        seq.matcher = seq.grammar_mask = None
         detokenizer.start(seq)
 
     def finish_seq(self, seq: Sequence, reason: str | None = None) -> None:
@@ -74,6 +78,7 @@ class OutputProcessor:
         req = seq.request
         if not req.needs_text_each_step and seq.finish_reason != "abort":
             detokenizer.update(self.tokenizer, seq, req.params.skip_special_tokens)
+        seq.matcher = seq.grammar_mask = None
         self.scheduler.finish(seq)
 
     def finish_request(self, req: Request) -> None:
@@ -130,7 +135,11 @@ class OutputProcessor:
                 if seq.output_logprobs is not None:
                     seq.output_logprobs.append(self._logprob_entry(result.logprobs[i], tok, req.params.logprobs))
                     seq.cumulative_logprob += float(result.logprobs[i, tok])
+                if seq.matcher is not None:
+                    self._consume(seq, tok)
                 self._check_stop(seq, tok)
+            if self.structured is not None:
+                self._next_masks([s for s in sampled if s.matcher is not None and s.finish_reason is None])
         for req in touched.values():
             for seq in req.seqs:
                 if (seq.status is SeqStatus.RUNNING and seq.finish_reason is None
@@ -141,6 +150,35 @@ class OutputProcessor:
             elif req.on_output is not None:
                 req.on_output(req)
         return list(touched.values())
+
+    # ---- structured outputs ------------------------------------------------------------------------
+    def _consume(self, seq: Sequence, tok: int) -> None:
+        seq.grammar_mask = None
+        if not seq.matcher.consume_token(tok):
+            logger.warning("structured output: sequence %d: token %d rejected by its grammar: %s", seq.seq_id, tok,
+                           seq.matcher.get_error())
+
+    def _next_masks(self, seqs: list[Sequence]) -> None:
+        """The next-step masks of constrained sequences that go on, in one batch; with forcing on, a sequence
+        whose mask allows one token only gets it appended now (computed next step as part of a chunk)."""
+        while seqs:
+            self.structured.fill_masks(seqs)
+            if not self.enable_forced_tokens:
+                return
+            forced = []
+            for seq, tok in zip(seqs, self.structured.single_tokens(seqs)):
+                if tok is None:
+                    continue
+                seq.token_ids.append(tok)
+                self.counters["generated_tokens"] += 1
+                self.counters["forced_tokens"] += 1
+                if seq.output_logprobs is not None:  # the only token the mask allows: probability 1
+                    seq.output_logprobs.append({tok: Logprob(0.0, 1, self.tokenizer.decode([tok]))})
+                self._consume(seq, tok)
+                self._check_stop(seq, tok)
+                if seq.finish_reason is None:
+                    forced.append(seq)
+            seqs = forced
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         req = seq.request
@@ -159,6 +197,16 @@ class OutputProcessor:
                     i, s = min(hits)
                     seq.text = text[: i + len(s) if p.include_stop_str_in_output else i]
                     seq.finish_reason, seq.stop_reason = "stop", s
+        m = seq.matcher
+        if seq.finish_reason is None and m is not None and m.is_stopped():
+            # The grammar is complete (nothing but EOS may follow): a finished, valid output. A matcher in an
+            # error state (a bug: a token outside its mask) ends the sample as aborted, never as "stop".
+            if m.is_error():
+                seq.finish_reason, seq.stop_reason = "abort", "structured output error"
+            else:
+                seq.finish_reason = "stop"
+                if tok in self.eos_ids or tok in p.stop_token_ids:
+                    seq.stop_reason = tok if tok in p.stop_token_ids else None
         if seq.finish_reason is None and may_stop:
             if tok in p.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", tok

@@ -56,6 +56,11 @@ class SequenceHandle(Protocol):
         """Idempotent; full blocks go to the prefix cache."""
         ...
 
+    def set_state(self, state: str, **context: Any) -> None:
+        """A scheduling hint: "generating", "waiting" (idle, used again soon) or "finished" (its step is
+        done); keywords (run_id, step, thread_id) update its program context (engine/program.py)."""
+        ...
+
 
 @runtime_checkable
 class EngineClient(Protocol):
@@ -74,17 +79,18 @@ class EngineClient(Protocol):
         """Counters (keys in engine/API.md: KV blocks, tokens computed, prefix-cache hits, ...)."""
         ...
 
-    def open(self, token_ids: Iterable[int] = ()) -> SequenceHandle:
-        """A new sequence; nothing is computed until a request runs on it."""
+    def open(self, token_ids: Iterable[int] = (), program: Any = None) -> SequenceHandle:
+        """A new sequence; nothing is computed until a request runs on it. ``program``: a ProgramContext
+        (run_id, step, thread_id, state), a dict of its fields or a run id; optional everywhere."""
         ...
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> RequestOutput:
+                       request_id: str | None = None, program: Any = None) -> RequestOutput:
         """Run one request to completion; a bad request raises ValueError at submission."""
         ...
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+               request_id: str | None = None, program: Any = None) -> AsyncIterator[RequestOutput]:
         """Cumulative snapshots, the last with ``finished=True``; validated when called."""
         ...
 

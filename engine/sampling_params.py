@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .structured_output import StructuredOutputsParams
+
 
 class SamplingParams(BaseModel):
     """What to generate for one request; field names follow vLLM's SamplingParams."""
@@ -28,6 +30,7 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=20)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -5,15 +5,36 @@ computed; a step gives every running sequence up to what it lacks (1 for a decod
 waiting sequences, all under a token budget. A sequence samples in a step when the step completes it.
 When blocks run out, idle open sequences give up their KV first; then the most recently admitted
 running sequence is preempted (its blocks freed; it is recomputed later, mostly from the prefix cache).
+
+That is the "fcfs" policy (vLLM's). The "program" policy (engine/program.py) uses what requests say about
+their workflow run, step and thread:
+- ranking: a waiting sequence that has waited `max_wait_steps` steps goes before everything (and may
+  preempt); the others by their run's attained service (least first, over levels growing 4x from
+  SERVICE_QUANTUM tokens), then by how much of the prompt is already computed or cached (quarters; more
+  first), then by run age and arrival (a run's parallel branches share their run's key: they stay
+  together). Waiting sequences that cannot get memory are skipped, not waited on (the bound covers them).
+- retention: admitting new work never takes the KV of a sequence that will be used again (idle and
+  waiting, or queued) unless the sequence is starved or nothing runs; running work may take it. A new
+  thread is admitted only if memory also leaves room for the resident threads (and itself) to grow to
+  their expected final length (learned from closed threads of the same step), so that its growth does
+  not later take a waiting thread's KV (run-level admission control). Idle
+  sequences are released in order of expected next use: finished threads first, then waiting ones whose
+  next use is farthest away (engine/program.py's estimate from recent idle gaps). Prefixes queued work
+  will hit are protected in the prefix cache; a closed thread's blocks go to it with low priority.
+- preemption: the lowest-ranked running sequence (most service; newest run) goes first.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager, SlotPlan
+from .program import ProgramState, ProgramTracker
 from .sequence import Sequence, SeqStatus
+
+SERVICE_QUANTUM = 2048  # tokens: attained-service level 0 is [0, Q), then [Q, 4Q), [4Q, 16Q), ...
 
 
 @dataclass
@@ -41,7 +62,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, policy: str = "fcfs", max_wait_steps: int = 256):
+        if policy not in ("fcfs", "program"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'program', got {policy!r}")
+        self.policy = policy
+        self.program = policy == "program"
+        self.max_wait_steps = max_wait_steps
+        self.tracker = ProgramTracker()
+        self.step_no = 0
+        self._boosted: set[int] = set()  # seq ids admitted because they starved: preempted last
         self.kv = kv
         self.enable_prefix_caching = enable_prefix_caching
         self.max_num_seqs = max_num_seqs
@@ -55,8 +84,21 @@ class Scheduler:
     # ---- membership -------------------------------------------------------------------------------
     def add(self, seq: Sequence, front: bool = False) -> None:
         self.idle.pop(seq.seq_id, None)
+        now = time.monotonic()
+        if not front:  # a new request (a preempted sequence comes back with front=True)
+            if seq.status is SeqStatus.IDLE and seq.idle_since:
+                self.tracker.observe_gap(now - seq.idle_since)
+            run = self._run_id(seq)
+            if run is not None:
+                self.tracker.run(run).requests += 1
         seq.status = SeqStatus.WAITING
+        seq.enqueued_at = now
+        seq.enqueued_step = self.step_no
         (self.waiting.appendleft if front else self.waiting.append)(seq)
+
+    @staticmethod
+    def _run_id(seq: Sequence) -> str | None:
+        return seq.program.run_id if seq.program is not None else None
 
     def add_running(self, seq: Sequence, after: Sequence) -> None:
         """A fork that continues right away (parallel sampling): runs next to its parent."""
@@ -69,10 +111,15 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         self.idle.pop(seq.seq_id, None)
+        self._boosted.discard(seq.seq_id)
 
     def park(self, seq: Sequence) -> None:
-        """An open sequence between requests: keeps its blocks until memory is needed."""
+        """An open sequence between requests: keeps its blocks until memory is needed. With a program
+        context, a sequence whose thread is between calls is waiting (to be used again)."""
         seq.status = SeqStatus.IDLE
+        seq.idle_since = time.monotonic()
+        if seq.program is not None and seq.program.state is ProgramState.GENERATING:
+            seq.program = seq.program.with_state(ProgramState.WAITING)
         if seq.block_table:
             self.idle[seq.seq_id] = seq
             self.idle.move_to_end(seq.seq_id)
@@ -95,7 +142,9 @@ class Scheduler:
         return unfit
 
     # ---- memory pressure -----------------------------------------------------------------------------
-    def _release_idle(self) -> bool:
+    def _release_idle(self, expendable_only: bool = False) -> bool:
+        if self.program:
+            return self._release_idle_program(expendable_only)
         while self.idle:
             _, seq = self.idle.popitem(last=False)
             if seq.block_table:
@@ -103,8 +152,32 @@ class Scheduler:
                 return True
         return False
 
+    def _release_idle_program(self, expendable_only: bool) -> bool:
+        """Release the idle sequence used again last: a finished thread (longest idle first), else the
+        waiting one whose expected next use is farthest. `expendable_only`: finished, context-less or
+        overdue ones only."""
+        now = time.monotonic()
+        best, best_key = None, None
+        for seq in self.idle.values():
+            if not seq.block_table:
+                continue
+            waited = now - seq.idle_since
+            if seq.program is not None and seq.program.state is ProgramState.FINISHED:
+                key = (2, waited)
+            elif expendable_only and seq.program is not None and not self.tracker.overdue(waited):
+                continue  # a thread between calls (no context: no promise, so it may go)
+            else:
+                key = (1, self.tracker.expected_return_s(waited))
+            if best_key is None or key > best_key:
+                best, best_key = seq, key
+        if best is None:
+            return False
+        del self.idle[best.seq_id]
+        self.kv.free(best, low_priority=best_key[0] == 2)
+        return True
+
     def _release_waiting(self, keep: Sequence) -> bool:
-        for seq in reversed(self.waiting):
+        for seq in reversed(self.waiting):  # program: the waiting queue is ranked, lowest last
             if seq is not keep and seq.block_table:
                 self.kv.free(seq)
                 return True
@@ -112,9 +185,54 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._boosted.discard(seq.seq_id)
         self.kv.free(seq)
         self.preemptions += 1
+        run = self._run_id(seq)
+        if run is not None:
+            self.tracker.run(run).preemptions += 1
         self.add(seq, front=True)
+
+    # ---- program policy: ranking -----------------------------------------------------------------------
+    def _starved(self, seq: Sequence) -> bool:
+        return self.step_no - seq.enqueued_step >= self.max_wait_steps
+
+    def _level(self, seq: Sequence) -> tuple[int, float]:
+        """(attained-service level of seq's run, the run's age key): lower goes first."""
+        run = self._run_id(seq)
+        rec = self.tracker.runs.get(run) if run is not None else None
+        if rec is None:
+            return 0, seq.enqueued_at
+        q = rec.service_tokens // SERVICE_QUANTUM
+        return (q.bit_length() + 1) // 2, rec.first_seen
+
+    def _rank_waiting(self) -> None:
+        """Sort the waiting queue (best first) and protect the cached prefixes it will hit."""
+        protected = self.kv.pool.protected
+        protected.clear()
+        keys = {}
+        for seq in self.waiting:
+            if self._starved(seq):
+                keys[seq.seq_id] = (0, seq.enqueued_step, 0, 0.0, seq.enqueued_at)
+                if self.enable_prefix_caching:
+                    protected.update(self.kv.cached_prefix_hashes(seq))
+                continue
+            hashes = self.kv.cached_prefix_hashes(seq) if self.enable_prefix_caching else []
+            protected.update(hashes)
+            ready = seq.num_computed_tokens + len(hashes) * self.kv.block_size
+            quarter = (4 * ready) // max(1, seq.num_tokens)
+            level, age = self._level(seq)
+            keys[seq.seq_id] = (1, level, -quarter, age, seq.enqueued_at)
+        ranked = sorted(self.waiting, key=lambda s: keys[s.seq_id])
+        self.waiting.clear()
+        self.waiting.extend(ranked)
+
+    def _victim(self, candidates: list[Sequence]) -> Sequence:
+        """The running sequence to preempt: lowest ranked (most service, newest run, newest)."""
+        def key(seq: Sequence):
+            level, age = self._level(seq)
+            return (seq.seq_id not in self._boosted, level, age, seq.enqueued_at)
+        return max(candidates, key=key)
 
     # ---- the step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -124,6 +242,10 @@ class Scheduler:
         return batch
 
     def _schedule(self, batch: SchedulerOutput) -> None:
+        self.step_no += 1
+        if self.program:
+            self._schedule_program(batch)
+            return
         budget = self.max_num_batched_tokens
         preempted = False
         i = 0
@@ -170,6 +292,7 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 budget -= n
+                self._account_admission(seq)
                 if self.enable_prefix_caching:
                     inflight.update(self.kv.uncomputed_full_hashes(seq))
                 continue
@@ -181,6 +304,145 @@ class Scheduler:
                 self._unfit.append(seq)
                 continue
             break
+
+    def _account_admission(self, seq: Sequence) -> None:
+        run = self._run_id(seq)
+        if run is not None:
+            self.tracker.run(run).queue_time_s += time.monotonic() - seq.enqueued_at
+
+    def _admit(self, seq: Sequence, n: int, batch: SchedulerOutput) -> None:
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+        self._account_admission(seq)
+
+    def _schedule_program(self, batch: SchedulerOutput) -> None:
+        """The "program" policy's step (see the module docstring)."""
+        budget = self.max_num_batched_tokens
+        self._rank_waiting()
+        scheduled: set[int] = set()
+        preempted = False
+        # 1. Starved sequences first: they may take any memory but other starved work's.
+        blocked = False
+        for seq in [s for s in self.waiting if self._starved(s)]:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                blocked = True
+                break
+            if not (seq.request is not None and seq.request.prompt_logprobs is not None):
+                self.kv.match_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, n, batch.plan):
+                if self._release_idle() or self._release_waiting_unstarved(keep=seq):
+                    continue
+                cands = [r for r in self.running if r.seq_id not in self._boosted and r.seq_id not in scheduled]
+                if not cands:
+                    break
+                self._preempt(self._victim(cands))
+                preempted = True
+            else:
+                self._admit(seq, n, batch)
+                self._boosted.add(seq.seq_id)
+                scheduled.add(seq.seq_id)
+                budget -= n
+                continue
+            if not self.running and not batch.seqs:  # alone it does not fit: fail its request
+                self.kv.free(seq)
+                self.waiting.remove(seq)
+                seq.status = SeqStatus.FINISHED
+                self._unfit.append(seq)
+                continue
+            blocked = True
+            break
+        # 2. Running sequences (decode, prefill chunks), taking memory from idle and queued ones first.
+        queue = [r for r in self.running if r.seq_id not in scheduled]
+        i = 0
+        while i < len(queue) and budget > 0:
+            seq = queue[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, n, batch.plan):
+                if self._release_idle() or self._release_waiting_unstarved(keep=seq):
+                    continue
+                victim = self._victim(queue[i:])
+                queue.remove(victim)
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+        if preempted or blocked:
+            return
+        # 3. Admission in rank order: never at the cost of KV that will be used again (unless nothing runs);
+        # a sequence that cannot get memory is skipped, and keeps the KV it holds.
+        inflight: set[bytes] = set()
+        if self.enable_prefix_caching:
+            for seq in self.running:
+                inflight.update(self.kv.uncomputed_full_hashes(seq))
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            scoring = seq.request is not None and seq.request.prompt_logprobs is not None
+            if inflight and not scoring and self.kv.first_missing_hash(seq) in inflight:
+                continue
+            new = seq.max_computed_tokens == 0  # nothing of it ever computed: a new thread
+            if not scoring:
+                self.kv.match_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            alone = not self.running and not batch.seqs
+            if new and not alone and not self._room_for_new_thread(seq, n):
+                continue
+            while not self.kv.allocate_slots(seq, n, batch.plan):
+                if self._release_idle(expendable_only=not alone):
+                    continue
+                if alone and self._release_waiting(keep=seq):
+                    continue
+                break
+            else:
+                self._admit(seq, n, batch)
+                budget -= n
+                if self.enable_prefix_caching:
+                    inflight.update(self.kv.uncomputed_full_hashes(seq))
+                continue
+            if alone:  # nothing else holds memory, so it can never fit: hand it back to fail its request
+                self.kv.free(seq)
+                self.waiting.remove(seq)
+                seq.status = SeqStatus.FINISHED
+                self._unfit.append(seq)
+
+    def _room_for_new_thread(self, seq: Sequence, n: int) -> bool:
+        """A new thread (nothing of it ever computed) is admitted only if memory also leaves room for the
+        threads already resident (running, or idle and waiting) to grow to their expected final length,
+        and for its own growth: otherwise its growth would later take a waiting thread's KV (recomputed
+        when that thread returns). Expected lengths come from closed threads of the same step."""
+        if seq.program is None:
+            return True
+        tracker, bs = self.tracker, self.kv.block_size
+
+        def growth(s: Sequence) -> int:
+            est = tracker.expected_final(s.program.step) if s.program is not None else None
+            return 0 if est is None else max(0, int(est) - s.num_tokens + bs - 1) // bs
+
+        if tracker.expected_final(seq.program.step) is None:
+            return True
+        reserve = growth(seq) + self.kv.blocks_needed(seq, n)
+        for s in self.running:
+            reserve += growth(s)
+        for s in self.idle.values():
+            if s.program is not None and s.program.state is not ProgramState.FINISHED:
+                reserve += growth(s)
+        return self.kv.pool.num_free >= reserve
+
+    def _release_waiting_unstarved(self, keep: Sequence) -> bool:
+        for seq in reversed(self.waiting):
+            if seq is not keep and seq.block_table and not self._starved(seq):
+                self.kv.free(seq)
+                return True
+        return False
 
     @staticmethod
     def _plan_logit_rows(batch: SchedulerOutput) -> None:
@@ -215,6 +477,12 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # aborted or closed while the model ran
+            recomputed = self.kv.account_computed(seq, seq.num_computed_tokens, n)
+            run = self._run_id(seq)
+            if run is not None:
+                rec = self.tracker.run(run)
+                rec.service_tokens += n
+                rec.prefill_tokens_recomputed += recomputed
             seq.num_computed_tokens += n
             self.kv.register_full_blocks(seq)
             done.append((seq, n))

@@ -40,6 +40,12 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks of block_table already in the prefix cache
     status: SeqStatus = SeqStatus.IDLE
     persistent: bool = False  # an open handle: keeps its blocks between requests
+    # --- program-aware scheduling (engine/program.py) ---
+    program: Any = None  # ProgramContext | None: run, step, thread and state
+    max_computed_tokens: int = 0  # high-water mark of num_computed_tokens: below it, computing is recomputing
+    idle_since: float = 0.0  # when it last became idle (monotonic)
+    enqueued_at: float = 0.0  # when it last joined the waiting queue (monotonic)
+    enqueued_step: int = 0  # scheduler step at which it last joined the waiting queue
 
     # --- per-request sampling state (reset by Request.attach) ---
     request: "Request | None" = None
@@ -53,6 +59,8 @@ class Sequence:
     text: str = ""
     detok_prefix: int = 0
     detok_read: int = 0
+    matcher: Any = None  # structured outputs: this sample's llguidance matcher (None = unconstrained)
+    grammar_mask: torch.Tensor | None = None  # the matcher's next-token bitmask (int32 row), once computed
 
     @property
     def num_tokens(self) -> int:

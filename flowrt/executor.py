@@ -161,7 +161,7 @@ class RunObserver:
 def _message(e: BaseException) -> str:
     try:
         text = str(e)
-    except Exception as bad:  # an exception whose __str__ raises must not take the run down
+    except Exception as bad:  # noqa: BLE001 - an exception whose __str__ raises must not take the run down
         text = unrenderable(e, bad)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
@@ -288,7 +288,7 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
             continue
         try:
             resources[rname] = await provider.get_resource(rname)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - reported per resource, run continues
             resource_errors[rname] = f"{type(e).__name__}: {e}"
 
     restored = checkpoint.start(st, scope, resources.get("llm")) if checkpoint is not None else False
@@ -435,7 +435,7 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
                 halted = True
                 set_status(step.name, "interrupted")
                 emit(ev.Interrupted(e.step, e.payload, getattr(checkpoint, "run_id", None)))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - step failure is recorded, other steps go on
                 msg, tb = _format_exc(e)
                 n = getattr(e, "__flowrt_attempts__", 1)
                 item = getattr(e, "__flowrt_item__", None)
@@ -496,7 +496,7 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
                     observer.items[step.name] = (finished, len(items))
             except anyio.get_cancelled_exc_class():
                 raise
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - first item error kept, re-raised after
                 if not first_error:
                     if hasattr(e, "add_note") and not isinstance(e, Interrupt):
                         e.add_note(f"(item {i} of step {step.name!r}: {item!r:.200})")
@@ -586,7 +586,7 @@ def _stats(engine_fn: Callable[[], dict[str, Any]] | None, run: dict[str, Any]) 
     if engine_fn is not None:
         try:
             engine = dict(engine_fn())
-        except Exception:  # stats are informative: never fail a finished run over them
+        except Exception:  # noqa: BLE001 - stats are informative: never fail a finished run over them
             engine = {}
     flat_run = {k if k.startswith(("elapsed", "steps_")) else f"run_{k}": v for k, v in run.items()}
     return {**engine, **flat_run, "engine": engine, "run": run}

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 
 import anyio
 
+from .runscope import current_run_threads
 from .trace import current_step, current_tracer
 
 if TYPE_CHECKING:
@@ -124,9 +125,22 @@ class Model:
         return text
 
     # ------------------------------------------------------------------ engine calls (traced)
-    def open_sequence(self, token_ids: Iterable[int] = ()) -> SequenceHandle:
+    def open_sequence(self, token_ids: Iterable[int] = (), *, thread_id: Any = None) -> SequenceHandle:
         """A new engine sequence holding ``token_ids`` (nothing computed until a call runs on it)."""
-        return self.engine.open(token_ids)
+        program = self.program_context(thread_id)
+        return self.engine.open(token_ids) if program is None else self.engine.open(token_ids, program=program)
+
+    @staticmethod
+    def program_context(thread_id: Any = None) -> Any:
+        """What the engine's scheduler is told about a call (engine/program.py): the executing run, the
+        step (flowrt.trace.current_step) and the thread; None outside a workflow run."""
+        run = current_run_threads.get()
+        step = current_step.get()
+        if run is None and step is None:
+            return None
+        from .engine.program import ProgramContext
+
+        return ProgramContext(run_id=getattr(run, "run_id", None), step=step, thread_id=thread_id)
 
     def _span(self, kind: str, uncomputed: int) -> tuple[Tracer | None, Any]:
         tracer = current_tracer.get()
@@ -154,7 +168,7 @@ class Model:
                 raise RuntimeError(f"generation aborted: {reason}")
 
     async def run(self, seq: SequenceHandle, params: SamplingParams, *, kind: str = "gen",
-                  uncomputed: int = 0) -> RequestOutput:
+                  uncomputed: int = 0, thread_id: Any = None) -> RequestOutput:
         """Run one request on ``seq`` to completion (generated tokens are appended to it), traced as a
         span of ``kind`` ("gen", "select", "prefill", ...). ``uncomputed``: how many of ``seq``'s tokens
         have no KV yet (for the trace's token accounting). Cancellation aborts the engine request; an
@@ -162,7 +176,9 @@ class Model:
         rid = f"flowrt-{self._pid}-{next(_request_ids)}"
         tracer, span = self._span(kind, uncomputed)
         try:
-            out = await self.engine.generate(seq, params, request_id=rid)
+            program = self.program_context(thread_id)
+            out = await (self.engine.generate(seq, params, request_id=rid) if program is None
+                         else self.engine.generate(seq, params, request_id=rid, program=program))
         except BaseException as e:
             if isinstance(e, anyio.get_cancelled_exc_class()):
                 try:
@@ -178,14 +194,17 @@ class Model:
         return out
 
     async def stream(self, seq: SequenceHandle, params: SamplingParams, *, kind: str = "stream",
-                     uncomputed: int = 0) -> AsyncIterator[RequestOutput]:
+                     uncomputed: int = 0, thread_id: Any = None) -> AsyncIterator[RequestOutput]:
         """Like ``run``, yielding the engine's cumulative outputs as they come. Closing the iterator
         early aborts the engine request (the tokens generated so far stay in ``seq``)."""
         rid = f"flowrt-{self._pid}-{next(_request_ids)}"
         tracer, span = self._span(kind, uncomputed)
         out = None
         try:
-            async for out in self.engine.stream(seq, params, request_id=rid):
+            program = self.program_context(thread_id)
+            outs = (self.engine.stream(seq, params, request_id=rid) if program is None
+                    else self.engine.stream(seq, params, request_id=rid, program=program))
+            async for out in outs:
                 yield out
         except BaseException as e:
             if tracer is not None:

@@ -41,7 +41,7 @@ class RunThreads:
             if step is not None and opened_by is not None and (opened_by == step or opened_by.startswith(step + "[")):
                 try:
                     thread._hint_state("finished")
-                except Exception:
+                except Exception:  # noqa: BLE001 - best-effort hint
                     pass
 
     def close_all(self) -> None:
@@ -49,7 +49,7 @@ class RunThreads:
         for thread in list(self._threads):
             try:
                 thread.close()
-            except Exception:  # one thread's failure must not keep the others' blocks
+            except Exception:  # noqa: BLE001 - one thread's failure must not keep the others' blocks
                 pass
 
 

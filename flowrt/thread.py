@@ -54,6 +54,8 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 _DEFAULT_TEMPLATE_STOP = "<|im_end|>"
+# tool_choice="none" with tools in the prompt: any text without a "<tool_call>" (llguidance lexeme negation)
+_NO_TOOL_CALL_GRAMMAR = "start: TEXT\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/"
 
 
 class _Base:
@@ -741,13 +743,13 @@ class ChatThread(Thread):
 
         tool_specs = _specs(self.tools)
         sampling = dict(sampling)
+        user_constraint = any(sampling.get(k) is not None for k in ("json", "regex", "choice", "grammar"))
         if choice == "none":
-            if "sampling_params" not in sampling:
-                stop = sampling.get("stop")
-                stops = [stop] if isinstance(stop, str) else list(stop or [])
-                if self._fallback_template and not stops:
-                    stops.append(_DEFAULT_TEMPLATE_STOP)
-                sampling["stop"] = stops + [toolcalls.OPEN]
+            if not user_constraint and "sampling_params" not in sampling and "structured_outputs" not in sampling:
+                # Free text that never opens a call block (a stop string would leave the turn empty).
+                from .engine import StructuredOutputsParams
+
+                sampling["structured_outputs"] = StructuredOutputsParams(grammar=_NO_TOOL_CALL_GRAMMAR)
         elif "sampling_params" in sampling:
             raise ValueError("tool calls need sampling keywords, not sampling_params=")
         else:
@@ -757,15 +759,19 @@ class ChatThread(Thread):
                 sampling["structured_outputs"] = constraint
                 sampling.setdefault("max_tokens", 256)
         self._sync(add_generation_prompt=True)
-        await super().gen(**self._chat_params(sampling))
+        value = await super().gen(**self._chat_params(sampling))
         assert self.last_output is not None
         co = self.last_output.outputs[0]
         text = co.text
         if choice == "none":
             reply = AssistantReply(text, text, [])
+            if user_constraint and sampling.get("json") is not None:  # json= returns the parsed value
+                self.messages.append(assistant_message(reply))
+                self.model.counters["chat_turns"] += 1
+                return value
         else:
             content, calls = toolcalls.parse_tool_calls(text)
-            if choice != "auto" and (co.finish_reason == "length" or not calls):
+            if choice != "auto" and not calls:  # (parallel calls cut off after a complete one keep those)
                 from .structured import IncompleteOutputError
 
                 raise IncompleteOutputError(

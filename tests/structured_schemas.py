@@ -1,8 +1,8 @@
 """JSON schemas of varied shape for the structured-output tests and bench (bounded so a near-random model
 finishes them within a modest max_tokens)."""
 
-S = {"type": "string", "maxLength": 8}
-I = {"type": "integer", "minimum": 0, "maximum": 999}
+STR = {"type": "string", "maxLength": 8}
+INT = {"type": "integer", "minimum": 0, "maximum": 999}
 
 
 def obj(props: dict, required=None, **kw) -> dict:
@@ -11,30 +11,30 @@ def obj(props: dict, required=None, **kw) -> dict:
 
 
 SCHEMAS: list[dict] = [
-    obj({"name": S}),
-    obj({"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}}),
+    obj({"name": STR}),
+    obj({"name": STR, "age": {"type": "integer", "minimum": 0, "maximum": 120}}),
     obj({"ok": {"type": "boolean"}}),
     obj({"x": {"type": "number", "minimum": -10, "maximum": 10, "multipleOf": 0.5}}),
     obj({"color": {"enum": ["red", "green", "blue"]}}),
     obj({"n": {"type": "null"}, "b": {"type": "boolean"}}),
-    obj({"tags": {"type": "array", "items": S, "minItems": 1, "maxItems": 3}}),
-    obj({"v": {"type": "array", "items": I, "minItems": 2, "maxItems": 2}}),
-    obj({"user": obj({"id": I, "name": S})}),
+    obj({"tags": {"type": "array", "items": STR, "minItems": 1, "maxItems": 3}}),
+    obj({"v": {"type": "array", "items": INT, "minItems": 2, "maxItems": 2}}),
+    obj({"user": obj({"id": INT, "name": STR})}),
     obj({"a": obj({"b": obj({"c": {"type": "boolean"}})})}),
-    obj({"pts": {"type": "array", "items": obj({"x": I, "y": I}), "minItems": 1, "maxItems": 2}}),
+    obj({"pts": {"type": "array", "items": obj({"x": INT, "y": INT}), "minItems": 1, "maxItems": 2}}),
     obj({"id": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "string", "maxLength": 4}]}}),
-    obj({"shape": {"oneOf": [obj({"kind": {"const": "circle"}, "r": I}),
-                             obj({"kind": {"const": "square"}, "side": I})]}}),
+    obj({"shape": {"oneOf": [obj({"kind": {"const": "circle"}, "r": INT}),
+                             obj({"kind": {"const": "square"}, "side": INT})]}}),
     obj({"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}}),
     obj({"day": {"type": "string", "format": "date"}}),
     obj({"ip": {"type": "string", "format": "ipv4"}}),
     obj({"uid": {"type": "string", "format": "uuid"}}),
-    obj({"name": S, "nick": S}, required=["name"]),
-    obj({"a": I, "b": {"type": "boolean"}, "c": S}, required=["b"]),
+    obj({"name": STR, "nick": STR}, required=["name"]),
+    obj({"a": INT, "b": {"type": "boolean"}, "c": STR}, required=["b"]),
     obj({"score": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.25}}),
     obj({"level": {"type": "integer", "enum": [1, 2, 3]}}),
-    obj({"const": {"const": "fixed"}, "n": I}),
-    {"type": "array", "items": I, "minItems": 1, "maxItems": 4},
+    obj({"const": {"const": "fixed"}, "n": INT}),
+    {"type": "array", "items": INT, "minItems": 1, "maxItems": 4},
     {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 3, "maxItems": 3},
     {"type": "string", "maxLength": 10},
     {"type": "integer", "minimum": -50, "maximum": 50},
@@ -47,10 +47,10 @@ SCHEMAS: list[dict] = [
                                                                          "maximum": 9},
                                                "minItems": 2, "maxItems": 2}, "minItems": 2, "maxItems": 2}}),
     obj({"flag": {"type": "boolean"}, "count": {"type": "integer", "minimum": 1, "maximum": 5}}, required=["count"]),
-    obj({"name": {"type": "string", "minLength": 2, "maxLength": 5}, "email": {"type": "string",
-                                                                            "pattern": "^[a-z]{1,5}@[a-z]{1,5}\\.com$"}}),
+    obj({"name": {"type": "string", "minLength": 2, "maxLength": 5},
+         "email": {"type": "string", "pattern": "^[a-z]{1,5}@[a-z]{1,5}\\.com$"}}),
     obj({"val": {"anyOf": [{"type": "null"}, {"type": "boolean"}, {"enum": ["x", "y"]}]}}),
-    obj({"meta": {"type": "object", "properties": {"k": S}, "additionalProperties": False}}, required=[]),
+    obj({"meta": {"type": "object", "properties": {"k": STR}, "additionalProperties": False}}, required=[]),
     {"type": "object", "properties": {"p": {"$ref": "#/$defs/pt"}}, "required": ["p"], "additionalProperties": False,
-     "$defs": {"pt": obj({"x": I, "y": I})}},
+     "$defs": {"pt": obj({"x": INT, "y": INT})}},
 ]

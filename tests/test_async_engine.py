@@ -36,7 +36,8 @@ def test_concurrent_requests_match_sequential(engine):
 def test_streaming_is_cumulative_and_ends_finished(engine):
     async def main():
         snaps = []
-        async for out in engine.stream("Once upon a time", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)):
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        async for out in engine.stream("Once upon a time", params):
             snaps.append((list(out.outputs[0].token_ids), out.outputs[0].text, out.finished))
         return snaps
 
@@ -49,7 +50,8 @@ def test_streaming_is_cumulative_and_ends_finished(engine):
 
 def test_bad_request_is_rejected_alone(engine):
     async def main():
-        good = asyncio.create_task(engine.generate("Once upon a time", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))
+        good = asyncio.create_task(
+            engine.generate("Once upon a time", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))
         await asyncio.sleep(0.01)
         with pytest.raises(ValueError, match="empty"):
             await engine.generate("", SamplingParams(max_tokens=3))
@@ -101,8 +103,9 @@ def test_open_sequences_from_async_callers(engine):
         await engine.generate(seq, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
         n0 = len(seq)
         kids = seq.fork(4)
-        outs = await asyncio.gather(*(engine.generate(k, SamplingParams(max_tokens=6, temperature=1.0, seed=i, ignore_eos=True))
-                                      for i, k in enumerate(kids)))
+        outs = await asyncio.gather(
+            *(engine.generate(k, SamplingParams(max_tokens=6, temperature=1.0, seed=i, ignore_eos=True))
+              for i, k in enumerate(kids)))
         assert all(len(k) == n0 + 6 for k in kids) and len(seq) == n0
         assert all(k.token_ids[:n0] == seq.token_ids for k in kids)
         with pytest.raises(ValueError, match="n must be 1"):

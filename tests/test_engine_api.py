@@ -40,7 +40,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
 
 
 def test_per_prompt_params(llm):
-    outs = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=3, temperature=0), SamplingParams(max_tokens=7, temperature=0)])
+    outs = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=3, temperature=0),
+                                      SamplingParams(max_tokens=7, temperature=0)])
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 7]
 
 
@@ -80,7 +81,8 @@ def test_penalties_change_logits_as_specified():
 
 def test_repetition_penalty_reduces_repeats(llm):
     base = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=40, temperature=0))[0].outputs[0].token_ids
-    pen = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.8))[0].outputs[0].token_ids
+    pen_params = SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.8)
+    pen = llm.generate([PROMPTS[0]], pen_params)[0].outputs[0].token_ids
     assert len(set(pen)) / len(pen) > len(set(base)) / len(base)
 
 
@@ -104,7 +106,8 @@ def test_eos_stops_unless_ignored(llm):
     out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=400, temperature=0))[0].outputs[0]
     if out.finish_reason == "stop":
         assert out.token_ids[-1] == 2
-    ign = llm.generate(["Once upon a time"], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0].outputs[0]
+    ign = llm.generate(["Once upon a time"],
+                       SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0].outputs[0]
     assert ign.finish_reason == "length" and len(ign.token_ids) == 50
     mn = llm.generate(["Once upon a time"], SamplingParams(max_tokens=20, min_tokens=20, temperature=0,
                                                          stop_token_ids=[ign.token_ids[0]]))[0].outputs[0]
@@ -155,8 +158,8 @@ def test_prompt_larger_than_pool_is_rejected(stories_path):
     assert len(out.outputs[0].token_ids) == 30  # fits alone: never fails for lack of blocks
     # prompt + max_tokens beyond the whole pool is refused at submission (not silently cut short)
     steps = small.stats()["steps"]
-    with pytest.raises(ValueError, match=r"prompt 1 has 40 tokens and max_tokens=60: up to 99 tokens of KV, more than the KV "
-                                         r"cache holds \(4 blocks of 16 = 64 tokens\)"):
+    with pytest.raises(ValueError, match=r"prompt 1 has 40 tokens and max_tokens=60: up to 99 tokens of KV, "
+                                         r"more than the KV cache holds \(4 blocks of 16 = 64 tokens\)"):
         small.generate(["ok", {"prompt_token_ids": [1] * 40}], SamplingParams(max_tokens=60, ignore_eos=True))
     assert small.stats()["num_waiting"] == 0 and small.stats()["steps"] == steps
     # exactly the pool: 40 + 25 tokens hold 64 in the KV cache (the last sampled token is never fed back)

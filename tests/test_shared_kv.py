@@ -50,7 +50,8 @@ def test_common_prefix_computed_once(stories_path):
     ref = [hf_greedy(stories_path, p, 8) for p in prompts[:2]]
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=1, temperature=0))
     before = llm.stats()["prefill_tokens_computed"]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert tokens(outs)[:2] == ref
     computed = llm.stats()["prefill_tokens_computed"] - before
     own = sum(len(p) - 160 for p in prompts)
@@ -66,7 +67,8 @@ def test_many_requests_share_a_512_token_prefix_computed_once(stories_path):
     rng = random.Random(1)
     prefix = [1] + [rng.randrange(3, 512) for _ in range(447)]  # 448 = 28 blocks, leaves room in 512 context
     prompts = [prefix + [rng.randrange(3, 512) for _ in range(32)] for _ in range(16)]
-    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     s = llm.stats()
     # All 16 arrive in one step: the first computes the prefix; the rest share it as it is registered.
     assert s["prefill_tokens_computed"] < 448 + 16 * (32 + 16)
@@ -173,7 +175,8 @@ def test_idle_open_sequences_yield_blocks_before_preemption(stories_path):
             eng.step()
         idle.append(s)
     assert eng.stats()["kv_blocks_used"] == 12
-    req = eng.add_request({"prompt_token_ids": [1] + [99] * 40}, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    req = eng.add_request({"prompt_token_ids": [1] + [99] * 40},
+                          SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     while not req.finished:
         eng.step()
     assert eng.make_output(req).outputs[0].finish_reason == "length"
