@@ -203,7 +203,7 @@ def run_decode(K, dtype, t0, budget):
                 if splits > 1 else ms
             kc, vc = contiguous_kv(k_cache, bt, ctx), contiguous_kv(v_cache, bt, ctx)
             del k_cache, v_cache
-            ms_sd, e_sdpa, note = baseline(lambda: sdpa_fn(q[:, :, None], kc, vc, scale=scale),
+            ms_sd, e_sdpa, note = baseline(lambda: sdpa_fn(q[:, :, None], kc, vc, scale=scale),  # noqa: F821 - closure var, del'd only after last call
                                            lambda r: err(out, r[:, :, 0]))
             ok = verdict(f"decode {bsz}x{ctx}", finite_max(e_ref, e_sdpa), TOL[dtype])
             nbytes = 2 * bsz * ctx * HKV * D * esize
@@ -266,10 +266,10 @@ def run_prefill(K, dtype, t0, budget):
 
             def make():
                 if prefix == 0:
-                    return sdpa_fn(qc, kc, vc, scale=scale, is_causal=True)
+                    return sdpa_fn(qc, kc, vc, scale=scale, is_causal=True)  # noqa: F821 - closure var, del'd only after last call
                 from torch.nn.attention.bias import causal_lower_right
 
-                return sdpa_fn(qc, kc, vc, scale=scale, attn_mask=causal_lower_right(qlen, ctx))
+                return sdpa_fn(qc, kc, vc, scale=scale, attn_mask=causal_lower_right(qlen, ctx))  # noqa: F821 - closure var, del'd only after last call
 
             ms_sd, e_sdpa, note = baseline(make, lambda r: err(out.view(bsz, qlen, H, D), r.transpose(1, 2)))
             ok = verdict(f"prefill {bsz}x{qlen}+{prefix}", finite_max(e_ref, e_sdpa), TOL[dtype])
@@ -332,7 +332,7 @@ def run_cache_ops(K, dtype, t0, budget):
         ok = torch.equal(kc, kc2) and torch.equal(vc, vc2)
         if not ok:
             FAILURES.append("write_kv mismatch")
-        ms = bench_ms(lambda: K.write_kv(key, val, kc, vc, slots))
+        ms = bench_ms(lambda: K.write_kv(key, val, kc, vc, slots))  # noqa: F821 - closure var, del'd only after last call
         nbytes = 2 * 2 * t * HKV * D * esize
         print(f"write_kv  T={t}: {ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s (read+write)  "
               f"{'ok' if ok else 'FAIL'}")
@@ -352,8 +352,8 @@ def run_cache_ops(K, dtype, t0, budget):
             if not good:
                 FAILURES.append(f"{name} mismatch")
         nbytes = 2 * layers * 2 * pairs * BS * HKV * D * esize
-        ms1 = bench_ms(lambda: K.copy_blocks_stacked(kv, src, dst))
-        ms2 = bench_ms(lambda: K.copy_blocks([kv[i, 0] for i in range(layers)], [kv[i, 1] for i in range(layers)],
+        ms1 = bench_ms(lambda: K.copy_blocks_stacked(kv, src, dst))  # noqa: F821 - closure var, del'd only after last call
+        ms2 = bench_ms(lambda: K.copy_blocks([kv[i, 0] for i in range(layers)], [kv[i, 1] for i in range(layers)],  # noqa: F821 - closure var, del'd only after last call
                                              src2, dst2))
         print(f"copy_blocks_stacked {layers} layers x {pairs} pairs: {ms1 * 1e3:.1f} us, {nbytes / ms1 / 1e6:.0f} GB/s"
               f"  {'ok' if ok1 else 'FAIL'}")

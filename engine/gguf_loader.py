@@ -746,7 +746,7 @@ def load_gguf(path: PathLike, dtype: Union[torch.dtype, str, None] = torch.float
             scratch = torch.empty(max((i.nbytes for i in header.tensors.values()), default=0), dtype=torch.uint8)
 
             def raw(info: GGUFTensorInfo) -> torch.Tensor:
-                return _read_into(f, info, scratch[:info.nbytes], header.path)
+                return _read_into(f, info, scratch[:info.nbytes], header.path)  # noqa: F821 - closure var, del'd only after last call
 
             rope_freqs = None
             if "rope_freqs.weight" in header.tensors:

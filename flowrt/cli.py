@@ -121,7 +121,7 @@ def _field_comments() -> dict[str, str]:
                 if text:
                     out[node.target.id] = text
         return out
-    except Exception:  # source unavailable (zipped install, ...): help without the comments
+    except Exception:  # noqa: BLE001 - source unavailable (zipped install, ...): help without the comments
         return {}
 
 
@@ -299,7 +299,7 @@ def _print_result_human(result: Any, show_tb: bool) -> None:
         label = Text(name, style="bold") + Text(" (result):" if name in sinks else ":")
         try:  # step results are shown as text, never parsed as rich markup
             out.print(label, Text(printable(value)) if isinstance(value, str) else Pretty(value))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any value's rendering error is shown, not fatal
             out.print(label, Text(unrenderable(value, e)))
     for name, e in result.errors.items():
         style = "magenta" if e.kind == "skipped" else "bold red"
@@ -330,7 +330,7 @@ class _StderrHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             print(self.format(record), file=sys.stderr)
-        except Exception:
+        except Exception:  # noqa: BLE001 - logging handler contract: handleError
             self.handleError(record)
 
 

@@ -115,7 +115,7 @@ class EventSink:
     def __call__(self, event: Event) -> None:
         try:
             self.fn(event)
-        except Exception:  # a listener's failure must not fail the run
+        except Exception:  # noqa: BLE001 - a listener's failure must not fail the run
             pass
 
 

@@ -33,7 +33,7 @@ def _cached_adapter(ann: Any) -> TypeAdapter | None:
 def _build_adapter(ann: Any) -> TypeAdapter | None:
     try:
         return TypeAdapter(ann)
-    except Exception:  # a type pydantic cannot describe (an arbitrary class, ...): left unchecked
+    except Exception:  # noqa: BLE001 - a type pydantic cannot describe (an arbitrary class, ...): left unchecked
         return None
 
 

@@ -44,7 +44,7 @@ class ProgressDisplay:
     def _stats(self) -> dict[str, Any]:
         try:
             return self.stats_fn() or {}
-        except Exception:
+        except Exception:  # noqa: BLE001 - stats are best-effort display
             return {}
 
     def render(self) -> Any:

@@ -18,7 +18,7 @@ def unrenderable(v: Any, error: BaseException | str) -> str:
     if isinstance(error, BaseException):
         try:
             reason = str(error) or type(error).__name__
-        except Exception:
+        except Exception:  # noqa: BLE001 - rendering must never raise
             reason = type(error).__name__
     else:
         reason = error
@@ -29,7 +29,7 @@ def safe_repr(v: Any) -> str:
     """``repr(v)``, or the placeholder when that raises."""
     try:
         return repr(v)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - rendering must never raise
         return unrenderable(v, e)
 
 
@@ -47,7 +47,7 @@ def to_jsonable(v: Any, _depth: int = 0) -> Any:
     becomes its ``str``). Never raises: what cannot be rendered becomes ``unrenderable(...)``."""
     try:
         return _convert(v, _depth)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - rendering must never raise
         return unrenderable(v, e)
 
 
@@ -71,14 +71,14 @@ def _convert(v: Any, depth: int) -> Any:
     if hasattr(v, "model_dump") and callable(v.model_dump):
         try:
             return to_jsonable(v.model_dump(), depth + 1)
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort, falls back to str()
             pass
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         return to_jsonable({f.name: getattr(v, f.name) for f in dataclasses.fields(v)}, depth + 1)
     if hasattr(v, "tolist"):
         try:
             return to_jsonable(v.tolist(), depth + 1)
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort, falls back to str()
             pass
     return printable(str(v))
 
@@ -86,5 +86,5 @@ def _convert(v: Any, depth: int) -> Any:
 def _key(k: Any) -> str:
     try:
         return printable(k if isinstance(k, str) else str(k))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - rendering must never raise
         return unrenderable(k, e)

@@ -73,7 +73,7 @@ def match_resource(param_name: str, annotation: Any) -> str | None:
         try:
             if kind.matches(ann):
                 return kind.name
-        except Exception:  # a predicate must never break workflow definition
+        except Exception:  # noqa: BLE001 - a predicate must never break workflow definition
             continue
     return None
 

@@ -89,7 +89,7 @@ class Tracer:
         if span.cat == "llm" and self.stats_fn is not None:
             try:
                 st = self.stats_fn()
-            except Exception:
+            except Exception:  # noqa: BLE001 - stats are best-effort
                 st = None
             if st:
                 with self._lock:

@@ -34,11 +34,11 @@ async def run_sync_abandonable(fn: Callable[[], T], name: str = "flowrt sync ste
     def target() -> None:
         try:
             box["value"] = ctx.run(fn)
-        except BaseException as e:  # handed to the caller, who re-raises it
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, who re-raises it
             box["error"] = e
         try:
             anyio.from_thread.run_sync(done.set, token=token)
-        except Exception:  # abandoned and the event loop is gone: nobody waits for the result
+        except Exception:  # noqa: BLE001 - abandoned and the event loop is gone: nobody waits for the result
             pass
 
     async with anyio.to_thread.current_default_thread_limiter():

@@ -88,14 +88,14 @@ def _resolved_hints(fn: Callable[..., Any]) -> dict[str, Any]:
     target = inspect.unwrap(fn)
     try:
         return typing.get_type_hints(target)
-    except Exception:
+    except Exception:  # noqa: BLE001 - unresolvable hints: fall back to none
         return {}
 
 
 def _is_async_callable(fn: Callable[..., Any]) -> bool:
     if inspect.iscoroutinefunction(fn):
         return True
-    call = getattr(fn, "__call__", None)
+    call = fn.__call__ if callable(fn) else None
     return call is not None and inspect.iscoroutinefunction(call)
 
 

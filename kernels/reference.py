@@ -122,7 +122,8 @@ def copy_blocks_ref(k_caches, v_caches, src, dst) -> None:
 
 def copy_blocks_stacked_ref(kv, src, dst) -> None:
     """Same as :func:`copy_blocks_ref` on one tensor holding every layer:
-    ``[num_layers, 2, num_blocks, block_size, Hkv, D]`` (any number of leading dims before the block dim, which is ``kv.dim() - 4``)."""
+    ``[num_layers, 2, num_blocks, block_size, Hkv, D]`` (any number of leading dims before the block dim,
+    which is ``kv.dim() - 4``)."""
     src = torch.as_tensor(src, dtype=torch.long).to(kv.device)
     dst = torch.as_tensor(dst, dtype=torch.long).to(kv.device)
     lead = kv.dim() - 4

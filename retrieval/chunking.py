@@ -103,7 +103,9 @@ class Section:
     end: int
 
 
-def split_sections(text: str, *, markdown: bool = True, title: str = "") -> tuple[str, list[Section], list[tuple[int, int]]]:
+def split_sections(
+    text: str, *, markdown: bool = True, title: str = ""
+) -> tuple[str, list[Section], list[tuple[int, int]]]:
     """Split a document into heading sections.
 
     Returns (title, sections, fenced code spans). The title is the first level-1 heading, else ``title``.
@@ -122,7 +124,8 @@ def split_sections(text: str, *, markdown: bool = True, title: str = "") -> tupl
             continue
         m = _FENCE.match(line)
         if fence_open is not None:
-            if m and m.group(1)[0] == fence_open[0][0] and len(m.group(1)) >= len(fence_open[0]) and not line.strip()[len(m.group(1)):].strip():
+            if (m and m.group(1)[0] == fence_open[0][0] and len(m.group(1)) >= len(fence_open[0])
+                    and not line.strip()[len(m.group(1)):].strip()):
                 fences.append((fence_open[1], pos))
                 fence_open = None
             continue
@@ -191,7 +194,8 @@ class Chunker:
             heading = sec.heading or title
             for a, b in self._split_span(text, sec.start, sec.end, fences):
                 chunks.append(
-                    Chunk(text=text[a:b], source=doc.source, position=len(chunks), heading=heading, title=title, start=a, end=b)
+                    Chunk(text=text[a:b], source=doc.source, position=len(chunks), heading=heading, title=title,
+                          start=a, end=b)
                 )
         return chunks
 

@@ -29,15 +29,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.set_defaults(func=lambda args: (p.print_help(sys.stderr), 2)[1])
 
     b = sub.add_parser("build", help="chunk, embed and index a directory of documents",
-                       description="Chunk, embed and index every *.md, *.markdown, *.txt and *.rst file under DOCS_DIR.")
+                       description="Chunk, embed and index every *.md, *.markdown, *.txt and *.rst file "
+                                   "under DOCS_DIR.")
     b.add_argument("docs_dir", metavar="DOCS_DIR")
     b.add_argument("-o", "--output", required=True, metavar="INDEX_DIR", help="where to write the index (a directory)")
     b.add_argument("--chunk-tokens", type=int, default=192, metavar="N", help="maximum tokens per chunk (default 192)")
-    b.add_argument("--overlap", type=int, default=32, metavar="M", help="tokens shared by consecutive chunks (default 32)")
+    b.add_argument("--overlap", type=int, default=32, metavar="M",
+                   help="tokens shared by consecutive chunks (default 32)")
     b.add_argument("--kind", default="auto", choices=["auto", "flat", "ivf", "hnsw"],
-                   help="flat: exact; ivf / hnsw: approximate, for large corpora; auto: flat below 100k chunks, else hnsw")
+                   help="flat: exact; ivf / hnsw: approximate, for large corpora; "
+                        "auto: flat below 100k chunks, else hnsw")
     b.add_argument("--embedder", metavar="PATH", default=None,
-                   help="local sentence-transformers / Hugging Face encoder directory (default: bundled all-MiniLM-L6-v2)")
+                   help="local sentence-transformers / Hugging Face encoder directory "
+                        "(default: bundled all-MiniLM-L6-v2)")
     b.add_argument("--nlist", type=int, default=None, help="IVF partitions (default about 4*sqrt(chunks))")
     b.add_argument("--nprobe", type=int, default=None, help="IVF partitions searched per query")
     b.add_argument("--hnsw-m", type=int, default=None, help="HNSW graph degree (default 32)")
@@ -161,7 +165,8 @@ def cmd_delete(args) -> int:
     with Retriever.updating(args.index_dir, timeout=args.lock_timeout) as r:
         n = r.delete(args.sources)
         r.save()
-    print(f"removed {len(args.sources)} documents ({n} chunks) -> {r.path} ({len(r.sources)} documents left)", file=sys.stderr)
+    print(f"removed {len(args.sources)} documents ({n} chunks) -> {r.path} ({len(r.sources)} documents left)",
+          file=sys.stderr)
     return 0
 
 
@@ -170,12 +175,13 @@ def cmd_query(args) -> int:
     from .retriever import Retriever
 
     r = Retriever.load(args.index_dir, nprobe=args.nprobe, ef_search=args.ef_search)
-    r.embedder.model  # load the model before timing the search
+    _ = r.embedder.model  # load the model before timing the search
     t0 = time.perf_counter()
     hits = r.search_sync(args.question, k=args.k)
     ms = (time.perf_counter() - t0) * 1e3
     if args.json:
-        print(json.dumps({"query": args.question, "k": args.k, "results": [c.to_dict() for c in hits]}, ensure_ascii=False))
+        result = {"query": args.question, "k": args.k, "results": [c.to_dict() for c in hits]}
+        print(json.dumps(result, ensure_ascii=False))
         return 0
     _print_hits(args.question, hits, ms)
     return 0
@@ -193,8 +199,8 @@ def _print_hits(question: str, hits, ms: float) -> None:
     con = Console()
     con.print(f"[bold]{escape(question)}[/]  ({len(hits)} results, {ms:.0f} ms)")
     for rank, c in enumerate(hits, 1):
-        con.print(Panel(escape(c.text.strip()), title=escape(f"{rank}. [{c.source}] {c.heading}"), subtitle=f"score {c.score:.3f}",
-                        title_align="left", subtitle_align="right"))
+        con.print(Panel(escape(c.text.strip()), title=escape(f"{rank}. [{c.source}] {c.heading}"),
+                        subtitle=f"score {c.score:.3f}", title_align="left", subtitle_align="right"))
 
 
 @_guard

@@ -76,7 +76,7 @@ def _quiet_hf() -> Iterator[None]:
     """Silence transformers' weight-loading progress bar while a model loads (restored afterwards)."""
     try:
         from transformers.utils import logging as hf_logging
-    except Exception:  # pragma: no cover
+    except Exception:  # pragma: no cover  # noqa: BLE001 - optional import probe
         yield
         return
     was_enabled = hf_logging.is_progress_bar_enabled()
@@ -147,7 +147,9 @@ class Embedder:
     def tokenizer(self):
         return self.model.tokenizer
 
-    def encode(self, texts: Sequence[str] | str, *, progress: bool | None = None, description: str = "embedding") -> np.ndarray:
+    def encode(
+        self, texts: Sequence[str] | str, *, progress: bool | None = None, description: str = "embedding"
+    ) -> np.ndarray:
         """Embed texts: a float32 array [len(texts), dim] of unit vectors (one vector for a single string).
 
         ``progress``: show a progress bar on stderr (None: only for more than 512 texts on a terminal).

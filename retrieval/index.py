@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -195,10 +195,10 @@ class VectorIndex:
             params = faiss.SearchParametersHNSW(efSearch=k)
         with self._lock:
             if params is None:
-                D, I = self._index.search(q, k)
+                scores, ids = self._index.search(q, k)
             else:
-                D, I = self._index.search(q, k, params=params)
-        return D, I
+                scores, ids = self._index.search(q, k, params=params)
+        return scores, ids
 
     # ------------------------------------------------------------------ serialization
     def write(self, path: str) -> None:

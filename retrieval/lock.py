@@ -86,7 +86,8 @@ class IndexLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except FileNotFoundError:
-                raise IndexNotFoundError(f"no index at {self.index_dir}: the directory {self.path.parent} does not exist") from None
+                raise IndexNotFoundError(
+                    f"no index at {self.index_dir}: the directory {self.path.parent} does not exist") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -83,7 +83,8 @@ class AddReport:
         """One line per document: what happened to it, its source id, and the file it came from."""
         rows = [(what, s) for what, names in (("added", self.added), ("replaced", self.replaced),
                                               ("unchanged", self.unchanged)) for s in names]
-        return [f"{what:<9}  {s}" + (f"  <- {self.origins[s]}" if s in self.origins else "") for what, s in sorted(rows, key=lambda r: r[1])]
+        return [f"{what:<9}  {s}" + (f"  <- {self.origins[s]}" if s in self.origins else "")
+                for what, s in sorted(rows, key=lambda r: r[1])]
 
     def __str__(self) -> str:
         return (
@@ -147,7 +148,7 @@ class Retriever:
         self._embedder_spec = embedder
         self._embedder = embedder if (embedder is not None and not isinstance(embedder, (str, os.PathLike))) else None
         self.embedder_name: str = (
-            getattr(self._embedder, "name") if self._embedder is not None else canonical_embedder_name(embedder)
+            self._embedder.name if self._embedder is not None else canonical_embedder_name(embedder)
         )
         self.chunking = chunking or ChunkingConfig()
         self._params = params or IndexParams(kind="auto")
@@ -228,7 +229,8 @@ class Retriever:
         """The embedder (loaded on first use; the model is shared per process)."""
         if self._embedder is None:
             try:
-                self._embedder = get_embedder(self._embedder_spec if self._embedder_spec is not None else self.embedder_name)
+                spec = self._embedder_spec if self._embedder_spec is not None else self.embedder_name
+                self._embedder = get_embedder(spec)
             except EmbedderNotFoundError as e:
                 where = f"the index at {self.path}" if self.path else "this index"
                 raise EmbedderNotFoundError(
@@ -238,7 +240,8 @@ class Retriever:
             if self._dim is not None and self._embedder.dim != self._dim:
                 raise DimensionMismatchError(
                     f"the embedder {self._embedder.name!r} makes {self._embedder.dim}-dimensional vectors but "
-                    f"{'the index at ' + str(self.path) if self.path else 'this index'} holds {self._dim}-dimensional ones"
+                    f"{'the index at ' + str(self.path) if self.path else 'this index'} "
+                    f"holds {self._dim}-dimensional ones"
                 )
         return self._embedder
 
@@ -252,7 +255,8 @@ class Retriever:
         vecs = np.asarray(self.embedder.encode(list(texts), progress=progress), dtype=np.float32)
         if vecs.ndim != 2 or vecs.shape[1] != self.dim:
             raise DimensionMismatchError(
-                f"the embedder {self.embedder_name!r} returned vectors of shape {vecs.shape}; the index expects dimension {self.dim}"
+                f"the embedder {self.embedder_name!r} returned vectors of shape {vecs.shape}; "
+                f"the index expects dimension {self.dim}"
             )
         return vecs
 
@@ -292,15 +296,18 @@ class Retriever:
             docs = read_documents(list(paths), root=self.root, prefix=source_prefix, known=known)
             return self.add_documents(docs, replace=replace, progress=progress)
 
-    def add_texts(self, texts: Sequence[str], sources: Sequence[str] | None = None, *, progress: bool | None = None) -> AddReport:
+    def add_texts(self, texts: Sequence[str], sources: Sequence[str] | None = None, *,
+                  progress: bool | None = None) -> AddReport:
         """Add raw texts as documents (sources default to ``text-<i>``)."""
         sources = list(sources) if sources is not None else [f"text-{i}" for i in range(len(texts))]
         if len(sources) != len(texts):
             raise ValueError(f"{len(texts)} texts but {len(sources)} sources")
         return self.add_documents([Document(source=s, text=t) for s, t in zip(sources, texts)], progress=progress)
 
-    def add_documents(self, documents: Iterable[Document], *, replace: bool = False, progress: bool | None = None) -> AddReport:
-        """Add Documents by source id; one whose ``path`` differs from the indexed one's is refused unless ``replace``."""
+    def add_documents(self, documents: Iterable[Document], *, replace: bool = False,
+                      progress: bool | None = None) -> AddReport:
+        """Add Documents by source id; one whose ``path`` differs from the indexed one's is refused unless
+        ``replace``."""
         t0 = time.perf_counter()
         report = AddReport()
         documents = list(documents)
@@ -348,7 +355,8 @@ class Retriever:
             self._vindex.add(vecs, np.array([c.id for c in new_chunks], dtype=np.int64))
             for d, digest, cs in per_doc:
                 origin = str(d.path) if d.path is not None else None
-                self._docs[d.source] = {"sha256": digest, "ids": [c.id for c in cs], "title": cs[0].title if cs else "", "origin": origin}
+                self._docs[d.source] = {"sha256": digest, "ids": [c.id for c in cs],
+                                        "title": cs[0].title if cs else "", "origin": origin}
                 for c in cs:
                     self._chunks[c.id] = c
             self._next_id += len(new_chunks)
@@ -410,7 +418,8 @@ class Retriever:
         """The ``k`` chunks most similar to ``query``, best first, each with ``.score`` (cosine similarity)."""
         return self.search_many_sync([query], k, **kw)[0]
 
-    def search_many_sync(self, queries: Sequence[str], k: int = 4, *, nprobe: int | None = None, ef_search: int | None = None) -> list[list[Chunk]]:
+    def search_many_sync(self, queries: Sequence[str], k: int = 4, *, nprobe: int | None = None,
+                         ef_search: int | None = None) -> list[list[Chunk]]:
         if isinstance(queries, str):
             raise TypeError("search_many_sync takes a list of queries; use search_sync for one")
         if not isinstance(k, int) or k < 1:
@@ -422,10 +431,11 @@ class Retriever:
             return [[] for _ in queries]
         qv = self._embed(list(queries))
         with self._lock:
-            D, I = self._vindex.search(qv, k, nprobe=nprobe, ef_search=ef_search)
+            scores, ids = self._vindex.search(qv, k, nprobe=nprobe, ef_search=ef_search)
             return [
-                [self._chunks[int(i)].with_score(float(s)) for s, i in zip(ds, is_) if i >= 0 and int(i) in self._chunks]
-                for ds, is_ in zip(D, I)
+                [self._chunks[int(i)].with_score(float(s))
+                 for s, i in zip(ds, is_) if i >= 0 and int(i) in self._chunks]
+                for ds, is_ in zip(scores, ids)
             ]
 
     async def search(self, query: str, k: int = 4, **kw) -> list[Chunk]:
@@ -446,7 +456,8 @@ class Retriever:
             "format_version": FORMAT_VERSION,
             "embedder": {"name": self.embedder_name, "dim": self._dim},
             "chunking": self.chunking.to_dict(),
-            "index": {**(self._vindex.params if self._vindex else self._params).to_dict(), "ntotal": len(self._vindex or ())},
+            "index": {**(self._vindex.params if self._vindex else self._params).to_dict(),
+                      "ntotal": len(self._vindex or ())},
             "documents": len(self._docs),
             "chunks": len(self._chunks),
             "generation": self.generation,
@@ -455,7 +466,8 @@ class Retriever:
 
     def __repr__(self) -> str:
         where = f" at {self.path}" if self.path else ""
-        return f"<Retriever{where}: {len(self._docs)} documents, {len(self._chunks)} chunks, {self.kind}, {self.embedder_name}>"
+        return (f"<Retriever{where}: {len(self._docs)} documents, {len(self._chunks)} chunks, {self.kind}, "
+                f"{self.embedder_name}>")
 
     # ================================================================== persistence
     def save(self, path: str | os.PathLike | None = None, *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> Path:
@@ -511,7 +523,8 @@ class Retriever:
 
     @classmethod
     @contextmanager
-    def updating(cls, path: str | os.PathLike, *, timeout: float = DEFAULT_LOCK_TIMEOUT, **load_kw) -> Iterator["Retriever"]:
+    def updating(cls, path: str | os.PathLike, *, timeout: float = DEFAULT_LOCK_TIMEOUT,
+                 **load_kw) -> Iterator["Retriever"]:
         """Hold the index's writer lock, load the committed index, yield it; ``save()`` inside commits the change.
 
         Every read-modify-write of an index shared between processes goes through this, so that no writer
@@ -578,7 +591,8 @@ class Retriever:
         """
         p = Path(path)
         if not p.exists():
-            raise IndexNotFoundError(f"no index at {p}: the directory does not exist (build one with `flowrt index build DOCS_DIR -o {p}`)")
+            raise IndexNotFoundError(f"no index at {p}: the directory does not exist "
+                                     f"(build one with `flowrt index build DOCS_DIR -o {p}`)")
         if not p.is_dir():
             raise IndexNotFoundError(f"{p} is a file; an index is a directory holding {MANIFEST}")
         for attempt in range(_LOAD_TRIES):
@@ -591,34 +605,41 @@ class Retriever:
         raise AssertionError("unreachable")  # pragma: no cover
 
     @classmethod
-    def _load_once(cls, p: Path, raw: bytes | None, *, embedder, verify: bool, nprobe: int | None, ef_search: int | None) -> "Retriever":
+    def _load_once(cls, p: Path, raw: bytes | None, *, embedder, verify: bool, nprobe: int | None,
+                   ef_search: int | None) -> "Retriever":
         mpath = p / MANIFEST
         if raw is None:
-            raise IndexNotFoundError(f"{p} is not a flowrt index: {MANIFEST} is missing (build one with `flowrt index build DOCS_DIR -o {p}`)")
+            raise IndexNotFoundError(f"{p} is not a flowrt index: {MANIFEST} is missing "
+                                     f"(build one with `flowrt index build DOCS_DIR -o {p}`)")
         try:
             m = json.loads(raw.decode("utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
             raise IndexCorruptError(f"{mpath} is corrupt or truncated (not valid JSON: {e}); rebuild the index") from e
         if not isinstance(m, dict) or m.get("format") != FORMAT:
-            raise IndexCorruptError(f"{mpath} is not a flowrt index manifest (format is {m.get('format') if isinstance(m, dict) else None!r}, expected {FORMAT!r})")
+            found = m.get("format") if isinstance(m, dict) else None
+            raise IndexCorruptError(
+                f"{mpath} is not a flowrt index manifest (format is {found!r}, expected {FORMAT!r})")
         ver = m.get("format_version")
         if not isinstance(ver, int) or ver < 1:
             raise IndexCorruptError(f"{mpath} has an invalid format_version {ver!r}")
         if ver > FORMAT_VERSION:
             raise IndexVersionError(
                 f"the index at {p} uses format version {ver}, written by {m.get('created_by') or 'a newer flowrt'}; "
-                f"this flowrt ({_flowrt_version()}) reads format versions up to {FORMAT_VERSION}. Upgrade flowrt or rebuild the index"
+                f"this flowrt ({_flowrt_version()}) reads format versions up to {FORMAT_VERSION}. "
+                "Upgrade flowrt or rebuild the index"
             )
         try:
             emb_name = str(m["embedder"]["name"])
             dim = int(m["embedder"]["dim"])
-            chunking = ChunkingConfig(chunk_tokens=int(m["chunking"]["chunk_tokens"]), overlap=int(m["chunking"]["overlap"]))
+            chunking = ChunkingConfig(chunk_tokens=int(m["chunking"]["chunk_tokens"]),
+                                      overlap=int(m["chunking"]["overlap"]))
             params = IndexParams.from_dict(m["index"])
             files = {k: m["files"][k] for k in ("index", "chunks", "documents")}
             for f in files.values():
                 f["name"], f["bytes"], f["sha256"]  # noqa: B018
         except (KeyError, TypeError, ValueError) as e:
-            raise IndexCorruptError(f"{mpath} is missing or has a bad field ({type(e).__name__}: {e}); rebuild the index") from e
+            raise IndexCorruptError(
+                f"{mpath} is missing or has a bad field ({type(e).__name__}: {e}); rebuild the index") from e
         if dim < 1:
             raise IndexCorruptError(f"{mpath} records an invalid embedding dimension {dim}")
 
@@ -628,11 +649,13 @@ class Retriever:
             if name != emb_name:
                 raise EmbedderMismatchError(
                     f"the index at {p} was built with the embedder {emb_name!r}, not {name!r}: its vectors are not "
-                    "comparable with that model's. Query it with the same embedder, or rebuild the index with the new one"
+                    "comparable with that model's. Query it with the same embedder, "
+                    "or rebuild the index with the new one"
                 )
             edim = getattr(embedder, "dim", None) if not isinstance(embedder, (str, os.PathLike)) else None
             if edim is not None and int(edim) != dim:
-                raise DimensionMismatchError(f"the embedder {name!r} makes {edim}-dimensional vectors but the index at {p} holds {dim}-dimensional ones")
+                raise DimensionMismatchError(f"the embedder {name!r} makes {edim}-dimensional vectors "
+                                             f"but the index at {p} holds {dim}-dimensional ones")
 
         # Files: present, complete, intact.
         for key, f in files.items():
@@ -641,11 +664,14 @@ class Retriever:
                 size = fp.stat().st_size
                 if size != f["bytes"]:
                     what = "truncated" if size < f["bytes"] else "larger than recorded"
-                    raise IndexCorruptError(f"{fp} is {what}: {size} bytes, the manifest records {f['bytes']}; rebuild the index")
+                    raise IndexCorruptError(
+                        f"{fp} is {what}: {size} bytes, the manifest records {f['bytes']}; rebuild the index")
                 if verify and _sha256_file(fp) != f["sha256"]:
-                    raise IndexCorruptError(f"{fp} is corrupt: its sha256 does not match the manifest; rebuild the index")
+                    raise IndexCorruptError(
+                        f"{fp} is corrupt: its sha256 does not match the manifest; rebuild the index")
             except OSError as e:
-                raise IndexCorruptError(f"the index at {p} is incomplete: {f['name']} ({key}) is missing ({e.strerror}); rebuild the index") from e
+                raise IndexCorruptError(f"the index at {p} is incomplete: {f['name']} ({key}) is missing "
+                                        f"({e.strerror}); rebuild the index") from e
 
         if nprobe is not None:
             params.nprobe = int(nprobe)
@@ -654,19 +680,22 @@ class Retriever:
         try:
             vindex = VectorIndex.read(str(p / files["index"]["name"]), params)
         except Exception as e:
-            raise IndexCorruptError(f"{p / files['index']['name']} is not a readable FAISS index ({e}); rebuild the index") from e
+            raise IndexCorruptError(
+                f"{p / files['index']['name']} is not a readable FAISS index ({e}); rebuild the index") from e
         if vindex.dim != dim:
             raise DimensionMismatchError(
-                f"the index at {p} is inconsistent: its FAISS index has dimension {vindex.dim} but the manifest records "
-                f"{dim} for the embedder {emb_name!r}; rebuild the index"
+                f"the index at {p} is inconsistent: its FAISS index has dimension {vindex.dim} "
+                f"but the manifest records {dim} for the embedder {emb_name!r}; rebuild the index"
             )
         try:
-            chunks = [Chunk.from_dict(json.loads(line)) for line in (p / files["chunks"]["name"]).read_text(encoding="utf-8").splitlines() if line.strip()]
+            lines = (p / files["chunks"]["name"]).read_text(encoding="utf-8").splitlines()
+            chunks = [Chunk.from_dict(json.loads(line)) for line in lines if line.strip()]
             docs = json.loads((p / files["documents"]["name"]).read_text(encoding="utf-8"))
             if not isinstance(docs, dict):
                 raise ValueError("documents is not a JSON object")
         except (ValueError, TypeError, UnicodeDecodeError, OSError) as e:
-            raise IndexCorruptError(f"the document store of the index at {p} cannot be read ({e}); rebuild the index") from e
+            raise IndexCorruptError(
+                f"the document store of the index at {p} cannot be read ({e}); rebuild the index") from e
         if vindex.ntotal != len(chunks) or sum(len(d["ids"]) for d in docs.values()) != len(chunks):
             raise IndexCorruptError(
                 f"the index at {p} is inconsistent: {vindex.ntotal} vectors, {len(chunks)} stored chunks, "
@@ -738,5 +767,5 @@ def _flowrt_version() -> str:
         from importlib.metadata import version
 
         return f"flowrt {version('flowrt')}"
-    except Exception:  # pragma: no cover
+    except ImportError:  # pragma: no cover - PackageNotFoundError: not installed as a distribution
         return "flowrt"

@@ -34,7 +34,8 @@ def check_prefix(prefix: str | None) -> str | None:
     p = prefix.strip("/")
     parts = PurePosixPath(p).parts
     if not p or "\\" in p or any(s in (".", "..") for s in parts) or p != "/".join(parts):
-        raise ValueError(f"source prefix {prefix!r} must be a relative path like 'teamA' or 'docs/v2' (no '.', '..' or backslashes)")
+        raise ValueError(f"source prefix {prefix!r} must be a relative path like 'teamA' or 'docs/v2' "
+                         "(no '.', '..' or backslashes)")
     return p
 
 
@@ -69,7 +70,8 @@ def read_documents(
     root_p = Path(root).resolve() if root else None
     args = [Path(p) for p in paths]
     files = [f for a in args for f in _files(a, suffixes)]
-    outside = [_abs(a) if a.is_dir() else _abs(a).parent for a in args if root_p is None or not _abs(a).is_relative_to(root_p)]
+    outside = [_abs(a) if a.is_dir() else _abs(a).parent
+               for a in args if root_p is None or not _abs(a).is_relative_to(root_p)]
     base = Path(os.path.commonpath(outside)) if outside else None
     by_id: dict[str, Document] = {}
     for f in files:

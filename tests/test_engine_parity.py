@@ -28,7 +28,8 @@ def test_stories_documented_output(stories_path):
     out = llm.generate("Once upon a time", SamplingParams(max_tokens=30, temperature=0))[0]
     assert out.prompt_token_ids == [1, 403, 407, 261, 378]
     assert out.outputs[0].token_ids[:5] == [432, 383, 286, 261, 376]
-    assert out.outputs[0].text == ", there was a little girl named Lily. She loved to play outside in the park. One day,"
+    assert out.outputs[0].text == (", there was a little girl named Lily. She loved to play outside in the park."
+                                   " One day,")
     assert out.outputs[0].finish_reason == "length"
 
 

@@ -4,7 +4,6 @@ Python, through the CLI (exit code 3, `flowrt resume --answer`) and over HTTP (`
 from __future__ import annotations
 
 import json
-import textwrap
 
 import anyio
 import httpx

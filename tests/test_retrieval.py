@@ -172,7 +172,10 @@ def test_save_load_round_trip(corpus, corpus_index, tmp_path):
     assert again.sources == corpus.sources and len(again) == len(corpus)
     q = [q for q, _ in KNOWN_ANSWERS[:5]]
     a, b = corpus.search_many_sync(q, k=4), again.search_many_sync(q, k=4)
-    assert [[(c.id, c.text, round(c.score, 5)) for c in x] for x in a] == [[(c.id, c.text, round(c.score, 5)) for c in x] for x in b]
+    def rows(results):
+        return [[(c.id, c.text, round(c.score, 5)) for c in x] for x in results]
+
+    assert rows(a) == rows(b)
     m = json.loads((corpus_index / "manifest.json").read_text())
     assert m["embedder"] == {"name": "sentence-transformers/all-MiniLM-L6-v2", "dim": 384}
     assert m["chunking"]["chunk_tokens"] == 192 and m["chunking"]["overlap"] == 32
@@ -394,7 +397,8 @@ def test_interrupted_first_save_leaves_nothing(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- rag()
 def _chunk(source, pos, score, text=None):
-    return Chunk(text=text or f"text of {source} part {pos}", source=source, position=pos, heading=source.split(".")[0], score=score)
+    return Chunk(text=text or f"text of {source} part {pos}", source=source, position=pos,
+                 heading=source.split(".")[0], score=score)
 
 
 def test_rag_order_is_stable_not_by_score():
@@ -440,7 +444,8 @@ def test_rag_on_real_results_shares_prefix(corpus):
     assert shared
     p1, p2 = rag(r1, q1), rag(r2, q2)
     assert rag(list(reversed(r1)), q1) == p1
-    assert len(os.path.commonprefix([p1, p2])) >= len(os.path.commonprefix([rag(r1, q1, order="score"), rag(r2, q2, order="score")]))
+    by_score = [rag(r1, q1, order="score"), rag(r2, q2, order="score")]
+    assert len(os.path.commonprefix([p1, p2])) >= len(os.path.commonprefix(by_score))
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -455,7 +460,8 @@ def _cli(*argv) -> int:
 def test_cli_build_add_query_info_delete(tmp_path, capsys):
     docs = small_docs(tmp_path)
     idx = tmp_path / "cli-idx"
-    assert _cli("index", "build", docs, "-o", idx, "--chunk-tokens", "64", "--overlap", "8", "--kind", "flat", "-q") == 0
+    assert _cli("index", "build", docs, "-o", idx, "--chunk-tokens", "64", "--overlap", "8",
+                "--kind", "flat", "-q") == 0
     capsys.readouterr()
     assert _cli("index", "query", idx, "what stops alpha particles", "-k", "2", "--json") == 0
     out = json.loads(capsys.readouterr().out)

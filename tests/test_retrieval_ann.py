@@ -10,8 +10,8 @@ import pytest
 
 faiss = pytest.importorskip("faiss")
 
-from flowrt.retrieval import Document, Retriever
-from flowrt.retrieval.index import VectorIndex, resolve_kind
+from flowrt.retrieval import Document, Retriever  # noqa: E402 - only once faiss is known to import
+from flowrt.retrieval.index import VectorIndex, resolve_kind  # noqa: E402
 
 
 @pytest.fixture()
@@ -118,7 +118,8 @@ def test_ann_retriever_persists_params_and_deletes(kind, tmp_path, one_omp_threa
     back.delete("doc0017.txt")
     back.add_documents([Document(source="late.txt", text="a late addition about marker17")])
     back.save()
-    again = Retriever.load(tmp_path / "idx", embedder=emb, nprobe=8 if kind == "ivf" else None, ef_search=128 if kind == "hnsw" else None)
+    again = Retriever.load(tmp_path / "idx", embedder=emb, nprobe=8 if kind == "ivf" else None,
+                           ef_search=128 if kind == "hnsw" else None)
     assert "doc0017.txt" not in again.sources and "late.txt" in again.sources
     assert all(c.source != "doc0017.txt" for c in again.search_sync(q, k=20))
     assert len(again) == 600

@@ -55,7 +55,7 @@ def _new_docs(tmp_path: Path, n: int) -> list[Path]:
 
 def test_concurrent_adds_from_threads_all_land(index, tmp_path):
     files = _new_docs(tmp_path, 4)
-    Retriever.load(index).embedder.model  # load the model once, outside the race
+    _ = Retriever.load(index).embedder.model  # load the model once, outside the race
     start = threading.Barrier(len(files))
     codes: list[int] = []
 

@@ -61,7 +61,8 @@ def test_unrelated_file_with_an_indexed_name_is_not_replaced(corpus_index, tmp_p
     before = Retriever.load(corpus_index).chunks("engine.md")
     assert _cli("index", "add", corpus_index, other) == 1
     err = capsys.readouterr().err
-    assert "refusing to replace" in err and str(tmp_path / "corpus" / "engine.md") in err and str(other / "engine.md") in err
+    assert "refusing to replace" in err
+    assert str(tmp_path / "corpus" / "engine.md") in err and str(other / "engine.md") in err
     assert "--source-prefix" in err and "Traceback" not in err
     assert Retriever.load(corpus_index).chunks("engine.md") == before  # nothing changed
 

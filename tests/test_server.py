@@ -192,7 +192,7 @@ def test_completion_logprobs_and_echo(client):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
     assert "".join(lp.tokens) == r.choices[0].text
-    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for _tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert value <= 0 and 1 <= len(top) <= 4
         assert max(top.values()) == pytest.approx(value, abs=1e-4)  # greedy: the chosen token is the best one
     assert lp.text_offset == sorted(lp.text_offset)

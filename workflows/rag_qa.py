@@ -28,7 +28,8 @@ async def retrieve(question: str, retriever: fr.Retriever, k: int = 4) -> list:
 
 @wf.step
 async def answer(question: str, retrieve: list, llm: fr.Model, max_tokens: int = 200) -> dict:
-    """Answer from the retrieved chunks; report which sources the generated answer cites (not ones it copied from the prompt)."""
+    """Answer from the retrieved chunks; report which sources the generated answer cites (not ones it copied
+    from the prompt)."""
 
     def prompt_tokens(user_text: str) -> int:  # the whole chat rendering, as the engine will see it
         probe = llm.chat(system=SYSTEM).user(user_text)

@@ -1,6 +1,7 @@
-"""Self-consistency: sample several reasoning paths for one question, then vote on their final answers.
+r"""Self-consistency: sample several reasoning paths for one question, then vote on their final answers.
 
-    flowrt run workflows/self_consistency.py --input question="Tom has 3 apples and buys 5 more. How many apples does he have?"
+    flowrt run workflows/self_consistency.py \
+        --input question="Tom has 3 apples and buys 5 more. How many apples does he have?"
 
 The few-shot prompt and the question are computed once; the samples fork from them copy-on-write, and
 run as one batch in the engine.

@@ -1,6 +1,7 @@
-"""Tree of thoughts: grow candidate reasoning steps, judge each with `select`, keep the best, repeat.
+r"""Tree of thoughts: grow candidate reasoning steps, judge each with `select`, keep the best, repeat.
 
-    flowrt run workflows/tree_of_thought.py --input problem="A farmer has 17 sheep. All but 9 run away. How many are left?"
+    flowrt run workflows/tree_of_thought.py \
+        --input problem="A farmer has 17 sheep. All but 9 run away. How many are left?"
 
 Each level forks every kept path `breadth` ways (the paths share their KV copy-on-write), samples one more
 step on every branch at once, then asks the model to judge each branch by likelihood (`select` scores the

@@ -135,7 +135,7 @@ class RunCheckpoint:
         for t, step in threads.live():
             try:
                 d = encode_thread(t)
-            except Exception:  # a thread in a state that cannot be read now is left out
+            except Exception:  # noqa: BLE001 - a thread in a state that cannot be read now is left out
                 continue
             d.pop("__flowrt__", None)
             out.append({"id": t.id, "step": step, "fork_index": getattr(t, "fork_index", 0), **d})

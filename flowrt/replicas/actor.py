@@ -66,8 +66,9 @@ class ReplicaServer:
             from flowrt.engine import AsyncLLM
 
             self.engine = AsyncLLM(model=model, **engine_kwargs)
-        except Exception as e:  # reported by info(), so the client fails with a clear error, not a restart loop
-            self.start_error = f"replica {index} on node {self.node}: the engine failed to start: {type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - reported by info(), so the client fails with a clear error, not a restart loop
+            self.start_error = (f"replica {index} on node {self.node}: the engine failed to start: "
+                                f"{type(e).__name__}: {e}")
             return
         self.pool = self.engine.engine.pool
         self.pool.enable_events()
@@ -218,7 +219,7 @@ class ReplicaServer:
         try:
             async for out in it:
                 q.put_nowait(out)
-        except BaseException as e:  # delivered to the poller
+        except BaseException as e:  # noqa: BLE001 - delivered to the poller
             q.put_nowait(e if isinstance(e, Exception) else RuntimeError(f"stream ended: {type(e).__name__}"))
         finally:
             self._unmark_busy(sid)

@@ -104,7 +104,7 @@ class RemoteSequence:
         ref, self._stale_ref = self._stale_ref, None
         try:
             toks = _ray().get(ref, timeout=30)
-        except Exception:
+        except Exception:  # noqa: BLE001 - best-effort token sync
             return
         if toks is not None:
             self._tokens = list(toks)
@@ -191,7 +191,8 @@ class ReplicaSet:
         cpus = float(res.get("CPU", os.cpu_count() or 1))
         gpus = float(res.get("GPU", 0))
         if num_gpus_per_replica is None:
-            num_gpus_per_replica = 1.0 if gpus >= replicas and engine_kwargs.get("device") in (None, "auto", "cuda") else 0.0
+            on_gpu = gpus >= replicas and engine_kwargs.get("device") in (None, "auto", "cuda")
+            num_gpus_per_replica = 1.0 if on_gpu else 0.0
         if num_cpus_per_replica is None:
             num_cpus_per_replica = 1.0 if num_gpus_per_replica else max(1.0, float(int(cpus) // replicas))
         if not num_gpus_per_replica and engine_kwargs.get("num_threads") is None:
@@ -207,7 +208,7 @@ class ReplicaSet:
         self.replicas = handles
         try:
             infos = ray.get([h.actor.info.remote() for h in handles])
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - re-raised as RuntimeError after cleanup
             self._kill_all()
             raise RuntimeError(f"engine replicas failed to start: {_cause(e)}") from None
         for h, info in zip(handles, infos):
@@ -232,7 +233,7 @@ class ReplicaSet:
             avail = sorted(os.sched_getaffinity(0))
             nodes = [nd for nd in ray.nodes() if nd.get("Alive")]
             one_node = len(nodes) == 1 and nodes[0].get("NodeManagerAddress") == ray.util.get_node_ip_address()
-        except Exception:
+        except Exception:  # noqa: BLE001 - optional pinning probe
             return [None] * n
         if gpus or k < 1 or not one_node or n * k > len(avail):
             return [None] * n
@@ -294,7 +295,7 @@ class ReplicaSet:
                     return
                 try:
                     st = ray.get(ref, timeout=10)
-                except Exception as e:  # dead, restarting, or not answering
+                except Exception as e:  # noqa: BLE001 - dead, restarting, or not answering
                     if not self._stop.is_set():
                         self.mark_dead(h, f"{type(_cause(e)).__name__}: {_cause(e)}", epoch)
                     continue
@@ -318,7 +319,7 @@ class ReplicaSet:
                     del probes[h.index]
                     try:
                         info = ray.get(ref)
-                    except Exception as e:  # still dead: probe again next time
+                    except Exception as e:  # noqa: BLE001 - still dead: probe again next time
                         h.error = f"{type(_cause(e)).__name__}: {_cause(e)}"
                         continue
                     with self.router.lock:
@@ -342,7 +343,7 @@ class ReplicaSet:
             if h.healthy:
                 try:
                     h.stats = ray.get(h.actor.state.remote(), timeout=timeout)["stats"]
-                except Exception:
+                except Exception:  # noqa: BLE001 - stats are best-effort
                     pass
 
     # ---- stats -------------------------------------------------------------------------------------------
@@ -374,7 +375,7 @@ class ReplicaSet:
         for h in self.replicas:
             try:
                 ray.kill(h.actor, no_restart=True)
-            except Exception:
+            except Exception:  # noqa: BLE001 - best-effort cleanup
                 pass
 
     def shutdown(self) -> None:
@@ -383,7 +384,7 @@ class ReplicaSet:
         if self._owns_ray:
             try:
                 _ray().shutdown()
-            except Exception:
+            except Exception:  # noqa: BLE001 - best-effort cleanup
                 pass
 
 
@@ -484,7 +485,7 @@ class RouterClient:
         except asyncio.CancelledError:
             self._abort_on(replica, rid)
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - re-raised (ReplicaDiedError or cause)
             if _is_actor_death(e):
                 self._rs.mark_dead(replica, f"{type(_cause(e)).__name__}", epoch)
                 raise ReplicaDiedError(f"{replica.name} died while running request {rid} "
@@ -509,7 +510,7 @@ class RouterClient:
         ref, epoch = self._rs.submit(replica, "call", req)
         try:
             ray.get(ref)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - re-raised (ReplicaDiedError or cause)
             if _is_actor_death(e):
                 self._rs.mark_dead(replica, type(_cause(e)).__name__, epoch)
                 raise ReplicaDiedError(f"{replica.name} died while queueing request {rid}") from None
@@ -528,7 +529,7 @@ class RouterClient:
             while not finished:
                 try:
                     items = await replica.actor.poll.remote(rid)
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - re-raised (ReplicaDiedError or cause)
                     if _is_actor_death(e):
                         self._rs.mark_dead(replica, type(_cause(e)).__name__, epoch)
                         raise ReplicaDiedError(f"{replica.name} died while streaming request {rid}; runs on "
@@ -549,7 +550,7 @@ class RouterClient:
                 if seq is not None and seq.alive:  # tokens generated past what we saw stay in the sequence
                     try:
                         seq._stale_ref = replica.actor.seq_tokens.remote(seq.sid)
-                    except Exception:
+                    except Exception:  # noqa: BLE001 - best-effort prefetch
                         pass
 
     def _started(self, replica: ReplicaHandle) -> None:
@@ -561,7 +562,7 @@ class RouterClient:
     def _abort_on(self, replica: ReplicaHandle, rid: str) -> None:
         try:
             replica.actor.abort.remote(rid)
-        except Exception:
+        except Exception:  # noqa: BLE001 - best-effort abort
             pass
 
     def abort(self, request_id: str) -> bool:

@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
                                              routing=args.routing, **engine_kwargs_from_args(args)), owns=True)
         else:
             engine = AsyncLLM(model=model_path, **engine_kwargs_from_args(args))
-    except (ValueError, OSError, RuntimeError, ImportError) as e:  # bad engine options (pydantic names the field), missing model
+    except (ValueError, OSError, RuntimeError, ImportError) as e:
+        # bad engine options (pydantic names the field), missing model
         print(f"flowrt serve: cannot start the engine: {e}", file=sys.stderr)
         return 2
     try:

@@ -84,7 +84,7 @@ class Submission:
                         queue.put_nowait((self.jobs[i], out))
             except asyncio.CancelledError:
                 raise
-            except BaseException as e:  # surfaced to the consumer
+            except BaseException as e:  # noqa: BLE001 - surfaced to the consumer
                 queue.put_nowait((self.jobs[i], e))
             finally:
                 queue.put_nowait((self.jobs[i], end))

@@ -1,8 +1,8 @@
 """Workflows as endpoints: ``POST /v1/workflows/{name}/runs``, ``POST /v1/workflows/{name}/runs/{id}/resume``
 and ``GET /v1/workflows``.
 
-Body ``{"inputs": {...}, "stream": false, "stream_tokens": false}``. Runs the workflow on the server's engine (through an
-``fr.Runtime`` sharing it, so workflow steps batch with API requests) and returns the same JSON as
+Body ``{"inputs": {...}, "stream": false, "stream_tokens": false}``. Runs the workflow on the server's engine
+(through an ``fr.Runtime`` sharing it, so workflow steps batch with API requests) and returns the same JSON as
 ``flowrt run --json``: ``{"outputs": {...}, "errors": {...}, "stats": {...}}`` (200 even when a step
 failed: the failure is in ``errors``, as with ``flowrt run``). With ``"stream": true`` the response is
 Server-Sent Events: ``step`` events as steps start and finish, a final ``result`` event holding the JSON
