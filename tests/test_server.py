@@ -428,3 +428,11 @@ def test_chunked_body_over_the_limit_is_413(server):
     r = httpx.post(url, headers={**_auth(), "content-type": "application/json"}, content=iter([body[:10], body[10:]]),
                    timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == GREEDY_30
+
+
+def test_user_field_is_the_program_id(server, client):
+    """The OpenAI `user` field names the program a request belongs to (program-aware scheduling)."""
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, user="alice")
+    stats = server.engine.run_stats("user:alice")
+    assert stats is not None and stats["requests"] == 1 and stats["service_tokens"] > 0
+    assert server.engine.run_stats("user:bob") is None

@@ -64,7 +64,7 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request, st: S
     params = sampling_params(kw)
     await S.precompile(st.engine, constraint)  # off the event loop; the submission then hits the cache
     c = _Chat(req, st.tokenizer, base, st.model_name(req.model), k, tools)
-    sub = Submission(st, [job], params, t0)
+    sub = Submission(st, [job], params, t0, user=req.user)
     if req.stream:
         return SSEResponse(guarded(st, request, _events(c, sub), f"chat stream {base}"), on_close=sub.close)
     try:

@@ -91,7 +91,7 @@ async def completions(req: P.CompletionRequest, request: Request, st: State) -> 
     c = _Completion(req, st.tokenizer, base, st.model_name(req.model))
     params = _sampling(req, max_tokens, constraint)
     await S.precompile(st.engine, constraint)  # off the event loop; the submission then hits the cache
-    sub = Submission(st, jobs, params, t0)
+    sub = Submission(st, jobs, params, t0, user=req.user)
     if req.stream:
         return SSEResponse(guarded(st, request, _events(c, sub), f"completion stream {base}"), on_close=sub.close)
     try:

@@ -38,17 +38,28 @@ def sampling_params(kw: dict[str, Any]) -> Any:
         raise from_exception(e) from None
 
 
+def _program(user: str | None) -> Any:
+    """The OpenAI `user` field names the program a request belongs to: the engine's program-aware policy
+    then schedules and keeps KV per user (least service first) as it does per workflow run."""
+    if not user:
+        return None
+    from flowrt.engine import ProgramContext
+
+    return ProgramContext(run_id=f"user:{user}")
+
+
 class Submission:
     """The engine requests of one HTTP request (see above); `t0` is when the request arrived (for TTFT)."""
 
-    def __init__(self, st: ServerState, jobs: list[Job], params: Any, t0: float) -> None:
+    def __init__(self, st: ServerState, jobs: list[Job], params: Any, t0: float, user: str | None = None) -> None:
         self.st = st
         self.jobs = jobs
         self.t0 = t0
         self._streams: list[AsyncIterator[Any]] = []
         try:
             for job in jobs:
-                self._streams.append(st.engine.stream(job.prompt_ids, params, request_id=job.request_id))
+                self._streams.append(st.engine.stream(job.prompt_ids, params, request_id=job.request_id,
+                                                      program=_program(user)))
         except ValueError as e:  # the engine refused the request (pydantic ValidationError is a ValueError)
             self.abort()
             raise from_exception(e, param="prompt") from None
