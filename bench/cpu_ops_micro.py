@@ -5,7 +5,6 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 
 from flowrt.engine import cpu_ops
 from flowrt.engine.attention import AttentionMetadata, TorchAttentionBackend
@@ -50,7 +49,7 @@ def make_meta(B, ctx, bs=16, N=None):
 
 
 with torch.inference_mode():
-    H, Hkv, D, E, I = 9, 3, 64, 576, 1536
+    H, Hkv, D, E, FF = 9, 3, 64, 576, 1536
     for B, ctx in [(32, 150), (32, 400), (8, 1100)]:
         meta, N = make_meta(B, ctx)
         kc, vc = torch.randn(N, 16, Hkv, D), torch.randn(N, 16, Hkv, D)
@@ -62,7 +61,6 @@ with torch.inference_mode():
         cpu_ops.set_enabled(True)
         m2 = AttentionMetadata(**{f: getattr(meta, f) for f in meta.__dataclass_fields__ if f != "prepared"})
         be.prepare(m2)
-        ref = t_att() if False else None
         cpu_ops.set_enabled(False)
         ref = be.forward(q, k, v, kc, vc, m1, 0.125)
         cpu_ops.set_enabled(True)

@@ -95,8 +95,9 @@ if a.gemm:
 
     model = runner.model
     packed = [dict(layer.mm) for layer in model.layers], dict(model.mm)
-    plain = [{"qkv": (lambda x, l=layer: F.linear(x, l.qkv, l.qkv_bias)), "o": (lambda x, l=layer: F.linear(x, l.o)),
-              "gate_up": (lambda x, l=layer: F.linear(x, l.gate_up)), "down": (lambda x, l=layer: F.linear(x, l.down))}
+    plain = [{"qkv": (lambda x, ly=layer: F.linear(x, ly.qkv, ly.qkv_bias)), "o": (lambda x, ly=layer: F.linear(x, ly.o)),
+              "gate_up": (lambda x, ly=layer: F.linear(x, ly.gate_up)),
+              "down": (lambda x, ly=layer: F.linear(x, ly.down))}
              for layer in model.layers], {"lm_head": lambda x: F.linear(x, model.lm_head)}
 
     def use(on):

@@ -147,8 +147,8 @@ class AsyncLLM:
         """Runs one request to completion and returns its final output. `program`: the workflow run, step
         and thread the request belongs to (a ProgramContext, a dict of its fields, or a run id)."""
         out = None
-        async for out in self._submit(prompt, params, request_id, stream=False, program=program):
-            pass
+        async for out in self._submit(prompt, params, request_id, stream=False, program=program):  # noqa: B007
+            pass  # the last snapshot is the final output
         return out
 
     def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,

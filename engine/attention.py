@@ -81,6 +81,7 @@ class CascadeDecodePlan:
     suffix: torch.Tensor  # int64 [B * nsuf] (torch path)
     nsuf: int
     bias: torch.Tensor  # float [B, 1, 1, nsuf * block_size] additive mask (torch path)
+    common_span: tuple[int, int] | None = None  # the shared blocks are ids span[0]..span[1]-1: read as a view
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class ChunkPlan:
     end: int
     blocks: torch.Tensor | None  # int64 block ids covering the context
     mask: torch.Tensor | None  # bool [n, ctx] (or [n, L] for a cascade member: keys after the shared prefix)
+    span: tuple[int, int] | None = None  # `blocks` are the consecutive ids span[0]..span[1]-1: read as a view
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,24 @@ class CascadePrefillPlan:
     common: torch.Tensor  # int64 shared block ids
     own: tuple[ChunkPlan, ...]  # each member's own part (blocks after the shared prefix, causal mask)
     bias: tuple[torch.Tensor, ...]  # additive float masks [n, L] matching `own`
+    common_span: tuple[int, int] | None = None  # as CascadeDecodePlan.common_span
+
+
+def _span(ids: list[int]) -> tuple[int, int] | None:
+    """(first, last + 1) when the block ids are consecutive (then the blocks are one contiguous slice of the
+    pool, read in place instead of gathered: fresh prompts and forked prefixes usually are), else None."""
+    if ids and ids[-1] - ids[0] == len(ids) - 1 and all(b - a == 1 for a, b in zip(ids, ids[1:])):
+        return ids[0], ids[-1] + 1
+    return None
+
+
+def _blocks(cache: torch.Tensor, ids: torch.Tensor, span: tuple[int, int] | None) -> torch.Tensor:
+    """The pool's blocks `ids` [N, bs, Hkv, D] -> [len(ids) * bs, Hkv, D]: a view of a consecutive span, else
+    a gather of whole blocks (one contiguous row each)."""
+    N, bs, Hkv, D = cache.shape
+    if span is not None:
+        return cache[span[0] : span[1]].view(-1, Hkv, D)
+    return cache.view(N, -1).index_select(0, ids).view(-1, Hkv, D)
 
 
 def _rows_of_heads(q: torch.Tensor) -> torch.Tensor:
@@ -149,8 +169,9 @@ class TorchAttentionBackend:
                 pos = n_common * bs + torch.arange((nblk - n_common) * bs, device=dev)
                 bias = torch.zeros(len(members), 1, 1, pos.shape[0], device=dev)
                 bias.masked_fill_(~(pos[None, :] < lens.long()[:, None])[:, None, None, :], float("-inf"))
-                cascade.append(CascadeDecodePlan(rows, tables[0, :n_common].long(), n_common * bs, tables, lens,
-                                                 suffix, nblk - n_common, bias))
+                common = tables[0, :n_common].long()
+                cascade.append(CascadeDecodePlan(rows, common, n_common * bs, tables, lens, suffix, nblk - n_common,
+                                                 bias, _span(common.tolist())))
         p["cascade"] = tuple(cascade)
         if plain:
             all_rows = len(plain) == len(qlens)  # a pure decode step: rows are 0..B-1 in order
@@ -177,11 +198,12 @@ class TorchAttentionBackend:
                     blocks = meta.block_tables[b, n_common : (ctx + bs - 1) // bs].long()
                     kpos = n_common * bs + torch.arange(ctx - n_common * bs, device=dev)
                     causal = kpos[None, :] <= torch.arange(ctx - q, ctx, device=dev)[:, None]
-                    own.append(ChunkPlan(s, s + q, blocks, causal))
+                    own.append(ChunkPlan(s, s + q, blocks, causal, _span(blocks.tolist())))
                     biases.append(torch.zeros(causal.shape, device=dev).masked_fill_(~causal, float("-inf")))
                 rows = torch.cat([torch.arange(o.start, o.end, device=dev) for o in own])
-                cascade_prefill.append(CascadePrefillPlan(rows, meta.block_tables[members[0], :n_common].long(),
-                                                          tuple(own), tuple(biases)))
+                common = meta.block_tables[members[0], :n_common].long()
+                cascade_prefill.append(CascadePrefillPlan(rows, common, tuple(own), tuple(biases),
+                                                          _span(common.tolist())))
         else:
             alone.update(chunks)
         p["cascade_prefill"] = tuple(cascade_prefill)
@@ -193,7 +215,7 @@ class TorchAttentionBackend:
             blocks = meta.block_tables[b, : (ctx + bs - 1) // bs].long()
             qpos = torch.arange(ctx - q, ctx, device=dev)
             mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]
-            pre.append(ChunkPlan(s, s + q, blocks, mask))
+            pre.append(ChunkPlan(s, s + q, blocks, mask, _span(blocks.tolist())))
         p["prefill"] = tuple(pre)
 
     @staticmethod
@@ -236,12 +258,14 @@ class TorchAttentionBackend:
         out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
         if dp is not None:
             if kernel:
-                cpu_ops.paged_decode(_rows_of_heads(q), k_cache, v_cache, dp.tables, dp.seq_lens, out, scale, rows=dp.rows)
+                cpu_ops.paged_decode(_rows_of_heads(q), k_cache, v_cache, dp.tables, dp.seq_lens, out, scale,
+                                     rows=dp.rows)
             else:
                 # Gather whole blocks (one contiguous row each), then one fused SDPA over the decode rows.
                 B, nblk = dp.valid.shape[0], dp.nblk
-                kd = k_cache.view(k_cache.shape[0], -1).index_select(0, dp.blocks).view(B, nblk * k_cache.shape[1], Hkv, D)
-                vd = v_cache.view(v_cache.shape[0], -1).index_select(0, dp.blocks).view(B, nblk * v_cache.shape[1], Hkv, D)
+                bs = k_cache.shape[1]
+                kd = k_cache.view(k_cache.shape[0], -1).index_select(0, dp.blocks).view(B, nblk * bs, Hkv, D)
+                vd = v_cache.view(v_cache.shape[0], -1).index_select(0, dp.blocks).view(B, nblk * bs, Hkv, D)
                 # The G query heads of a KV head are G query rows against that head's keys: K/V are read once
                 # per KV head, and the math runs in the cache's dtype (accumulating in float32).
                 qd = (q if dp.rows is None else q.index_select(0, dp.rows)).to(k_cache.dtype).view(B, Hkv, H // Hkv, D)
@@ -253,7 +277,6 @@ class TorchAttentionBackend:
                 out.index_copy_(0, dp.rows, od)
         for cp in prep["cascade"]:
             out.index_copy_(0, cp.rows, self._cascade(q, k_cache, v_cache, cp, scale, kernel))
-        N = k_cache.shape[0]
         for cp in prep["cascade_prefill"]:
             self._cascade_prefill(q, k_cache, v_cache, cp, scale, out)
         for c in prep["prefill"]:
@@ -263,8 +286,8 @@ class TorchAttentionBackend:
                 ks, vs = k[s:e], v[s:e]
             else:  # whole blocks (contiguous rows) gathered, then cut to the context
                 ctx = c.mask.shape[1]
-                ks = k_cache.view(N, -1).index_select(0, c.blocks).view(-1, Hkv, D)[:ctx]
-                vs = v_cache.view(N, -1).index_select(0, c.blocks).view(-1, Hkv, D)[:ctx]
+                ks = _blocks(k_cache, c.blocks, c.span)[:ctx]
+                vs = _blocks(v_cache, c.blocks, c.span)[:ctx]
             ks = ks.float().transpose(0, 1).unsqueeze(0)
             vs = vs.float().transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
@@ -284,8 +307,8 @@ class TorchAttentionBackend:
         G = H // Hkv
         qg = q.index_select(0, cp.rows).float().view(B, Hkv, G, D)
         # shared prefix: all B*G query rows of a KV head against its P prefix keys, in one kernel call
-        kp = k_cache.view(N, -1).index_select(0, cp.common).view(-1, Hkv, D).float().transpose(0, 1)[None]
-        vp = v_cache.view(N, -1).index_select(0, cp.common).view(-1, Hkv, D).float().transpose(0, 1)[None]
+        kp = _blocks(k_cache, cp.common, cp.common_span).float().transpose(0, 1)[None]
+        vp = _blocks(v_cache, cp.common, cp.common_span).float().transpose(0, 1)[None]
         op, lp = _attend(qg.permute(1, 0, 2, 3).reshape(1, Hkv, B * G, D), kp, vp, scale)
         op, lp = (t.view(Hkv, B, G, -1).transpose(0, 1) for t in (op, lp))  # -> [B, Hkv, G, *]
         # own suffix: [B, Hkv, G, D] against each sequence's remaining blocks (the new token included)
@@ -310,8 +333,8 @@ class TorchAttentionBackend:
         R, H = cp.rows.shape[0], q.shape[1]
         G = H // Hkv
         qg = q.index_select(0, cp.rows).float().view(R, Hkv, G, D)
-        kp = k_cache.view(N, -1).index_select(0, cp.common).view(-1, Hkv, D).float().transpose(0, 1)[None]
-        vp = v_cache.view(N, -1).index_select(0, cp.common).view(-1, Hkv, D).float().transpose(0, 1)[None]
+        kp = _blocks(k_cache, cp.common, cp.common_span).float().transpose(0, 1)[None]
+        vp = _blocks(v_cache, cp.common, cp.common_span).float().transpose(0, 1)[None]
         op, lp = _attend(qg.permute(1, 0, 2, 3).reshape(1, Hkv, R * G, D), kp, vp, scale)
         op, lp = (t.view(Hkv, R, G, -1).permute(1, 0, 2, 3) for t in (op, lp))  # [R, Hkv, G, *]
         r0 = 0
@@ -319,8 +342,8 @@ class TorchAttentionBackend:
             s, e = c.start, c.end
             n, L = e - s, bias.shape[-1]
             bias = bias.repeat_interleave(G, dim=0)  # rows are (token, query head of the KV head) pairs, token-major
-            ko = k_cache.view(N, -1).index_select(0, c.blocks).view(-1, Hkv, D)[:L].float().transpose(0, 1)[None]
-            vo = v_cache.view(N, -1).index_select(0, c.blocks).view(-1, Hkv, D)[:L].float().transpose(0, 1)[None]
+            ko = _blocks(k_cache, c.blocks, c.span)[:L].float().transpose(0, 1)[None]
+            vo = _blocks(v_cache, c.blocks, c.span)[:L].float().transpose(0, 1)[None]
             qo = qg[r0 : r0 + n].permute(1, 0, 2, 3).reshape(1, Hkv, n * G, D)
             oo, lo = (t.view(Hkv, n, G, -1).permute(1, 0, 2, 3) for t in _attend(qo, ko, vo, scale, bias))
             o = _merge(op[r0 : r0 + n], lp[r0 : r0 + n], oo, lo)

@@ -184,7 +184,8 @@ void rope_f32(float* x, int64_t row_st, int64_t T, int nh, int D, const float* c
 }  // extern "C"
 """
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+         "-shared", "-fPIC", "-std=c++17"]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -259,7 +260,7 @@ def lib() -> ctypes.CDLL | None:
                 cdll = ctypes.CDLL(str(path))
                 _declare(cdll)
                 _lib = cdll
-            except Exception as exc:  # no compiler, failed build, unloadable library: fall back to torch
+            except Exception as exc:  # noqa: BLE001 - no compiler, failed build, unloadable library: use torch
                 _error = str(exc)
                 logger.warning("flowrt CPU kernels unavailable, using plain torch: %s", exc)
         _tried = True
@@ -289,9 +290,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out, scale: float,
     N, bs, Hkv, D = k_cache.shape
     H = q.shape[1]
     B = seq_lens.shape[0]
-    rc = _lib.paged_decode_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                          block_tables.stride(0), seq_lens.data_ptr(), _p(rows), start, out.data_ptr(), out.stride(0),
-                          _p(lse), B, H, Hkv, D, bs, scale)
+    rc = _lib.paged_decode_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                               block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), _p(rows), start,
+                               out.data_ptr(), out.stride(0), _p(lse), B, H, Hkv, D, bs, scale)
     if rc != 0:
         raise ValueError(f"paged_decode: head size {D} not supported")
 

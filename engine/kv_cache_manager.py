@@ -16,7 +16,8 @@ class KVStats:
     prefix_cache_hit_tokens: int = 0
     cow_copies: int = 0
     prefill_tokens_recomputed: int = 0  # tokens whose KV this engine had computed before, computed again
-    kv_evicted_in_use_later: int = 0  # dropped KV blocks (evicted, or released by an idle/preempted sequence) needed again
+    # dropped KV blocks (evicted, or released by an idle/preempted sequence) needed again
+    kv_evicted_in_use_later: int = 0
 
 
 @dataclass

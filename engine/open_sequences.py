@@ -34,7 +34,8 @@ class OpenSequences:
 
     def check_owned(self, seq: Sequence, prefix: str = "") -> None:
         if self.seqs.get(seq.seq_id) is not seq:
-            raise ValueError(f"{prefix}the sequence was opened on another engine (sequences cannot move between engines)")
+            raise ValueError(f"{prefix}the sequence was opened on another engine "
+                             "(sequences cannot move between engines)")
 
     def check_can_generate(self, seq: Sequence, params: SamplingParams) -> None:
         """Every check for a request that generates onto seq (raises ValueError / RuntimeError)."""
@@ -70,7 +71,8 @@ class OpenSequences:
             self._check_idle(seq, "append to")
             limit = self.inputs.max_model_len
             if seq.num_tokens + len(ids) > limit:
-                raise ValueError(f"sequence would have {seq.num_tokens + len(ids)} tokens, more than max_model_len={limit}")
+                raise ValueError(f"sequence would have {seq.num_tokens + len(ids)} tokens, "
+                                 f"more than max_model_len={limit}")
             seq.token_ids.extend(ids)
 
     def fork(self, seq: Sequence, n: int = 1) -> list[Sequence]:

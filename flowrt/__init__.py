@@ -61,7 +61,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 __all__ = [
     "Workflow", "WorkflowError", "Model", "Runtime", "Thread", "ChatThread", "gather",
     "RunResult", "StepError", "StepFailed", "RunObserver", "Tracer", "register_resource",
-    "Retriever", "rag", "goto", "Goto", "interrupt", "Interrupt", "events", "tool", "Tool", "AssistantReply", "IncompleteOutputError",
+    "Retriever", "rag", "goto", "Goto", "interrupt", "Interrupt", "events", "tool", "Tool", "AssistantReply",
+    "IncompleteOutputError",
     "__version__",
 ]
 

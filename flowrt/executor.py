@@ -590,8 +590,3 @@ def _stats(engine_fn: Callable[[], dict[str, Any]] | None, run: dict[str, Any]) 
             engine = {}
     flat_run = {k if k.startswith(("elapsed", "steps_")) else f"run_{k}": v for k, v in run.items()}
     return {**engine, **flat_run, "engine": engine, "run": run}
-
-
-async def run_workflow(wf: Workflow, provider: ResourceProvider | None = None, /, **inputs: Any) -> RunResult:
-    return await execute(wf, inputs, provider)
-

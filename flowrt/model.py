@@ -183,7 +183,7 @@ class Model:
             if isinstance(e, anyio.get_cancelled_exc_class()):
                 try:
                     self.engine.abort(rid)
-                except Exception:
+                except Exception:  # noqa: BLE001 - best-effort cleanup: the engine may be gone already
                     pass
             if tracer is not None:
                 tracer.end(span, kind="failed", error=f"{type(e).__name__}: {e}")
@@ -214,7 +214,7 @@ class Model:
             if out is None or not out.finished:
                 try:
                     self.engine.abort(rid)
-                except Exception:
+                except Exception:  # noqa: BLE001 - best-effort cleanup: the engine may be gone already
                     pass
             if tracer is not None and out is not None:
                 tracer.end(span, **self._span_fields(out, uncomputed))

@@ -124,7 +124,7 @@ class _Base:
                 if hard:
                     try:
                         seq.close()
-                    except Exception:
+                    except Exception:  # noqa: BLE001 - best-effort release: the engine may be gone already
                         pass
             elif self.parent is not None:
                 parent, self.parent = self.parent, None
@@ -450,7 +450,7 @@ class Thread:
             return
         try:
             ids = seq.token_ids
-        except Exception:
+        except Exception:  # noqa: BLE001 - a remote or closed sequence: nothing to recover
             return
         if len(ids) > n_before:
             self._text += self._decode_tail(ids, n_before)
@@ -557,7 +557,7 @@ class Thread:
         if seq is not None and hard:
             try:
                 seq.close()
-            except Exception:
+            except Exception:  # noqa: BLE001 - best-effort release: the engine may be gone already
                 pass
         if base is not None:
             base.release(hard)
@@ -588,7 +588,7 @@ class Thread:
             if not self._closed:
                 self._closed = True
                 self._drop_state(hard=False)
-        except Exception:
+        except Exception:  # noqa: BLE001 - runs from __del__: must never raise
             pass
 
 

@@ -233,3 +233,19 @@ def test_compiled_constraints_are_cached(llm):
     n = len(mgr.compile_seconds)
     a, b = mgr.compile(spec), mgr.compile(spec)
     assert a is not b and len(mgr.compile_seconds) <= n + 1  # one compile, then copies of the template
+
+
+def test_json_schemas_valid_on_the_default_model():
+    """The same schemas on the real default model (SmolLM2-135M-Instruct), greedy and sampled in one batch."""
+    from flowrt.engine import default_model_path
+
+    llm = LLM(model=default_model_path(), dtype="float32")
+    prompt = "Write one JSON value that fits the requested format.\n"
+    params = [SamplingParams(max_tokens=160, temperature=t, seed=i, structured_outputs=so(json=s))
+              for t in (0.0, 1.0) for i, s in enumerate(SCHEMAS)]
+    outs = llm.generate([prompt] * len(params), params)
+    for i, out in enumerate(outs):
+        c, schema = out.outputs[0], SCHEMAS[i % len(SCHEMAS)]
+        assert c.finish_reason == "stop", (i, c.text)
+        check_json(c.text, schema)
+    assert_no_leaks(llm)
