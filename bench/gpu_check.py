@@ -369,9 +369,9 @@ def run_cache_ops(K, dtype, t0, budget):
 
 # ------------------------------------------------------------------------------------------------ pytest
 def run_pytest(timeout):
-    print(f"\n== pytest tests/test_kernels.py natively (timeout {timeout:.0f}s) ==", flush=True)
+    print(f"\n== pytest tests/kernels/test_kernels.py natively (timeout {timeout:.0f}s) ==", flush=True)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_kernels.py"]
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
@@ -404,7 +404,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() and not SMOKE:
         print(f"gpu_check: no CUDA device available (torch {torch.__version__}, built with CUDA "
               f"{torch.version.cuda}); this script needs an NVIDIA GPU and a CUDA build of torch. "
-              "On a CPU-only machine run: TRITON_INTERPRET=1 pytest tests/test_kernels.py")
+              "On a CPU-only machine run: TRITON_INTERPRET=1 pytest tests/kernels/test_kernels.py")
         return 2
     t_start = time.time()
     K = load_kernels()

@@ -2,15 +2,13 @@
 
 import json
 import textwrap
-from pathlib import Path
 
 import anyio
 import httpx
 import pytest
 
-from conftest import serve_model
+from support import ROOT, STORIES, serve_model
 
-STORIES = Path(__file__).parent / "models" / "stories260K"
 
 WORKFLOW = textwrap.dedent('''
     import flowrt as fr
@@ -164,7 +162,7 @@ def test_workflow_name_clash_is_reported(tmp_path):
     from flowrt.server.workflows import load_workflows
     from flowrt.workflow import WorkflowError
 
-    examples = Path(__file__).parent.parent / "workflows"
+    examples = ROOT / "workflows"
     a, b = str(examples / "self_consistency.py"), str(examples / "map_reduce.py")
     assert set(load_workflows([a, b])) == {"self-consistency", "map-reduce"}  # both hold it in `wf`
     copy = tmp_path / "copy.py"

@@ -6,6 +6,7 @@ import pytest
 
 import flowrt as fr
 from flowrt.workflow import WorkflowError
+from support import ROOT
 
 
 def agent_loop(max_visits: int = 25, done_after: int = 3) -> fr.Workflow:
@@ -194,14 +195,13 @@ def test_readme_routed_agent_loop_runs_as_is(tmp_path, stories_path):
     """The README's routing block: the agent loops through the tool twice, then interrupts for approval;
     resuming with "yes" sends the thought."""
     import re
-    from pathlib import Path
 
     import anyio
 
     from flowrt.engine import AsyncLLM
     from flowrt.loader import load_workflow
 
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (ROOT / "README.md").read_text()
     start = text.index("## Routing, checkpoints, interrupts and streaming")
     src = re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
     f = tmp_path / "agent.py"

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from pathlib import Path
 
 import anyio
 import pytest
 
 import flowrt as fr
 from flowrt.trace import Tracer
+from support import STORIES
 
-MODEL = str(Path(__file__).parent / "models" / "stories260K")
+MODEL = str(STORIES)
 
 
 def check_chrome_trace(obj: dict) -> list[dict]:

@@ -9,8 +9,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from flowrt.engine.weights import find_safetensors_files, load_safetensors_dir, resolve_dtype
+from support import STORIES
 
-STORIES = Path(__file__).resolve().parent / "models" / "stories260K"
 
 
 def _reference(path: Path) -> dict[str, torch.Tensor]:

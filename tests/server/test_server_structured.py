@@ -9,16 +9,14 @@ The chat model is tiny and random (stories260K's tokenizer, a ChatML template th
 import json
 import threading
 import time
-from pathlib import Path
 from typing import Literal
 
 import httpx
 import openai
 import pytest
-from conftest import serve_model
+from support import STORIES, serve_model
 from pydantic import BaseModel, Field
 
-STORIES = Path(__file__).parent / "models" / "stories260K"
 MODEL = "tiny-tools"
 # ChatML with Hermes-style tools, like Qwen2.5's template (tools in the system turn, calls as blocks)
 TOOLS_TEMPLATE = (

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from conftest import hf_greedy
+from support import hf_greedy
 from flowrt.engine import LLM, LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

@@ -5,7 +5,6 @@ tiny story model that never writes JSON by itself: only the constraint makes its
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated, Literal
 
 import anyio
@@ -13,10 +12,11 @@ import pytest
 from pydantic import BaseModel, Field
 
 import flowrt as fr
+from support import STORIES
 
 pytest.importorskip("flowrt.engine")
 
-MODEL = str(Path(__file__).parent / "models" / "stories260K")
+MODEL = str(STORIES)
 
 
 class Answer(BaseModel):

@@ -130,7 +130,7 @@ def test_cli_interrupt_exit_code_payload_and_resume(tmp_path, capsys, stories_pa
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, stories_path):
-    from conftest import serve_model
+    from support import serve_model
 
     f = tmp_path_factory.mktemp("wf") / "review.py"
     f.write_text(FILE)
@@ -163,7 +163,7 @@ def test_http_interrupt_and_resume(server):
 
 
 def test_http_resume_of_a_run_not_waiting_is_409(tmp_path, stories_path):
-    from conftest import serve_model
+    from support import serve_model
 
     from flowrt.server.workflows import load_workflows
 

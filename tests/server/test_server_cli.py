@@ -12,13 +12,11 @@ import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from support import ROOT, STORIES
 
-ROOT = Path(__file__).parent.parent
-STORIES = Path(__file__).parent / "models" / "stories260K"
 SLEEPY = textwrap.dedent('''
     import asyncio
     import flowrt as fr

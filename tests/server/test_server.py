@@ -6,23 +6,21 @@ One server for the whole module: a real AsyncLLM on the tiny model behind uvicor
 import asyncio
 import json
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import serve_model
+from support import STORIES, STORIES_GREEDY_30, serve_model
 
-STORIES = Path(__file__).parent / "models" / "stories260K"
 MODEL = "stories260K"
 KEY = "test-key"
 MAX_BODY = 64 * 1024
 # SOURCE.md: greedy continuation of "Once upon a time" (30 tokens) from Hugging Face transformers.
 PROMPT = "Once upon a time"
 PROMPT_IDS = [1, 403, 407, 261, 378]
-GREEDY_30 = ", there was a little girl named Lily. She loved to play outside in the park. One day,"
+GREEDY_30 = STORIES_GREEDY_30
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import pytest
 
 import flowrt as fr
 from flowrt.loader import load_workflow
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = str(ROOT / "tests" / "models" / "stories260K")
 
 pytest.importorskip("flowrt.engine")

@@ -12,15 +12,14 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import anyio
 import pytest
 
 import flowrt as fr
 from flowrt.checkpoint import SCHEMA_VERSION, CheckpointError, CheckpointStore, SQLiteStore, decode, encode
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------------------------------------- the store

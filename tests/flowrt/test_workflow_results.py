@@ -8,14 +8,13 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import anyio
 
 import flowrt as fr
 from flowrt.executor import execute, to_jsonable
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class NoStr:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import anyio
 import pytest
 
 import flowrt as fr
 from flowrt.loader import load_module, load_workflow
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = str(ROOT / "tests" / "models" / "stories260K")
 
 CASES = {

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import hf_greedy
+from support import hf_greedy
 from flowrt.engine import LLM, SamplingParams, cpu_ops
 from flowrt.engine.models.llama import rms_norm, rotate_half
 from flowrt.kernels.reference import paged_decode_attention_ref

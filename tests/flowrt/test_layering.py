@@ -15,8 +15,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = str(ROOT / "tests" / "models" / "stories260K")
 
 # What the engine / kernels must not load: the runtime, its third-party dependencies, the server's.

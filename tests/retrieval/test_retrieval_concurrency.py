@@ -20,8 +20,8 @@ import flowrt.retrieval.retriever as rmod
 from flowrt.retrieval import IndexConflictError, IndexLock, IndexLockedError, Retriever
 from flowrt.retrieval.cli import add_parser
 from flowrt.retrieval.lock import lock_path
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["Volcanoes erupt when magma rises.", "Glaciers carve valleys slowly.", "Tides follow the moon.",
           "Deserts get little rain."]
 

@@ -6,15 +6,13 @@ is noise: the tests check the protocol (template, streaming, usage, n, logprobs,
 
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from conftest import serve_model
+from support import STORIES, serve_model
 
-STORIES = Path(__file__).parent / "models" / "stories260K"
 MODEL = "tiny-chat"
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"

@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 
 from flowrt import kernels as K  # noqa: E402
 from flowrt.kernels import _dispatch  # noqa: E402
+from support import ROOT
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -352,9 +353,8 @@ def test_gpu_check_script_smoke():
     """bench/gpu_check.py --smoke runs the one-shot GPU script's every code path on tiny CPU shapes."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+    script = ROOT / "bench" / "gpu_check.py"
     proc = subprocess.run([sys.executable, str(script), "--smoke", "--dtype", "fp16"], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -4,14 +4,14 @@ sharing, select, streaming, release of blocks, and chat byte-stability (tiny ran
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 
 import anyio
 import pytest
 
 import flowrt as fr
+from support import STORIES
 
-MODEL = str(Path(__file__).parent / "models" / "stories260K")
+MODEL = str(STORIES)
 
 pytest.importorskip("flowrt.engine")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import anyio
@@ -15,10 +14,10 @@ from pydantic import BaseModel, Field
 
 import flowrt as fr
 from flowrt.toolcalls import ToolCall
+from support import ROOT
 
 pytest.importorskip("flowrt.engine")
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @fr.tool

@@ -30,8 +30,8 @@ from flowrt.retrieval import (
 )
 from flowrt.retrieval.chunking import hf_token_spans
 from flowrt.retrieval.cli import add_parser
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "workflows" / "corpus"
 
 # 20 questions with the one corpus document that answers each (phrased as a user would ask, not copied).

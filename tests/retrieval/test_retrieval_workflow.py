@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
+from support import ROOT
 
 pytest.importorskip("faiss")
 pytest.importorskip("sentence_transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "tests" / "models" / "stories260K"
 
 

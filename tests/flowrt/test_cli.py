@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from flowrt.cli import main
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = str(ROOT / "tests" / "models" / "stories260K")
 ENGINE = ["--model", MODEL, "--dtype", "float32", "--num-kv-blocks", "256"]
 

@@ -1,0 +1,104 @@
+"""What tests share: paths, golden outputs and helpers (fixtures stay in conftest.py).
+
+Test modules import it as `support` (pyproject sets pytest's pythonpath to tests/).
+"""
+
+import shutil
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+STORIES = TESTS / "models" / "stories260K"
+
+# Greedy output of transformers on stories260K for "Once upon a time" (prompt ids [1, 403, 407, 261, 378]),
+# 30 new tokens, float32 (models/stories260K/SOURCE.md).
+STORIES_PROMPT = "Once upon a time"
+STORIES_PROMPT_IDS = [1, 403, 407, 261, 378]
+STORIES_GREEDY_30 = ", there was a little girl named Lily. She loved to play outside in the park. One day,"
+
+
+def make_tiny_model(out_dir: Path, arch: str = "llama", tie: bool = True, seed: int = 0, **overrides) -> str:
+    """A random-weight model of the given architecture with stories260K's tokenizer (vocab 512).
+
+    Norm weights and biases are randomized too, so every parameter path is exercised.
+    """
+    import torch
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }
+    cfg_cls, model_cls = classes[arch]
+    kw = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=tie, bos_token_id=1,
+        eos_token_id=2, rms_norm_eps=1e-5,
+    )
+    if arch == "qwen3":
+        kw["head_dim"] = 16
+    if arch == "mistral":
+        kw["sliding_window"] = None
+    kw.update(overrides)
+    cfg = cfg_cls(**kw)
+    torch.manual_seed(seed)
+    model = model_cls(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.normal_(0, 0.08)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(STORIES / f, out_dir / f)
+    return str(out_dir)
+
+
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, dtype=None) -> list[int]:
+    """Reference: transformers' own model, greedy with its KV cache, never stopping early."""
+    import torch
+
+    model = _hf_model(model_dir, dtype)
+    ids = torch.tensor([prompt_ids])
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):  # full recompute each step: no cache API differences across versions
+            nxt = int(model(input_ids=ids).logits[0, -1].float().argmax())
+            out.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+_HF_CACHE: dict = {}
+
+
+def _hf_model(model_dir, dtype):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    key = (model_dir, dtype)
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32).eval()
+    return _HF_CACHE[key]
+
+
+def serve_model(model_dir: str, engine_kwargs: dict | None = None, **app_kwargs):
+    """Generator for server fixtures: an AsyncLLM on `model_dir` (with `engine_kwargs`) behind the app on a
+    free loopback port; yields the BackgroundServer (with `.engine`), then stops both."""
+    from flowrt.engine import AsyncLLM
+    from flowrt.server.app import create_app
+    from flowrt.server.background import BackgroundServer
+
+    engine = AsyncLLM(model=str(model_dir), seed=0, dtype="float32", **(engine_kwargs or {}))
+    srv = BackgroundServer(create_app(engine, **app_kwargs)).start()
+    srv.engine = engine
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        engine.shutdown()
