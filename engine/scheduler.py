@@ -60,6 +60,11 @@ class SchedulerOutput:
         return self.plan.copies
 
 
+def _scoring(seq: Sequence) -> bool:
+    """Scoring (prompt logprobs) needs the logits of every token, so it can skip no cached block."""
+    return seq.request is not None and seq.request.prompt_logprobs is not None
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = True, policy: str = "fcfs", max_wait_steps: int = 256):
@@ -235,6 +240,15 @@ class Scheduler:
         return max(candidates, key=key)
 
     # ---- the step ----------------------------------------------------------------------------------
+    def _inflight_hashes(self) -> set[bytes]:
+        """Blocks that running sequences are about to compute: a waiting sequence whose next uncached block
+        is among them waits a step and then finds it in the prefix cache instead of computing it again."""
+        inflight: set[bytes] = set()
+        if self.enable_prefix_caching:
+            for seq in self.running:
+                inflight.update(self.kv.uncomputed_full_hashes(seq))
+        return inflight
+
     def schedule(self) -> SchedulerOutput:
         batch = SchedulerOutput()
         self._schedule(batch)
@@ -267,16 +281,11 @@ class Scheduler:
                 i += 1
         if preempted:
             return
-        # Blocks that running sequences are about to compute: a waiting sequence whose next uncached block
-        # is among them waits a step and then finds it in the prefix cache instead of computing it again.
-        inflight: set[bytes] = set()
-        if self.enable_prefix_caching:
-            for seq in self.running:
-                inflight.update(self.kv.uncomputed_full_hashes(seq))
+        inflight = self._inflight_hashes()
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            scoring = seq.request is not None and seq.request.prompt_logprobs is not None
+            scoring = _scoring(seq)
             if inflight and not scoring and self.kv.first_missing_hash(seq) in inflight:
                 continue
             if not scoring:  # scoring needs the logits of every token, so it cannot skip any
@@ -379,14 +388,11 @@ class Scheduler:
             return
         # 3. Admission in rank order: never at the cost of KV that will be used again (unless nothing runs);
         # a sequence that cannot get memory is skipped, and keeps the KV it holds.
-        inflight: set[bytes] = set()
-        if self.enable_prefix_caching:
-            for seq in self.running:
-                inflight.update(self.kv.uncomputed_full_hashes(seq))
+        inflight = self._inflight_hashes()
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            scoring = seq.request is not None and seq.request.prompt_logprobs is not None
+            scoring = _scoring(seq)
             if inflight and not scoring and self.kv.first_missing_hash(seq) in inflight:
                 continue
             new = seq.max_computed_tokens == 0  # nothing of it ever computed: a new thread

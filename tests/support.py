@@ -102,3 +102,17 @@ def serve_model(model_dir: str, engine_kwargs: dict | None = None, **app_kwargs)
     finally:
         srv.stop()
         engine.shutdown()
+
+
+def leak_checked_model(engine):
+    """Fixture body: an fr.Model on `engine`; afterwards no sequence is open and no block is held (every block
+    free or only in the prefix cache)."""
+    import gc
+
+    import flowrt as fr
+
+    yield fr.Model(engine)
+    gc.collect()
+    st = engine.stats()
+    assert st["open_sequences"] == 0, st
+    assert st["kv_blocks_used"] == 0, st

@@ -9,15 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from . import protocol as P
 from . import structured as S
-from .generation import Job, Submission, sampling_params
+from .generation import Job, Submission, answer, sampling_params
 from .outputs import ChatLogprobs, Delta, stop_holdback, usage_of
 from .prompts import encode, max_tokens_for
 from .state import State
-from .streaming import SSEResponse, guarded, until_disconnect
 from .templates import render_chat
 
 router = APIRouter(prefix="/v1")
@@ -65,14 +64,12 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request, st: S
     await S.precompile(st.engine, constraint)  # off the event loop; the submission then hits the cache
     c = _Chat(req, st.tokenizer, base, st.model_name(req.model), k, tools)
     sub = Submission(st, [job], params, t0, user=req.user)
-    if req.stream:
-        return SSEResponse(guarded(st, request, _events(c, sub), f"chat stream {base}"), on_close=sub.close)
-    try:
-        done, finals = await until_disconnect(st, request, sub.finals())
-    finally:
-        sub.close()
-    if not done:
-        return Response(status_code=499)
+    events = _events(c, sub) if req.stream else None
+    return await answer(st, request, sub, events, f"chat stream {base}", lambda finals: _body(c, job, finals))
+
+
+def _body(c: _Chat, job: Job, finals: dict[int, Any]) -> dict[str, Any]:
+    base, k, tools = c.id, c.top_logprobs, c.tools
     choices = []
     for o in finals[0].outputs:
         lp = ({"content": c.logprobs(job).build(list(o.token_ids), list(o.logprobs or []))}
@@ -80,8 +77,8 @@ async def chat_completions(req: P.ChatCompletionRequest, request: Request, st: S
         message, finish = S.message(o.text, o.finish_reason, tools)
         choices.append({"index": o.index, "message": message,
                         "logprobs": lp, "finish_reason": finish, "stop_reason": o.stop_reason})
-    return JSONResponse({"id": base, "object": "chat.completion", "created": c.created, "model": c.model,
-                         "choices": choices, "usage": usage_of(finals, [job])})
+    return {"id": base, "object": "chat.completion", "created": c.created, "model": c.model,
+            "choices": choices, "usage": usage_of(finals, [job])}
 
 
 async def _events(c: _Chat, sub: Submission) -> AsyncIterator[str]:

@@ -9,15 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from . import protocol as P
 from . import structured as S
-from .generation import Job, Submission, sampling_params
+from .generation import Job, Submission, answer, sampling_params
 from .outputs import CompletionLogprobs, Delta, stop_holdback, usage_of
 from .prompts import check_token_ids, encode, max_tokens_for
 from .state import ServerState, State
-from .streaming import SSEResponse, guarded, until_disconnect
 
 router = APIRouter(prefix="/v1")
 
@@ -92,16 +91,11 @@ async def completions(req: P.CompletionRequest, request: Request, st: State) -> 
     params = _sampling(req, max_tokens, constraint)
     await S.precompile(st.engine, constraint)  # off the event loop; the submission then hits the cache
     sub = Submission(st, jobs, params, t0, user=req.user)
-    if req.stream:
-        return SSEResponse(guarded(st, request, _events(c, sub), f"completion stream {base}"), on_close=sub.close)
-    try:
-        done, finals = await until_disconnect(st, request, sub.finals())
-    finally:
-        sub.close()
-    if not done:
-        return Response(status_code=499)
-    return JSONResponse({"id": base, "object": "text_completion", "created": c.created, "model": c.model,
-                         "choices": _choices(c, jobs, finals), "usage": usage_of(finals, jobs)})
+    events = _events(c, sub) if req.stream else None
+    return await answer(st, request, sub, events, f"completion stream {base}",
+                        lambda finals: {"id": base, "object": "text_completion", "created": c.created,
+                                        "model": c.model, "choices": _choices(c, jobs, finals),
+                                        "usage": usage_of(finals, jobs)})
 
 
 def _choices(c: _Completion, jobs: list[Job], finals: dict[int, Any]) -> list[dict[str, Any]]:

@@ -15,8 +15,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
 from .errors import OpenAIError, from_exception
 from .state import ServerState
+from .streaming import SSEResponse, guarded, until_disconnect
 
 
 @dataclass
@@ -154,3 +158,18 @@ class Submission:
             yield out
             if out.finished:
                 return
+
+
+async def answer(st: ServerState, request: Request, sub: Submission, events: AsyncIterator[str] | None,
+                 what: str, build: Any) -> Response:
+    """The HTTP answer to a submission: `events` as Server-Sent Events when streaming, otherwise `build(finals)`
+    as JSON once every request finished (499 when the client left first). The submission is closed either way."""
+    if events is not None:
+        return SSEResponse(guarded(st, request, events, what), on_close=sub.close)
+    try:
+        done, finals = await until_disconnect(st, request, sub.finals())
+    finally:
+        sub.close()
+    if not done:
+        return Response(status_code=499)
+    return JSONResponse(build(finals))

@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 import flowrt as fr
-from support import STORIES
+from support import STORIES, leak_checked_model
 
 MODEL = str(STORIES)
 
@@ -27,14 +27,7 @@ def engine():
 
 @pytest.fixture()
 def llm(engine):
-    m = fr.Model(engine)
-    yield m
-    import gc
-
-    gc.collect()
-    st = engine.stats()
-    assert st["open_sequences"] == 0, st
-    assert st["kv_blocks_used"] == 0, st  # no leak: every block free or only in the prefix cache
+    yield from leak_checked_model(engine)
 
 
 def stats_delta(engine, before):

@@ -12,7 +12,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 import flowrt as fr
-from support import STORIES
+from support import STORIES, leak_checked_model
 
 pytest.importorskip("flowrt.engine")
 
@@ -41,14 +41,7 @@ def engine():
 
 @pytest.fixture()
 def llm(engine):
-    m = fr.Model(engine)
-    yield m
-    import gc
-
-    gc.collect()
-    st = engine.stats()
-    assert st["open_sequences"] == 0, st
-    assert st["kv_blocks_used"] == 0, st
+    yield from leak_checked_model(engine)
 
 
 def run(fn, *args):

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 import flowrt as fr
 from flowrt.toolcalls import ToolCall
-from support import ROOT
+from support import ROOT, leak_checked_model
 
 pytest.importorskip("flowrt.engine")
 
@@ -101,14 +101,7 @@ def engine():
 
 @pytest.fixture()
 def llm(engine):
-    m = fr.Model(engine)
-    yield m
-    import gc
-
-    gc.collect()
-    st = engine.stats()
-    assert st["open_sequences"] == 0, st
-    assert st["kv_blocks_used"] == 0, st
+    yield from leak_checked_model(engine)
 
 
 def test_call_tools_runs_sync_and_async_tools_concurrently(llm):
