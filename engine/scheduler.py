@@ -339,7 +339,7 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 blocked = True
                 break
-            if not (seq.request is not None and seq.request.prompt_logprobs is not None):
+            if not _scoring(seq):
                 self.kv.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, n, batch.plan):

@@ -16,15 +16,6 @@ MODEL = str(STORIES)
 pytest.importorskip("flowrt.engine")
 
 
-@pytest.fixture(scope="module")
-def engine():
-    from flowrt.engine import AsyncLLM
-
-    eng = AsyncLLM(model=MODEL, dtype="float32", num_kv_blocks=512, seed=0)
-    yield eng
-    eng.shutdown()
-
-
 @pytest.fixture()
 def llm(engine):
     yield from leak_checked_model(engine)

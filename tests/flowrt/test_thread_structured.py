@@ -30,15 +30,6 @@ class Record(BaseModel):
     n: Annotated[int, Field(ge=0, le=9)]
 
 
-@pytest.fixture(scope="module")
-def engine():
-    from flowrt.engine import AsyncLLM
-
-    eng = AsyncLLM(model=MODEL, dtype="float32", num_kv_blocks=512, seed=0)
-    yield eng
-    eng.shutdown()
-
-
 @pytest.fixture()
 def llm(engine):
     yield from leak_checked_model(engine)
