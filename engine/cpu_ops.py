@@ -181,6 +181,19 @@ void rope_f32(float* x, int64_t row_st, int64_t T, int nh, int D, const float* c
     }
 }
 
+// out[t] = silu(gu[t, :I]) * gu[t, I:] for rows of the fused gate+up projection [T, 2I] (row stride gu_st):
+// one pass instead of silu, then a multiply (each a full read and write of the activations).
+void silu_mul_f32(const float* gu, int64_t gu_st, float* out, int64_t T, int I) {
+    #pragma omp parallel for schedule(static) if (T * I >= 65536)
+    for (int64_t t = 0; t < T; ++t) {
+        const float* g = gu + t * gu_st;
+        const float* u = g + I;
+        float* o = out + t * (int64_t)I;
+        #pragma omp simd
+        for (int i = 0; i < I; ++i) o[i] = g[i] / (1.f + fexp(-g[i])) * u[i];
+    }
+}
+
 }  // extern "C"
 """
 
@@ -240,7 +253,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode_f32.argtypes = [P, I64, P, P, P, I64, P, P, I32, P, I64, P, I32, I32, I32, I32, I32, F]
     lib.add_rmsnorm_f32.argtypes = [P, P, P, P, I64, I32, F]
     lib.rope_f32.argtypes = [P, I64, I64, I32, I32, P, P, P]
-    for f in (lib.add_rmsnorm_f32, lib.rope_f32):
+    lib.silu_mul_f32.argtypes = [P, I64, P, I64, I32]
+    for f in (lib.add_rmsnorm_f32, lib.rope_f32, lib.silu_mul_f32):
         f.restype = None
 
 
@@ -309,3 +323,11 @@ def rope_(x: torch.Tensor, nheads: int, head_dim: int, cos_table, sin_table, pos
     """Rotates the first nheads heads of every row of x [T, >= nheads*head_dim] (row stride x.stride(0)) in place."""
     _lib.rope_f32(x.data_ptr(), x.stride(0), x.shape[0], nheads, head_dim, cos_table.data_ptr(),
                   sin_table.data_ptr(), positions.data_ptr())
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2I] = cat(gate, up) (rows contiguous in the last dim): [T, I]."""
+    T, I2 = gate_up.shape
+    out = torch.empty(T, I2 // 2, dtype=gate_up.dtype, device=gate_up.device)
+    _lib.silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), T, I2 // 2)
+    return out

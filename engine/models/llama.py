@@ -101,8 +101,7 @@ class LlamaLayer(nn.Module):
         k = qk[:, self.q_size : self.q_size + self.kv_size].view(T, Hkv, D)
         attn = backend.forward(q, k, v.view(T, Hkv, D), k_cache, v_cache, meta, D**-0.5)
         h, x = add_rms_norm(h, self.mm["o"](attn.reshape(T, -1)), self.post_norm, eps, rope.fused)
-        gate, up = self.mm["gate_up"](x).chunk(2, dim=-1)
-        return h, self.mm["down"](F.silu(gate).mul_(up))
+        return h, self.mm["down"](silu_mul(self.mm["gate_up"](x), rope.fused))
 
 
 def add_rms_norm(h, delta, weight, eps: float, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,6 +111,14 @@ def add_rms_norm(h, delta, weight, eps: float, fused: bool) -> tuple[torch.Tenso
     if delta is not None:
         h = h + delta
     return h, rms_norm(h, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
+    """silu(gate) * up of the fused gate+up projection; fused: one pass of the C kernel."""
+    if fused and gate_up.stride(1) == 1:
+        return cpu_ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
 
 
 class _Rope:

@@ -29,6 +29,17 @@ def test_add_rmsnorm_matches_torch(T, E, with_delta):
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T,I", [(1, 8), (3, 1536), (64, 1536)])
+def test_silu_mul_matches_torch(T, I):
+    torch.manual_seed(I + T)
+    gu = torch.randn(T, 2 * I) * 6  # large magnitudes too: exp over- and underflow must saturate cleanly
+    gu[0, 0], gu[-1, I - 1] = -200.0, 200.0
+    ref = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+    out = cpu_ops.silu_mul(gu)
+    assert out.shape == (T, I) and out.is_contiguous()
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("T,nh,D", [(1, 3, 16), (5, 12, 64), (200, 6, 128)])
 def test_rope_in_place_matches_torch(T, nh, D):
     torch.manual_seed(D)
