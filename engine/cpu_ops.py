@@ -52,33 +52,75 @@ static inline float fexp(float x) {
     return p * scale;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FLOWRT_AVX2 1
+// [sum(a0), ..., sum(a7)]: eight horizontal sums in one vector (a transpose-and-add tree instead of eight
+// separate reductions).
+static inline __m256 hsum8(const __m256* a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
 // Decode attention for one (sequence, KV head): its G query heads against tokens start .. seq_len-1, read in place
 // from the paged pool [N, bs, Hkv, D]. DD > 0 fixes the head size at compile time (registers hold a row).
+// With AVX2, scores are computed for eight tokens at a time (one vector of eight dot products, no reduction per
+// token) and the weighted sum of values keeps its accumulator row in registers (explicit FMAs).
 template <int DD>
 static void decode_one(const float* qp, const float* kc, const float* vc, const int32_t* tab, int start, int end,
                        int Hkv, int kh, int G, int Drt, int bs, float scale, float* op, float* lse_out,
                        std::vector<float>& s) {
     const int D = DD > 0 ? DD : Drt;
     const int L = end - start;
-    s.resize((size_t)G * L);
+    const int Ls = (L + 7) & ~7;  // each head's score row, padded to whole vectors
+    s.resize((size_t)G * Ls);
     const int64_t tok_st = (int64_t)Hkv * D;
-    for (int pos = start; pos < end;) {
-        const int blk = tab[pos / bs], off = pos % bs;
-        const int n = std::min(bs - off, end - pos);
-        const float* kp = kc + ((int64_t)blk * bs + off) * tok_st + (int64_t)kh * D;
-        for (int i = 0; i < n; ++i, kp += tok_st) {
+    auto row = [&](const float* cache, int pos) {
+        return cache + ((int64_t)tab[pos / bs] * bs + pos % bs) * tok_st + (int64_t)kh * D;
+    };
+#ifdef FLOWRT_AVX2
+    if constexpr (DD > 0 && DD % 8 == 0) {
+        constexpr int C = DD / 8;
+        const __m256 vscale = _mm256_set1_ps(scale);
+        for (int pos = start; pos < end; pos += 8) {
+            const int n = std::min(8, end - pos);
+            const float* kp[8];
+            for (int j = 0; j < 8; ++j) kp[j] = row(kc, pos + (j < n ? j : 0));
             for (int g = 0; g < G; ++g) {
                 const float* qg = qp + g * D;
-                float acc = 0.f;
-                #pragma omp simd reduction(+:acc)
-                for (int d = 0; d < D; ++d) acc += qg[d] * kp[d];
-                s[(size_t)g * L + (pos - start) + i] = acc * scale;
+                __m256 acc[8];
+                for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+                for (int c = 0; c < C; ++c) {
+                    const __m256 qv = _mm256_loadu_ps(qg + 8 * c);
+                    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[j] + 8 * c), acc[j]);
+                }
+                // a partial last group's extra lanes land in the row's padding
+                _mm256_storeu_ps(s.data() + (size_t)g * Ls + (pos - start), _mm256_mul_ps(hsum8(acc), vscale));
             }
         }
-        pos += n;
+    } else
+#endif
+    {
+        for (int pos = start; pos < end;) {
+            const int n = std::min(bs - pos % bs, end - pos);
+            const float* kp = row(kc, pos);
+            for (int i = 0; i < n; ++i, kp += tok_st) {
+                for (int g = 0; g < G; ++g) {
+                    const float* qg = qp + g * D;
+                    float acc = 0.f;
+                    #pragma omp simd reduction(+:acc)
+                    for (int d = 0; d < D; ++d) acc += qg[d] * kp[d];
+                    s[(size_t)g * Ls + (pos - start) + i] = acc * scale;
+                }
+            }
+            pos += n;
+        }
     }
     for (int g = 0; g < G; ++g) {
-        float* sg = s.data() + (size_t)g * L;
+        float* sg = s.data() + (size_t)g * Ls;
         float m = -INFINITY;
         for (int t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
         float sum = 0.f;
@@ -86,12 +128,31 @@ static void decode_one(const float* qp, const float* kc, const float* vc, const 
         for (int t = 0; t < L; ++t) { float e = fexp(sg[t] - m); sg[t] = e; sum += e; }
         const float inv = 1.f / sum;
         if (lse_out) lse_out[g] = m + std::log(sum);
+#ifdef FLOWRT_AVX2
+        if constexpr (DD > 0 && DD % 8 == 0 && DD <= 64) {
+            constexpr int C = DD / 8;
+            __m256 acc[C];
+            for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+            for (int pos = start; pos < end;) {
+                const int n = std::min(bs - pos % bs, end - pos);
+                const float* vp = row(vc, pos);
+                const float* pg = sg + (pos - start);
+                for (int i = 0; i < n; ++i, vp += tok_st) {
+                    const __m256 pr = _mm256_set1_ps(pg[i]);
+                    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(vp + 8 * c), acc[c]);
+                }
+                pos += n;
+            }
+            const __m256 vinv = _mm256_set1_ps(inv);
+            for (int c = 0; c < C; ++c) _mm256_storeu_ps(op + g * D + 8 * c, _mm256_mul_ps(acc[c], vinv));
+            continue;
+        }
+#endif
         float acc[DD > 0 ? DD : 256];
         for (int d = 0; d < D; ++d) acc[d] = 0.f;
         for (int pos = start; pos < end;) {
-            const int blk = tab[pos / bs], off = pos % bs;
-            const int n = std::min(bs - off, end - pos);
-            const float* vp = vc + ((int64_t)blk * bs + off) * tok_st + (int64_t)kh * D;
+            const int n = std::min(bs - pos % bs, end - pos);
+            const float* vp = row(vc, pos);
             const float* pg = sg + (pos - start);
             for (int i = 0; i < n; ++i, vp += tok_st) {
                 const float pr = pg[i];
