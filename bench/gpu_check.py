@@ -11,6 +11,8 @@ plain-torch reference (on a few sequences where the reference would be too big) 
 ``torch.nn.functional.scaled_dot_product_attention`` run on the same K/V laid out contiguously, which
 is also the speed baseline:
 
+- batch-1 decode at 4k and 32k context (Llama-3-8B and SmolLM2 head shapes): bandwidth of eager calls and of
+  CUDA-graph replays (GPU time alone, as the engine's decode graphs run it), each vs SDPA timed the same way;
 - decode: achieved bandwidth = bytes of K and V the step must read / kernel time (GB/s);
 - prefill: TFLOP/s = 4 * head_dim * num_heads * (sum over queries of visible keys) / time.
 
@@ -233,6 +235,68 @@ def run_decode(K, dtype, t0, budget):
     empty_cache()
 
 
+# ------------------------------------------------------------------------------------------------ batch-1 decode
+B1_SHAPES = [(32, 8, 128), (9, 3, 64)]  # (heads, KV heads, head_dim): Llama-3-8B, SmolLM2-135M
+B1_CONTEXTS = [4096, 32768]
+if SMOKE:
+    B1_SHAPES, B1_CONTEXTS = [(4, 2, 64)], [300]
+
+
+def bench_graph_ms(fn) -> float:
+    """Median ms of fn replayed from a CUDA graph: GPU time without Python launch overhead (how the engine's
+    decode graphs run it). Falls back to plain timing in the smoke test."""
+    if SMOKE:
+        return bench_ms(fn)
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=40, return_mode="median")
+
+
+def run_batch1(K, dtype, t0, budget):
+    """Batch-1 decode attention at long context vs SDPA (the split-K heuristic's case; target >= 70% of SDPA)."""
+    print(f"\n== batch-1 decode attention vs SDPA, {num_sms()} SMs, {dtype}: eager calls and CUDA-graph replays ==")
+    print(f"{'H/Hkv/D':>9} {'ctx':>6} {'split':>5} {'GB/s':>7} {'graph GB/s':>10} {'sdpa GB/s':>9} {'sdpa graph':>10}"
+          f" {'ratio':>6} {'graph ratio':>11}  check")
+    dev = DEV
+    esize = torch.finfo(dtype).bits // 8
+    for h, hkv, d in B1_SHAPES:
+        for ctx in B1_CONTEXTS:
+            if out_of_time(t0, budget, f"batch-1 decode {h}/{hkv}/{d} x {ctx}"):
+                return
+            try:
+                gen = torch.Generator(device=dev).manual_seed(ctx + h)
+                nblk = -(-ctx // BS)
+                k_cache = torch.randn((nblk + 8, BS, hkv, d), dtype=dtype, device=dev, generator=gen)
+                v_cache = torch.randn((nblk + 8, BS, hkv, d), dtype=dtype, device=dev, generator=gen)
+                bt = (torch.randperm(nblk + 8, device=dev, generator=gen)[:nblk].to(torch.int32))[None]
+                seq_lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
+                q = torch.randn((1, h, d), dtype=dtype, device=dev, generator=gen)
+                scale = d**-0.5
+                splits = K.choose_num_splits(1, hkv, ctx, num_sms())
+                out = torch.empty_like(q)
+
+                def ours():
+                    return K.paged_decode_attention(q, k_cache, v_cache, bt, seq_lens, scale, out=out, max_seq_len=ctx)
+
+                ours()
+                e_ref = err(out, K.paged_decode_attention_ref(q, k_cache, v_cache, bt, seq_lens, scale))
+                kc = k_cache[bt[0].long()].reshape(1, nblk * BS, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
+                vc = v_cache[bt[0].long()].reshape(1, nblk * BS, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
+                sd, _ = sdpa_fn(q[:, :, None], kc, vc, scale=scale)
+                nbytes = 2 * ctx * hkv * d * esize
+                gbs = [nbytes / bench(fn) / 1e6 for fn in (ours, sd) for bench in (bench_ms, bench_graph_ms)]
+                ratio, gratio = gbs[0] / gbs[2], gbs[1] / gbs[3]
+                ok = verdict(f"batch-1 decode {h}/{hkv}/{d}x{ctx}", e_ref, TOL[dtype])
+                target = "" if SMOKE else (" (>= 70% of SDPA in graphs: " + ("met)" if gratio >= 0.7 else "NOT MET)"))
+                print(f"{f'{h}/{hkv}/{d}':>9} {ctx:>6} {splits:>5} {gbs[0]:>7.0f} {gbs[1]:>10.0f} {gbs[2]:>9.0f}"
+                      f" {gbs[3]:>10.0f} {ratio:>6.2f} {gratio:>11.2f}  {ok}{target}", flush=True)
+            except Exception as exc:  # noqa: BLE001
+                FAILURES.append(f"batch-1 decode {h}/{hkv}/{d}x{ctx}: {type(exc).__name__}")
+                print(f"{h}/{hkv}/{d} {ctx}: ERROR {type(exc).__name__}: {str(exc)[:300]}")
+                traceback.print_exc(limit=3)
+            empty_cache()
+
+
 # ------------------------------------------------------------------------------------------------ prefill
 def run_prefill(K, dtype, t0, budget):
     print(f"\n== paged prefill (causal over cached prefix + new tokens): H={H} Hkv={HKV} D={D} block={BS} {dtype} ==")
@@ -397,7 +461,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=140.0, help="seconds for the benchmark part (default 140)")
     ap.add_argument("--pytest-timeout", type=float, default=130.0)
     ap.add_argument("--skip-pytest", action="store_true")
-    ap.add_argument("--only", choices=["decode", "prefill", "cache"], action="append")
+    ap.add_argument("--only", choices=["batch1", "decode", "prefill", "cache"], action="append")
     ap.add_argument("--smoke", action="store_true", help="run this script on CPU with tiny shapes (self-test)")
     args = ap.parse_args(argv)
 
@@ -422,9 +486,10 @@ def main(argv=None) -> int:
         return 2
     dtype = DTYPES[args.dtype]
     torch.backends.cuda.matmul.allow_tf32 = False
-    only = set(args.only or ["decode", "prefill", "cache"])
+    only = set(args.only or ["batch1", "decode", "prefill", "cache"])
     t0 = time.time()
-    for name, fn in (("decode", run_decode), ("prefill", run_prefill), ("cache", run_cache_ops)):
+    for name, fn in (("batch1", run_batch1), ("decode", run_decode), ("prefill", run_prefill),
+                     ("cache", run_cache_ops)):
         if name not in only:
             continue
         try:

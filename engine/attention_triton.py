@@ -3,6 +3,10 @@
 Decode-only steps use the decode kernel (GQA, split-K for few long sequences); any step with a prefill
 chunk runs one varlen prefill launch over the whole mixed batch. On a CPU the kernels run through
 Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check this backend.
+
+Decode steps are capturable in CUDA graphs (engine/cuda_graphs.py): `prepare` does nothing, and the decode
+forward reads only tensors plus `max_query_len`/`max_seq_len`, which a graph's metadata fixes per bucket
+(max_seq_len = max_model_len, so the split-K launch shape is fixed too); rows with slot -1 write no K/V.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from .attention import AttentionMetadata
 
 class TritonAttentionBackend:
     name = "triton"
+    supports_cuda_graphs = True  # see the module docstring
 
     def __init__(self) -> None:
         from flowrt import kernels

@@ -58,6 +58,9 @@ class EngineArgs(BaseModel):
     max_wait_steps: int = Field(256, ge=1)  # program policy: no request waits more steps than this
     # structured outputs: append the tokens a grammar forces (the only one its mask allows) without sampling
     enable_forced_tokens: bool = True
+    # True: never capture CUDA graphs (every step runs eagerly). False: on CUDA with the triton backend, pure
+    # decode steps replay a graph captured per batch-size bucket on first use (engine/cuda_graphs.py).
+    enforce_eager: bool = False
 
     @field_validator("dtype", "kv_cache_dtype", mode="before")
     @classmethod

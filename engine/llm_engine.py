@@ -15,12 +15,14 @@ import itertools
 import logging
 import os
 import threading
+from dataclasses import replace
 from typing import Callable, Iterable
 
 import torch
 
 from .block_pool import BlockPool
 from .config import EngineArgs
+from .cuda_graphs import GraphConfig
 from .input_processor import InputProcessor
 from .kv_cache import allocate_kv_cache
 from .kv_cache_manager import KVCacheManager
@@ -75,7 +77,10 @@ class LLMEngine:
                                    enable_prefix_caching=args.enable_prefix_caching,
                                    policy=args.scheduling_policy, max_wait_steps=args.max_wait_steps)
         self.backend_name = args.resolved_backend(self.device)
-        self.runner = ModelRunner(loaded.model, self.kv, bs, make_backend(self.backend_name), self.device)
+        graphs = GraphConfig.from_env()
+        graphs = replace(graphs, enabled=graphs.enabled and not args.enforce_eager, max_batch=args.max_num_seqs,
+                         max_model_len=max_len)
+        self.runner = ModelRunner(loaded.model, self.kv, bs, make_backend(self.backend_name), self.device, graphs)
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_ids)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, max_len, num_blocks, bs, self.structured)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.eos_ids, max_len, self.structured,

@@ -1,5 +1,10 @@
 """Runs one step: flattens the scheduled batch into one token stream, performs the step's block copies,
-runs the model once, and returns logits only for the rows that need them."""
+runs the model once, and returns logits only for the rows that need them.
+
+On CUDA with a graph-capable backend (Triton), pure decode steps replay a CUDA graph of their batch-size
+bucket instead (engine/cuda_graphs.py); prefill and mixed steps, and batches over the largest bucket, run
+eagerly. GraphConfig.emulate runs that same graph path eagerly off CUDA, which is how the CPU tests cover it.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import numpy as np
 import torch
 
 from .attention import AttentionMetadata
+from .cuda_graphs import DecodeGraphs, GraphConfig, GraphStep, supports_graphs
 from .models.llama import LlamaModel
 from .scheduler import SchedulerOutput
 
@@ -20,6 +26,7 @@ class StepInputs:
     meta: AttentionMetadata
     copies: tuple[torch.Tensor, torch.Tensor] | None
     logit_rows: torch.Tensor  # flat row indices whose logits are needed
+    graph: GraphStep | None = None  # set: the rows are staged in the decode graphs' static buffers; replay
 
 
 # ---- the runner's output contract (owned by the engine core) ----
@@ -43,16 +50,37 @@ def make_backend(name: str):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: torch.Tensor, block_size: int, backend, device: torch.device):
+    def __init__(self, model: LlamaModel, kv: torch.Tensor, block_size: int, backend, device: torch.device,
+                 graphs: GraphConfig | None = None):
         self.model = model
         self.kv = kv  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self.kv_caches = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
         self.block_size = block_size
         self.backend = backend
         self.device = device
+        self.graphs: DecodeGraphs | None = None
+        self.configure_graphs(graphs if graphs is not None else GraphConfig.from_env())
 
-    def prepare(self, batch: SchedulerOutput, logit_rows: list[int]) -> StepInputs:
-        """Everything the step needs, built once in tensors (never per layer)."""
+    def configure_graphs(self, cfg: GraphConfig) -> bool:
+        """(Re)decides whether decode steps use graphs: on CUDA (or emulated) with a graph-capable backend,
+        unless disabled. Captures nothing yet (buckets are captured at first use). Returns whether they are on."""
+        if self.graphs is not None:
+            self.graphs.release()
+        on = cfg.enabled and supports_graphs(self.backend) and (self.device.type == "cuda" or cfg.emulate)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.block_size, self.device, cfg) \
+            if on else None
+        return on
+
+    def prepare(self, batch: SchedulerOutput, logit_rows: list[int], eager: bool = False) -> StepInputs:
+        """Everything the step needs, built once in tensors (never per layer). A pure decode step that fits a
+        graph bucket is staged into the graphs' static buffers instead (unless `eager`)."""
+        copies = None
+        if batch.plan.copies:
+            src, dst = zip(*batch.plan.copies)
+            copies = (torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+        bucket = None if eager or self.graphs is None else self.graphs.bucket(batch)
+        if bucket is not None:
+            return self._stage(batch, bucket, logit_rows, copies)
         bs = self.block_size
         ids: list[int] = []
         pos_parts, slot_parts = [], []
@@ -90,10 +118,6 @@ class ModelRunner:
             block_size=bs,
         )
         self.backend.prepare(meta)
-        copies = None
-        if batch.plan.copies:
-            src, dst = zip(*batch.plan.copies)
-            copies = (torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(pos_parts)).to(dev),
@@ -102,6 +126,14 @@ class ModelRunner:
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
         )
 
+    def _stage(self, batch: SchedulerOutput, bucket: int, logit_rows: list[int], copies) -> StepInputs:
+        g = self.graphs
+        step = g.stage(batch, bucket, logit_rows)
+        rows = g.rows[: len(logit_rows)] if step.all_rows else torch.tensor(logit_rows, dtype=torch.long,
+                                                                              device=self.device)
+        return StepInputs(input_ids=g.input_ids[:bucket], positions=g.positions[:bucket], meta=g.meta(bucket),
+                          copies=copies, logit_rows=rows, graph=step)
+
     def execute(self, inp: StepInputs) -> ModelRunnerOutput:
         return ModelRunnerOutput(logits=self._forward(inp))
 
@@ -109,7 +141,10 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, inp: StepInputs) -> torch.Tensor:
         if inp.copies is not None:
-            self.backend.copy_blocks(self.kv, *inp.copies)
+            self.backend.copy_blocks(self.kv, *inp.copies)  # outside the graph, before it writes KV
+        if inp.graph is not None:
+            self.graphs.stats["copies"] += inp.copies is not None
+            return self.graphs.replay(inp.graph, inp.logit_rows)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, self.backend)
         if inp.logit_rows.numel() == 0:
             return torch.empty(0, self.model.cfg.vocab_size)

@@ -13,7 +13,7 @@ import torch
 from ._dispatch import (LOG2E, Kernel, cdiv, dot_precision, dot_upcast, next_pow2, num_sms,  # noqa: F401
                         tl, tl_dtype, triton)
 
-__all__ = ["paged_decode_attention", "choose_num_splits"]
+__all__ = ["paged_decode_attention", "choose_num_splits", "split_plan"]
 
 
 def _decode_kernel(
@@ -123,20 +123,41 @@ _REDUCE = Kernel(_reduce_kernel)
 
 # Tokens scored per inner-loop step; 64 keeps register use modest for head_dim 128 on every GPU.
 DECODE_BLOCK_N = 64
-MAX_SPLITS = 32
-MIN_TOKENS_PER_SPLIT = 256
+# Split-K: aim for this many decode programs per SM (one wave, enough loads in flight to saturate HBM),
+# never cut a chunk shorter than MIN_TOKENS_PER_SPLIT (its partial result and the merge stay a few % of
+# its K/V bytes), and never merge more than MAX_SPLITS partials (the merge holds them in registers).
+PROGRAMS_PER_SM = 4
+MIN_TOKENS_PER_SPLIT = DECODE_BLOCK_N
+MAX_SPLITS = 128
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Split-K factor: split only when batch * num_kv_heads programs would leave SMs idle, and never
-    into chunks shorter than MIN_TOKENS_PER_SPLIT tokens."""
-    programs = batch * num_kv_heads
-    target = 2 * num_sms
-    if programs >= target or max_seq_len < 2 * MIN_TOKENS_PER_SPLIT:
+    """Split-K factor for a decode launch of ``batch * num_kv_heads`` programs over up to ``max_seq_len``
+    tokens on a GPU with ``num_sms`` SMs (pure: pass the SM count in).
+
+    Few programs (batch 1 with a handful of KV heads) leave most SMs idle and each one streams the whole
+    context serially, so the context is cut into enough splits to give every SM ~PROGRAMS_PER_SM programs,
+    bounded by MIN_TOKENS_PER_SPLIT and MAX_SPLITS. The result is what the kernel actually launches:
+    chunks are whole tiles (see :func:`split_plan`), so it may be lower than the ideal count.
+    """
+    programs = max(1, batch * num_kv_heads)
+    target = PROGRAMS_PER_SM * max(1, num_sms)
+    most = min(MAX_SPLITS, max_seq_len // MIN_TOKENS_PER_SPLIT)
+    if programs >= target or most < 2:
         return 1
-    want = cdiv(target, programs)
-    most = max_seq_len // MIN_TOKENS_PER_SPLIT
-    return max(1, min(want, most, MAX_SPLITS))
+    return split_plan(max_seq_len, min(cdiv(target, programs), most))[0]
+
+
+def split_plan(max_seq_len: int, num_splits: int) -> tuple[int, int]:
+    """(splits launched, tokens per split) for cutting ``max_seq_len`` tokens into ``num_splits`` chunks of
+    whole DECODE_BLOCK_N tiles; one split covers everything (no partials, no merge)."""
+    max_seq_len = max(1, int(max_seq_len))
+    num_splits = max(1, min(int(num_splits), cdiv(max_seq_len, DECODE_BLOCK_N)))
+    if num_splits == 1:
+        return 1, 1 << 30
+    tokens_per_split = cdiv(cdiv(max_seq_len, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
+    num_splits = cdiv(max_seq_len, tokens_per_split)
+    return (num_splits, tokens_per_split) if num_splits > 1 else (1, 1 << 30)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None,
@@ -147,7 +168,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
     whose K/V are already in the cache; 0 gives a zero row). ``num_splits`` None picks split-K from the
     GPU's SM count, the batch and ``max_seq_len`` (an upper bound on ``seq_lens``; None means
     ``block_tables.shape[1] * block_size``; pass it when block tables are padded far beyond the real
-    contexts, e.g. to ``max_model_len``). Needs no host sync; safe under CUDA graphs with fixed ``num_splits``.
+    contexts, e.g. to ``max_model_len``). Needs no host sync, and its launch shape depends only on the
+    shapes, ``max_seq_len`` and ``num_splits``: safe under CUDA graphs when those are fixed (the engine's graphs
+    pass ``max_model_len``; splits past a row's context find no tokens and write an empty partial).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, H, D], got shape {tuple(q.shape)}")
@@ -182,16 +205,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
     if num_splits is None:
         sms = num_sms(q.device.index or 0) if q.device.type == "cuda" else 1
         num_splits = choose_num_splits(bsz, num_kv_heads, max_seq_len, sms)
-    num_splits = max(1, min(int(num_splits), cdiv(max_seq_len, DECODE_BLOCK_N)))
-    tokens_per_split = cdiv(cdiv(max_seq_len, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
-    if num_splits > 1:
-        num_splits = cdiv(max_seq_len, tokens_per_split)
+    num_splits, tokens_per_split = split_plan(max_seq_len, num_splits)
     if num_splits == 1:
-        tokens_per_split = 1 << 30  # one chunk covers everything
         part_o = part_lse = out  # unused
-    else:
-        part_o = torch.empty((bsz, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((bsz, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:  # one allocation for both partial buffers: [B, H, S, D] outputs then [B, H, S] log-sum-exps
+        rows = bsz * num_heads * num_splits
+        parts = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
+        part_o, part_lse = parts[: rows * head_dim], parts[rows * head_dim :]
 
     block_d = max(16, next_pow2(head_dim))  # tl.dot needs K >= 16; masked lanes are zero
     dev = q.device
@@ -213,6 +233,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
         _REDUCE.on(dev)[(bsz, num_heads)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
             BLOCK_S=next_pow2(num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4 if next_pow2(num_splits) * block_d <= 4096 else 8,
         )
     return out

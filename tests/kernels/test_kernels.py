@@ -164,10 +164,48 @@ def test_paged_decode_zero_length_row_gives_zeros():
 
 def test_choose_num_splits():
     assert K.choose_num_splits(256, 8, 32768, 132) == 1  # plenty of programs
-    assert K.choose_num_splits(1, 8, 128, 132) == 1  # too short to split
-    assert K.choose_num_splits(1, 8, 32768, 132) == 32  # one long sequence: fill the GPU
-    assert K.choose_num_splits(4, 8, 1024, 132) == 4  # capped by the 256-token minimum chunk
-    assert 1 < K.choose_num_splits(8, 8, 8192, 132) <= 5
+    assert K.choose_num_splits(1, 8, 100, 132) == 1  # too short to split
+    assert K.choose_num_splits(1, 8, 4096, 132) == 64  # one long sequence: fill the GPU (one tile per split)
+    assert K.choose_num_splits(1, 3, 4096, 132) == 64  # few KV heads (SmolLM2): as many as whole tiles allow
+    assert K.choose_num_splits(1, 3, 32768, 132) == 128  # capped by MAX_SPLITS (the merge holds them all)
+    assert K.choose_num_splits(4, 8, 1024, 132) == 16  # capped by the one-tile minimum chunk
+    assert K.choose_num_splits(1, 8, 32768, 1) == 1  # a CPU ("1 SM"): 8 programs are enough
+    assert 1 < K.choose_num_splits(8, 8, 8192, 132) <= 10
+
+
+@pytest.mark.parametrize("batch,hkv,ctx", [(1, 8, 4096), (1, 8, 32768), (1, 3, 4096), (1, 3, 32768), (1, 1, 300),
+                                           (8, 8, 8192), (32, 8, 4096), (64, 3, 2048), (256, 8, 4096)])
+def test_split_choice_fills_the_gpu_with_whole_tiles(batch, hkv, ctx):
+    """H200: 132 SMs. Splits are whole 64-token tiles, cover the context exactly, stay under the merge's cap,
+    and give batch 1 at long context at least 1x (2x from 8 KV heads or 32k tokens on) the SMs in programs."""
+    from flowrt.kernels.decode_attention import DECODE_BLOCK_N, MAX_SPLITS, split_plan
+
+    sms = 132
+    s = K.choose_num_splits(batch, hkv, ctx, sms)
+    n, tps = split_plan(ctx, s)
+    assert n == s and 1 <= s <= MAX_SPLITS
+    if s > 1:
+        assert tps % DECODE_BLOCK_N == 0 and (s - 1) * tps < ctx <= s * tps
+    programs = batch * hkv * s
+    if batch == 1 and ctx >= 4096:
+        assert programs >= (2 * sms if hkv >= 8 or ctx >= 32768 else sms), (s, programs)
+    if batch * hkv >= 4 * sms:
+        assert s == 1
+
+
+def test_paged_decode_many_splits_and_graph_bound():
+    """The split counts the heuristic picks for an H200, on a ragged batch whose max_seq_len is a far larger
+    bound (as CUDA graphs pass max_model_len): most splits are empty, the merge must ignore them."""
+    from flowrt.kernels.decode_attention import MAX_SPLITS
+
+    bt = Batch([(1, c) for c in (700, 1, 65, 128)], 4, 1, 64, 16, torch.float32, seed=11, pad_blocks=60)
+    args = (bt.q, bt.k_cache, bt.v_cache, bt.block_tables, bt.seq_lens, bt.scale)
+    ref = K.paged_decode_attention_ref(*args)
+    bound = bt.block_tables.shape[1] * 16
+    for splits in (K.choose_num_splits(1, 1, bound, 132), MAX_SPLITS):
+        assert splits > 16
+        close(K.paged_decode_attention(*args, num_splits=splits, max_seq_len=bound), ref, torch.float32,
+              f"decode splits={splits} max_seq_len={bound}")
 
 
 # ----------------------------------------------------------------------------------------------- prefill
