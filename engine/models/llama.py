@@ -245,7 +245,15 @@ class LlamaModel(nn.Module):
         def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
             if tuple(param.shape) != tuple(value.shape):
                 raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
-            param.data.copy_(value)
+            param.data.copy_(value)  # a copy: loaded tensors may be views of a memory-mapped file
+
+        def put_cat(param: torch.Tensor, names: list[str], name: str) -> None:
+            """The fused projection written straight into its parameter (no concatenated temporary)."""
+            parts = [take(n) for n in names]
+            shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+            if tuple(param.shape) != shape:
+                raise ValueError(f"tensor {name!r} has shape {shape}, expected {tuple(param.shape)}")
+            torch.cat(parts, out=param.data)
 
         put(self.embed, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         put(self.norm, take("model.norm.weight"), "model.norm.weight")
@@ -256,8 +264,7 @@ class LlamaModel(nn.Module):
             a = p + "self_attn."
             put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
             put(layer.post_norm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
-            qkv = torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])
-            put(layer.qkv, qkv, a + "qkv_proj.weight")
+            put_cat(layer.qkv, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], a + "qkv_proj.weight")
             if layer.qkv_bias is not None:
                 b = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
                 put(layer.qkv_bias, b, a + "qkv_proj.bias")
@@ -266,8 +273,7 @@ class LlamaModel(nn.Module):
                 put(layer.q_norm, take(a + "q_norm.weight"), a + "q_norm.weight")
                 put(layer.k_norm, take(a + "k_norm.weight"), a + "k_norm.weight")
             m = p + "mlp."
-            gu = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
-            put(layer.gate_up, gu, m + "gate_up_proj.weight")
+            put_cat(layer.gate_up, [m + "gate_proj.weight", m + "up_proj.weight"], m + "gate_up_proj.weight")
             put(layer.down, take(m + "down_proj.weight"), m + "down_proj.weight")
 
 
