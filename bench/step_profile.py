@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -247,9 +248,11 @@ def run_decode(ad: EngineAdapter, SP, args, profile: bool):
     for _ in range(2):
         ad.step()  # warm-up decode steps
     ad.reset()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     for _ in range(steps):
         ad.step()
     phases = {k: v / steps for k, v in ad.acc.items()}
+    phases.update(kernel_costs(r0, steps))
     split = None
     if profile:
         split = profile_steps(ad, steps)
@@ -274,6 +277,7 @@ def run_prefill(ad: EngineAdapter, SP, args, profile: bool):
 
     one_step(), drain()  # warm-up
     acc = collections.defaultdict(float)
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     for _ in range(args.steps):
         ad.reset()
         one_step()
@@ -281,6 +285,7 @@ def run_prefill(ad: EngineAdapter, SP, args, profile: bool):
             acc[k] += v
         drain()
     phases = {k: v / args.steps for k, v in acc.items()}
+    phases.update(kernel_costs(r0, args.steps))
     split = None
     if profile:
         from torch.profiler import ProfilerActivity, profile as tprofile
@@ -294,6 +299,13 @@ def run_prefill(ad: EngineAdapter, SP, args, profile: bool):
         s, total = forward_split(prof)
         split = {k: v / max(1, args.steps // 2) for k, v in s.items()}
     return phases, split, args.prefill_seqs * args.prefill_len
+
+
+def kernel_costs(r0, steps: int) -> dict:
+    """Minor page faults and kernel (system) seconds per step since the rusage snapshot r0: memory that a step
+    faults in afresh instead of reusing shows up here (engine/cpu_memory.py)."""
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return {"_minflt": (r1.ru_minflt - r0.ru_minflt) / steps, "_sys": (r1.ru_stime - r0.ru_stime) / steps}
 
 
 def profile_steps(ad, steps):
@@ -310,6 +322,7 @@ def profile_steps(ad, steps):
 
 
 def report(name, phases, split, tokens, dtype):
+    faults, sys_s = phases.pop("_minflt", None), phases.pop("_sys", None)
     rows = {p: phases.get(p, 0.0) for p in PHASES}
     rows["other"] = phases.get("step", 0.0)  # step's own time outside every timed phase
     step = sum(rows.values())
@@ -318,6 +331,8 @@ def report(name, phases, split, tokens, dtype):
           f"forward at {gf:.1f} GFLOP/s ({dtype})")
     for k, v in rows.items():
         print(f"  {k:16s} {v * 1e3:9.2f} ms  {100 * v / step:5.1f}%")
+    if faults is not None:
+        print(f"  minor page faults {faults:.0f} per step, kernel time {sys_s * 1e3:.1f} ms per step")
     if split:
         tot = sum(split.values()) or 1.0
         print(f"  forward by op kind (torch.profiler, self CPU time; {tot * 1e3:.1f} ms per step under the profiler):")
@@ -325,6 +340,7 @@ def report(name, phases, split, tokens, dtype):
             if split.get(k):
                 print(f"    {k:14s} {split[k] * 1e3:9.2f} ms  {100 * split[k] / tot:5.1f}%")
     return {"ms_per_step": step * 1e3, "tokens_per_step": tokens, "phases_ms": {k: v * 1e3 for k, v in rows.items()},
+            "minor_faults_per_step": faults, "kernel_ms_per_step": None if sys_s is None else sys_s * 1e3,
             "forward_split_ms": {k: v * 1e3 for k, v in (split or {}).items()}}
 
 

@@ -22,6 +22,7 @@ import torch
 
 from .block_pool import BlockPool
 from .config import EngineArgs
+from .cpu_memory import tune_malloc
 from .cuda_graphs import GraphConfig
 from .input_processor import InputProcessor
 from .kv_cache import allocate_kv_cache
@@ -48,6 +49,8 @@ class LLMEngine:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.device = args.resolved_device()
+        if self.device.type == "cpu":
+            tune_malloc()  # activations reuse heap memory instead of faulting in fresh pages every step
         self.dtype = args.resolved_dtype(self.device)
         path = args.resolved_model()
         loaded = load_model(path, self.dtype, self.device, args.max_model_len, args.tokenizer)
