@@ -1,7 +1,8 @@
 """Loading a single-file GGUF checkpoint (llama.cpp's format) into Hugging Face form.
 
-``load_gguf(path, dtype)`` returns a :class:`GGUFCheckpoint`: a transformers config of the Hugging Face
-architecture, a transformers fast tokenizer with the chat template the file carries, and every weight
+``load_gguf(path, dtype)`` returns a :class:`GGUFCheckpoint`: the config of the Hugging Face architecture
+(a dict; a transformers config on request), flowrt's tokenizer with the chat template the file carries
+(converted by transformers once, then cached, see :func:`gguf_tokenizer`), and every weight
 dequantized to ``dtype`` under its Hugging Face name, so the engine's model definitions load a GGUF
 exactly as they load a safetensors directory.
 
@@ -27,6 +28,7 @@ scratch buffer, so peak memory is the result plus the largest stored tensor.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -43,7 +45,9 @@ from .weights import resolve_dtype
 
 __all__ = [
     "GGUFCheckpoint", "GGUFHeader", "GGUFTensorInfo", "load_gguf", "read_gguf_header",
-    "dequantize", "gguf_config", "gguf_tokenizer", "restore_pre_tokenizer", "restore_sentencepiece_prefix",
+    "dequantize", "gguf_config", "gguf_config_dict", "gguf_tokenizer", "convert_gguf_tokenizer",
+    "transformers_gguf_tokenizer",
+    "restore_pre_tokenizer", "restore_sentencepiece_prefix",
     "hf_tensor_name",
     "SUPPORTED_ARCHITECTURES",
 ]
@@ -452,14 +456,29 @@ def _llama3_rope_scaling(factors: torch.Tensor, rope_theta: float, head_dim: int
 
 
 def gguf_config(header: GGUFHeader, rope_freqs: torch.Tensor | None = None):
-    """The transformers config (LlamaConfig, MistralConfig, Qwen2Config or Qwen3Config) of a GGUF file.
+    """The transformers config (LlamaConfig, MistralConfig, Qwen2Config or Qwen3Config) of a GGUF file:
+    ``AutoConfig.for_model`` on :func:`gguf_config_dict`."""
+    return _transformers_config(gguf_config_dict(header, rope_freqs))
 
-    Built with ``AutoConfig.for_model`` from the llama.cpp metadata keys; where the tensors state a
-    size (vocabulary, head_dim, FFN width) they are checked against the metadata. ``rope_freqs`` is the
-    dequantized ``rope_freqs.weight`` tensor when the file has one (Llama-3 RoPE scaling).
-    """
+
+def _transformers_config(cfg: dict[str, Any]):
     from transformers import AutoConfig
 
+    kwargs = {k: v for k, v in cfg.items() if k not in ("model_type", "_name_or_path")}
+    config = AutoConfig.for_model(cfg["model_type"], **kwargs)
+    if cfg.get("_name_or_path"):
+        config._name_or_path = cfg["_name_or_path"]
+    return config
+
+
+def gguf_config_dict(header: GGUFHeader, rope_freqs: torch.Tensor | None = None) -> dict[str, Any]:
+    """A GGUF file's Hugging Face config as a config.json-style dict (``model_type`` included).
+
+    Built from the llama.cpp metadata keys; where the tensors state a size (vocabulary, head_dim, FFN
+    width) they are checked against the metadata. ``rope_freqs`` is the dequantized
+    ``rope_freqs.weight`` tensor when the file has one (Llama-3 RoPE scaling). Plain data, so the engine
+    reads it without importing transformers (``model_config.hf_config_from_dict``).
+    """
     md = header.metadata
     arch = header.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -558,11 +577,10 @@ def gguf_config(header: GGUFHeader, rope_freqs: torch.Tensor | None = None):
         raise ValueError(f"{header.path}: unsupported RoPE scaling type {stype!r} in GGUF metadata")
     if scaling is not None:
         cfg["rope_scaling"] = scaling
-
-    config = AutoConfig.for_model(model_type, **cfg)
+    cfg["model_type"] = model_type
     if name:
-        config._name_or_path = name
-    return config
+        cfg["_name_or_path"] = name
+    return cfg
 
 
 # -------------------------------------------------------------------------------------------- tokenizer
@@ -660,35 +678,129 @@ _KNOWN_PRE = {"default", "gpt2", "llama3", "llama-bpe", "llama-v3", "qwen2", "te
               "deepseek-r1-qwen", "falcon3", "pixtral", "gpt-4o"} | DIGIT_SPLIT_PRE_TOKENIZERS
 
 
+#: Bump when the conversion or what a cache entry holds changes: older entries are then rebuilt.
+TOKENIZER_CACHE_VERSION = 1
+_CACHE_KEEP = 32  # entries kept (newest first); tests write many short-lived GGUF files
+
+
+def tokenizer_cache_dir() -> Path:
+    """Where converted GGUF tokenizers are kept: $FLOWRT_CACHE_DIR or ~/.cache/flowrt, gguf-tokenizers/."""
+    root = os.environ.get("FLOWRT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flowrt")
+    return Path(root) / "gguf-tokenizers"
+
+
 def gguf_tokenizer(header: GGUFHeader, max_length: int | None = None):
-    """A transformers fast tokenizer from the GGUF tokenizer metadata, with the file's chat template.
+    """flowrt's tokenizer (engine/tokenizer.py) from the GGUF tokenizer metadata, with the file's chat template.
+
+    The first load of a file converts it with transformers (:func:`convert_gguf_tokenizer`, about 3 s with
+    the import) and caches the result under :func:`tokenizer_cache_dir`, keyed by the file's path, size
+    and modification time; later loads read the cache and do not import transformers. A cache entry that
+    cannot be read or used is rebuilt.
+    """
+    from .tokenizer import Tokenizer
+
+    md = header.metadata
+    if "tokenizer.ggml.model" not in md:
+        raise ValueError(f"{header.path}: GGUF file has no tokenizer metadata (tokenizer.ggml.model)")
+    pre = md.get("tokenizer.ggml.pre")
+    if md.get("tokenizer.ggml.model") == "gpt2" and pre not in _KNOWN_PRE:
+        logger.warning("GGUF pre-tokenizer %r is not known to flowrt; tokenization may differ from the "
+                       "original model's", pre)
+    key = _tokenizer_cache_key(header.path)
+    entry = tokenizer_cache_dir() / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+                                     + ".json")
+    tok = _cached_tokenizer(entry, key, str(header.path))
+    if tok is None:
+        data = convert_gguf_tokenizer(header)
+        _write_cache_entry(entry, {"key": key, **data})
+        tok = Tokenizer(_backend_from_str(data["tokenizer"]), data["config"], str(header.path))
+    if max_length:
+        tok.model_max_length = int(max_length)
+    return tok
+
+
+def convert_gguf_tokenizer(header: GGUFHeader) -> dict[str, Any]:
+    """The GGUF tokenizer converted with transformers (:func:`transformers_gguf_tokenizer`), as
+    {"tokenizer": tokenizer.json text, "config": tokenizer_config entries}: what the cache holds."""
+    tok = transformers_gguf_tokenizer(header)
+    named = {k: str(v) for k, v in tok.special_tokens_map.items() if isinstance(v, str) or hasattr(v, "content")}
+    config: dict[str, Any] = {
+        **named,
+        "extra_special_tokens": [t for t in tok.all_special_tokens if t not in named.values()],
+        "chat_template": tok.chat_template,
+        "clean_up_tokenization_spaces": bool(tok.clean_up_tokenization_spaces),
+        "split_special_tokens": bool(getattr(tok, "split_special_tokens", False)),
+    }
+    if tok.model_max_length < int(1e29):
+        config["model_max_length"] = int(tok.model_max_length)
+    return {"tokenizer": tok.backend_tokenizer.to_str(), "config": config}
+
+
+def transformers_gguf_tokenizer(header: GGUFHeader):
+    """A transformers fast tokenizer from the GGUF tokenizer metadata.
 
     Uses transformers' GGUF tokenizer conversion (the same as ``AutoTokenizer.from_pretrained(dir,
     gguf_file=name)``, without re-reading the whole file for a config), then
     :func:`restore_pre_tokenizer` and :func:`restore_sentencepiece_prefix`.
     """
     md = header.metadata
-    if "tokenizer.ggml.model" not in md:
-        raise ValueError(f"{header.path}: GGUF file has no tokenizer metadata (tokenizer.ggml.model)")
     try:
-        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+        from transformers.integrations.gguf import convert_gguf_tokenizer as convert, get_gguf_tokenizer
     except ImportError:  # transformers 4.x: the public path (slower: it parses the file again)
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(str(header.path.parent), gguf_file=header.path.name)
     else:
         from transformers import PreTrainedTokenizerFast
         arch, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(header.path))
-        backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
+        backend, extra = convert(arch, tokenizer_dict)
         tok = PreTrainedTokenizerFast(tokenizer_object=backend, **{**tokenizer_config, **extra})
-    pre = md.get("tokenizer.ggml.pre")
-    restore_pre_tokenizer(tok, pre)
+    restore_pre_tokenizer(tok, md.get("tokenizer.ggml.pre"))
     restore_sentencepiece_prefix(tok, md)
-    if md.get("tokenizer.ggml.model") == "gpt2" and pre not in _KNOWN_PRE:
-        logger.warning("GGUF pre-tokenizer %r is not known to flowrt; tokenization may differ from the "
-                       "original model's", pre)
-    if max_length:
-        tok.model_max_length = int(max_length)
     return tok
+
+
+def _tokenizer_cache_key(path: Path) -> dict[str, Any]:
+    st = path.stat()
+    return {"version": TOKENIZER_CACHE_VERSION, "path": str(path.resolve()), "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns}
+
+
+def _backend_from_str(text: str):
+    import tokenizers
+
+    return tokenizers.Tokenizer.from_str(text)
+
+
+def _cached_tokenizer(entry: Path, key: dict[str, Any], name: str):
+    """The cached tokenizer for ``key``, or None when there is no usable entry."""
+    from .tokenizer import Tokenizer
+
+    try:
+        data = json.loads(entry.read_text(encoding="utf-8"))
+        if data.get("key") != key:
+            return None
+        return Tokenizer(_backend_from_str(data["tokenizer"]), data["config"], name)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - any damage means: convert again
+        logger.warning("rebuilding the unusable GGUF tokenizer cache entry %s (%s)", entry, exc)
+        return None
+
+
+def _write_cache_entry(entry: Path, data: dict[str, Any]) -> None:
+    """Atomic write (a temporary file renamed over the entry), then drop the oldest entries; a cache that
+    cannot be written only costs the next load a conversion."""
+    tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+        os.replace(tmp, entry)
+        entries = sorted(entry.parent.glob("*.json"), key=lambda f: f.stat().st_mtime, reverse=True)
+        for old in entries[_CACHE_KEEP:]:
+            old.unlink(missing_ok=True)
+    except OSError as exc:
+        logger.warning("could not write the GGUF tokenizer cache entry %s: %s", entry, exc)
+        tmp.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------------------------- checkpoint
@@ -698,11 +810,20 @@ def gguf_tokenizer(header: GGUFHeader, max_length: int | None = None):
 class GGUFCheckpoint:
     """A GGUF file in Hugging Face form: what a model definition and the engine need."""
 
-    config: Any  # transformers.PretrainedConfig (LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config)
-    tokenizer: Any  # transformers fast tokenizer; chat template in tokenizer.chat_template
+    config_dict: dict[str, Any]  # the Hugging Face config as config.json would hold it (gguf_config_dict)
+    tokenizer: Any  # flowrt.engine.tokenizer.Tokenizer; chat template in tokenizer.chat_template
     tensors: dict[str, torch.Tensor]  # HF names; lm_head.weight only when not tied
     source: str  # the file's path
     metadata: dict[str, Any] = field(default_factory=dict, repr=False)  # GGUF metadata, arrays left out
+    _config: Any = field(default=None, init=False, repr=False)
+
+    @property
+    def config(self):
+        """The transformers config (LlamaConfig / MistralConfig / Qwen2Config / Qwen3Config), built on first
+        use: the engine itself reads ``config_dict`` and never imports transformers."""
+        if self._config is None:
+            self._config = _transformers_config(self.config_dict)
+        return self._config
 
     @property
     def chat_template(self) -> str | None:
@@ -752,8 +873,8 @@ def load_gguf(path: PathLike, dtype: Union[torch.dtype, str, None] = torch.float
             if "rope_freqs.weight" in header.tensors:
                 info = header.tensors["rope_freqs.weight"]
                 rope_freqs = dequantize(raw(info), info.ggml_type, info.shape, torch.float32)
-            config = gguf_config(header, rope_freqs)
-            n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
+            config = gguf_config_dict(header, rope_freqs)
+            n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
 
             tensors: dict[str, torch.Tensor] = {}
             for info in header.tensors.values():
@@ -778,9 +899,9 @@ def load_gguf(path: PathLike, dtype: Union[torch.dtype, str, None] = torch.float
         finally:
             torch.set_num_threads(threads)
 
-    tokenizer = gguf_tokenizer(header, config.max_position_embeddings) if load_tokenizer else None
+    tokenizer = gguf_tokenizer(header, config["max_position_embeddings"]) if load_tokenizer else None
     scalars = {k: v for k, v in header.metadata.items() if k not in header.array_keys}
-    return GGUFCheckpoint(config=config, tokenizer=tokenizer, tensors=tensors, source=str(header.path),
+    return GGUFCheckpoint(config_dict=config, tokenizer=tokenizer, tensors=tensors, source=str(header.path),
                           metadata=scalars)
 
 

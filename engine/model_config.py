@@ -1,8 +1,16 @@
-"""The architecture facts the engine needs, read once from a transformers config."""
+"""The architecture facts the engine needs, read once from a model's config.
+
+``hf_config_from_dict`` turns a config.json dict into the attributes a transformers config class would
+have (the class defaults filled in), so loading a model does not import transformers (about 3 s of
+start-up); ``model_config_from_hf`` accepts either.
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = {
@@ -52,7 +60,8 @@ def _eos_ids(*sources) -> tuple[int, ...]:
 
 
 def model_config_from_hf(hf, generation_eos=None) -> ModelConfig:
-    """Translate a transformers PretrainedConfig; raises ValueError naming what is unsupported."""
+    """Translate a transformers PretrainedConfig (or :func:`hf_config_from_dict`'s namespace); raises
+    ValueError naming what is unsupported."""
     archs = list(getattr(hf, "architectures", None) or [])
     model_type = getattr(hf, "model_type", None)
     if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
@@ -102,3 +111,66 @@ def model_config_from_hf(hf, generation_eos=None) -> ModelConfig:
         sliding_window=int(sliding) if sliding else None,
         eos_token_ids=_eos_ids(generation_eos, getattr(hf, "eos_token_id", None)),
     )
+
+
+#: The defaults of transformers' config classes (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config) for
+#: the keys ``model_config_from_hf`` reads; a config.json may leave any of them out.
+_COMMON_DEFAULTS: dict[str, Any] = dict(
+    hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0, num_key_value_heads=None,
+    head_dim=None, vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+)
+_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(intermediate_size=11008, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+                  attention_bias=False, mlp_bias=False),
+    "mistral": dict(intermediate_size=14336, max_position_embeddings=4096 * 32, num_key_value_heads=8,
+                    sliding_window=4096, bos_token_id=1, eos_token_id=2),
+    "qwen2": dict(vocab_size=151936, intermediate_size=22016, max_position_embeddings=32768, num_key_value_heads=32,
+                  use_sliding_window=False, sliding_window=4096, eos_token_id=None),
+    "qwen3": dict(vocab_size=151936, intermediate_size=22016, max_position_embeddings=32768, num_key_value_heads=32,
+                  head_dim=128, attention_bias=False, use_sliding_window=False, sliding_window=4096, eos_token_id=None),
+}
+
+
+def _standard_rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """RoPE parameters as transformers 5 standardizes them: one dict with rope_type and rope_theta (a
+    legacy ``rope_scaling`` dict wins over ``rope_parameters``, as in transformers)."""
+    rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] in ("llama3", "yarn", "longrope"):
+        if "original_max_position_embeddings" in cfg:
+            rope["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+        else:
+            rope.setdefault("original_max_position_embeddings", cfg["max_position_embeddings"])
+    return rope
+
+
+def hf_config_from_dict(raw: dict[str, Any]) -> SimpleNamespace:
+    """The attributes of the transformers config class for ``raw["model_type"]`` (defaults filled in the
+    way the class's constructor fills them), for the architectures flowrt supports; other model types
+    get no defaults, and ``model_config_from_hf`` then rejects them."""
+    model_type = raw.get("model_type")
+    if model_type not in _TYPE_DEFAULTS:
+        return SimpleNamespace(**raw)
+    cfg = {**_COMMON_DEFAULTS, **_TYPE_DEFAULTS[model_type], **raw}
+    if cfg["num_key_value_heads"] is None:
+        cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    if cfg["head_dim"] is None and model_type != "qwen2":
+        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    if model_type in ("qwen2", "qwen3") and not cfg["use_sliding_window"]:
+        cfg["sliding_window"] = None
+    cfg["rope_parameters"] = _standard_rope(cfg)
+    cfg.pop("rope_scaling", None)
+    return SimpleNamespace(**cfg)
+
+
+def read_hf_config(model_dir: str | Path) -> SimpleNamespace:
+    """config.json of a Hugging Face model directory, as :func:`hf_config_from_dict` fills it."""
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return hf_config_from_dict(raw)

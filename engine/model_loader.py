@@ -1,4 +1,8 @@
-"""Builds our model definition from a Hugging Face directory or a GGUF file, plus its tokenizer."""
+"""Builds our model definition from a Hugging Face directory or a GGUF file, plus its tokenizer.
+
+The normal path imports no transformers: config.json is read as JSON (model_config.read_hf_config), the
+tokenizer is flowrt's own (engine/tokenizer.py), GGUF tokenizers come from a cache (engine/gguf_loader.py).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .model_config import ModelConfig, model_config_from_hf
+from .model_config import ModelConfig, hf_config_from_dict, model_config_from_hf, read_hf_config
 from .models.llama import LlamaModel
 
 
@@ -34,7 +38,7 @@ def _generation_eos(path: Path):
 def load_model(
     path: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None, tokenizer_path: str | None = None
 ) -> LoadedModel:
-    from transformers import AutoConfig, AutoTokenizer
+    from .tokenizer import load_tokenizer
 
     t0 = time.perf_counter()
     p = Path(path)
@@ -42,7 +46,7 @@ def load_model(
         from .gguf_loader import load_gguf
 
         ckpt = load_gguf(p, dtype)
-        cfg = model_config_from_hf(ckpt.config)
+        cfg = model_config_from_hf(hf_config_from_dict(ckpt.config_dict))
         tensors, tokenizer = ckpt.tensors, ckpt.tokenizer
     else:
         from .weights import load_safetensors_dir
@@ -51,13 +55,12 @@ def load_model(
             raise FileNotFoundError(f"model path does not exist: {p}")
         if p.is_dir() and not (p / "config.json").is_file():
             raise FileNotFoundError(f"{p} has no config.json (expected a Hugging Face model directory or a .gguf file)")
-        hf = AutoConfig.from_pretrained(str(p if p.is_dir() else p.parent), trust_remote_code=False)
-        cfg = model_config_from_hf(hf, _generation_eos(p if p.is_dir() else p.parent))
+        model_dir = p if p.is_dir() else p.parent
+        cfg = model_config_from_hf(read_hf_config(model_dir), _generation_eos(model_dir))
         tensors = load_safetensors_dir(p, dtype)
         tokenizer = None
     if tokenizer_path is not None or tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or str(p if p.is_dir() else p.parent),
-                                                  trust_remote_code=False)
+        tokenizer = load_tokenizer(tokenizer_path or str(p if p.is_dir() else p.parent))
     if not cfg.eos_token_ids and tokenizer.eos_token_id is not None:
         cfg = ModelConfig(**{**cfg.__dict__, "eos_token_ids": (tokenizer.eos_token_id,)})
     max_positions = max(max_model_len or 0, cfg.max_position_embeddings)

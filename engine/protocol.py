@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Mapping, Protoco
 
 if TYPE_CHECKING:
     import numpy as np
-    from transformers import PreTrainedTokenizerBase
 
     from .outputs import RequestOutput
     from .sampling_params import SamplingParams
@@ -67,8 +66,9 @@ class EngineClient(Protocol):
     """An LLM engine as the runtime and the server use it (implemented by ``AsyncLLM``)."""
 
     @property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
-        """The model's tokenizer (a transformers tokenizer; chat template via ``apply_chat_template``)."""
+    def tokenizer(self) -> Any:
+        """The model's tokenizer: flowrt.engine.tokenizer.Tokenizer, or a transformers tokenizer where that
+        falls back to one (same API subset: encode / decode / ``apply_chat_template`` ...)."""
         ...
 
     @property

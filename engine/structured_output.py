@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import copy
 import json
 import logging
 import threading
@@ -118,6 +119,17 @@ def unpack_mask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.view(mask.shape[0], -1)[:, :vocab].bool()
 
 
+def _tokenizer_json(tokenizer) -> str:
+    """tokenizer.json text of a fast tokenizer (flowrt's or transformers'), padding and truncation off: what
+    ``llguidance.hf.from_tokenizer`` passes to LLTokenizer, without that module's transformers import."""
+    backend = copy.copy(getattr(tokenizer, "backend_tokenizer", None))
+    if backend is None:
+        raise ValueError("structured outputs need a fast tokenizer (one with a tokenizer.json)")
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
+
+
 class StructuredOutputManager:
     """One per engine: the llguidance tokenizer (built on first use), the compile cache, mask computation."""
 
@@ -146,11 +158,11 @@ class StructuredOutputManager:
         with self._lock:
             if self._ll_tokenizer is None:
                 import llguidance
-                import llguidance.hf
 
                 n_vocab = max(self.vocab_size, len(self.hf_tokenizer))
                 eos = list(self.eos_ids) or self.hf_tokenizer.eos_token_id
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=n_vocab, eos_token=eos)
+                self._ll_tokenizer = llguidance.LLTokenizer(_tokenizer_json(self.hf_tokenizer), n_vocab=n_vocab,
+                                                            eos_token=eos)
                 self.width = (self._ll_tokenizer.vocab_size + 31) // 32
                 self._executor = llguidance.LLExecutor()
             return self._ll_tokenizer

@@ -439,3 +439,21 @@ def test_smollm2_gguf_greedy_matches_reference():
         out = model.generate(chat, max_new_tokens=12, do_sample=False, eos_token_id=c.eos_token_id)
     assert tok.decode(out[0, chat.shape[1]:]) == "The capital of France is Paris.<|im_end|>"
     print(f"SmolLM2 GGUF load: {load_s:.2f} s")
+
+
+def test_checkpoint_config_dict_and_cached_tokenizer(tmp_path, llama_dir, monkeypatch):
+    """load_gguf gives the config as a plain dict (what the engine reads, no transformers) plus the same
+    transformers config as before on request, and flowrt's tokenizer, converted once and then cached."""
+    from flowrt.engine.model_config import hf_config_from_dict, model_config_from_hf
+    from flowrt.engine.tokenizer import Tokenizer
+
+    monkeypatch.setenv("FLOWRT_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(llama_dir, tmp_path / "m.gguf", "Q8_0", chat_template=CHATML_TEMPLATE)
+    ck = load_gguf(path)
+    assert isinstance(ck.tokenizer, Tokenizer) and ck.tokenizer.chat_template == CHATML_TEMPLATE
+    assert ck.config_dict["model_type"] == ck.config.model_type == "llama"
+    assert model_config_from_hf(hf_config_from_dict(ck.config_dict)) == model_config_from_hf(ck.config)
+    assert len(list((tmp_path / "cache" / "gguf-tokenizers").glob("*.json"))) == 1
+    again = load_gguf(path, load_tokenizer=True).tokenizer
+    assert again.encode("Once upon a time") == ck.tokenizer.encode("Once upon a time")
+    assert again.model_max_length == ck.config.max_position_embeddings
