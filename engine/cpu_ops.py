@@ -179,9 +179,12 @@ int paged_decode_f32(const float* q, int64_t q_st, const float* kc, const float*
     #pragma omp parallel
     {
         std::vector<float> s;
+        // KV head outermost: consecutive items (one thread's, and the two threads' neighbouring ones) read the same
+        // head's keys and values, so a prefix shared by the sequences (forks, prefix-cache hits) stays in the
+        // core's L2 for all of them instead of cycling every head's copy through L3.
         #pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int b = 0; b < B; ++b) {
-            for (int kh = 0; kh < Hkv; ++kh) {
+        for (int kh = 0; kh < Hkv; ++kh) {
+            for (int b = 0; b < B; ++b) {
                 const int64_t row = rows ? rows[b] : b;
                 const float* qp = q + row * q_st + (int64_t)kh * G * D;
                 float* op = out + row * o_st + (int64_t)kh * G * D;
