@@ -85,10 +85,20 @@ static void decode_one(const float* qp, const float* kc, const float* vc, const 
     if constexpr (DD > 0 && DD % 8 == 0) {
         constexpr int C = DD / 8;
         const __m256 vscale = _mm256_set1_ps(scale);
+        // a cursor over (block, offset) instead of a division and a modulo for every token's row
+        int bi = start / bs, off = start % bs;
+        const float* blk_base = kc + (int64_t)tab[bi] * bs * tok_st + (int64_t)kh * D;
         for (int pos = start; pos < end; pos += 8) {
             const int n = std::min(8, end - pos);
             const float* kp[8];
-            for (int j = 0; j < 8; ++j) kp[j] = row(kc, pos + (j < n ? j : 0));
+            for (int j = 0; j < n; ++j) {
+                kp[j] = blk_base + (int64_t)off * tok_st;
+                if (++off == bs && pos + j + 1 < end) {
+                    off = 0;
+                    blk_base = kc + (int64_t)tab[++bi] * bs * tok_st + (int64_t)kh * D;
+                }
+            }
+            for (int j = n; j < 8; ++j) kp[j] = kp[0];
             for (int g = 0; g < G; ++g) {
                 const float* qg = qp + g * D;
                 __m256 acc[8];
