@@ -29,14 +29,14 @@ def test_add_rmsnorm_matches_torch(T, E, with_delta):
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("T,I", [(1, 8), (3, 1536), (64, 1536)])
-def test_silu_mul_matches_torch(T, I):
-    torch.manual_seed(I + T)
-    gu = torch.randn(T, 2 * I) * 6  # large magnitudes too: exp over- and underflow must saturate cleanly
-    gu[0, 0], gu[-1, I - 1] = -200.0, 200.0
-    ref = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+@pytest.mark.parametrize("T,inter", [(1, 8), (3, 1536), (64, 1536)])
+def test_silu_mul_matches_torch(T, inter):
+    torch.manual_seed(inter + T)
+    gu = torch.randn(T, 2 * inter) * 6  # large magnitudes too: exp over- and underflow must saturate cleanly
+    gu[0, 0], gu[-1, inter - 1] = -200.0, 200.0
+    ref = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
     out = cpu_ops.silu_mul(gu)
-    assert out.shape == (T, I) and out.is_contiguous()
+    assert out.shape == (T, inter) and out.is_contiguous()
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
 
 
