@@ -358,6 +358,21 @@ def _load(args: argparse.Namespace, cmd: str) -> Any:
         raise _LoadFailed() from e
 
 
+def _load_valid(args: argparse.Namespace, cmd: str) -> Any:
+    """The validated workflow of args.file, or None after printing why (flowrt resume / graph: exit 2)."""
+    from .workflow import WorkflowError
+
+    try:
+        wf = _load(args, cmd)
+        wf.validate()
+        return wf
+    except (WorkflowError, FileNotFoundError) as e:
+        print(f"flowrt {cmd}: error: {e}", file=sys.stderr)
+    except _LoadFailed:
+        pass
+    return None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .workflow import WorkflowError
 
@@ -512,7 +527,6 @@ def _parse_answer(raw: str) -> Any:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from .checkpoint import CheckpointError, SQLiteStore
-    from .workflow import WorkflowError
 
     try:
         store = SQLiteStore(args.checkpoint)
@@ -530,13 +544,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
         print(f"flowrt resume: error: run {record.run_id} recorded no workflow file; pass --file", file=sys.stderr)
         return EXIT_USAGE
     args.file, args.workflow = file, record.workflow
-    try:
-        wf = _load(args, "resume")
-        wf.validate()
-    except (WorkflowError, FileNotFoundError) as e:
-        print(f"flowrt resume: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except _LoadFailed:
+    wf = _load_valid(args, "resume")
+    if wf is None:
         return EXIT_USAGE
     meta = record.meta or {}
     engine_kwargs = {**(meta.get("engine") or {}), **engine_kwargs_from_args(args)}
@@ -594,15 +603,9 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
-    from .workflow import WorkflowError
 
-    try:
-        wf = _load(args, "graph")
-        wf.validate()
-    except (WorkflowError, FileNotFoundError) as e:
-        print(f"flowrt graph: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except _LoadFailed:
+    wf = _load_valid(args, "graph")
+    if wf is None:
         return EXIT_USAGE
     print(wf.render(args.format))
     return EXIT_OK

@@ -17,6 +17,24 @@ STORIES_PROMPT_IDS = [1, 403, 407, 261, 378]
 STORIES_GREEDY_30 = ", there was a little girl named Lily. She loved to play outside in the park. One day,"
 
 
+def make_chat_model(out_dir: Path, chat_template: str, max_position_embeddings: int = 512) -> Path:
+    """A tiny random Llama (hidden 32, 2 layers, seed 0) with stories260K's tokenizer and the given chat template:
+    what the server's chat and tool tests serve."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(STORIES)
+    tok.chat_template = chat_template
+    tok.save_pretrained(out_dir)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(out_dir)
+    return out_dir
+
+
 def make_tiny_model(out_dir: Path, arch: str = "llama", tie: bool = True, seed: int = 0, **overrides) -> str:
     """A random-weight model of the given architecture with stories260K's tokenizer (vocab 512).
 

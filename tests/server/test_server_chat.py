@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from support import STORIES, serve_model
+from support import make_chat_model, serve_model
 
 MODEL = "tiny-chat"
 CHATML = (
@@ -29,19 +29,7 @@ TEMPLATE_THREAD = "flowrt-chat-template"
 
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory):
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny-chat")
-    tok = AutoTokenizer.from_pretrained(STORIES)
-    tok.chat_template = CHATML
-    tok.save_pretrained(d)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                      rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(d)
-    return d
+    return make_chat_model(tmp_path_factory.mktemp("tiny-chat"), CHATML)
 
 
 @pytest.fixture(scope="module")

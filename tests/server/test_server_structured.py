@@ -14,7 +14,7 @@ from typing import Literal
 import httpx
 import openai
 import pytest
-from support import STORIES, serve_model
+from support import STORIES, make_chat_model, serve_model
 from pydantic import BaseModel, Field
 
 MODEL = "tiny-tools"
@@ -48,19 +48,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny-tools")
-    tok = AutoTokenizer.from_pretrained(STORIES)
-    tok.chat_template = TOOLS_TEMPLATE
-    tok.save_pretrained(d)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
-                      rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(d)
-    return d
+    return make_chat_model(tmp_path_factory.mktemp("tiny-tools"), TOOLS_TEMPLATE, max_position_embeddings=1024)
 
 
 @pytest.fixture(scope="module")
