@@ -134,3 +134,16 @@ def leak_checked_model(engine):
     st = engine.stats()
     assert st["open_sequences"] == 0, st
     assert st["kv_blocks_used"] == 0, st
+
+
+def retrieval_cli(*argv) -> int:
+    """`flowrt index ...` / `flowrt query ...` in this process (the retrieval subcommands' parser alone)."""
+    import argparse
+
+    from flowrt.retrieval.cli import add_parser
+
+    parser = argparse.ArgumentParser(prog="flowrt")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args([str(a) for a in argv])
+    return args.func(args)

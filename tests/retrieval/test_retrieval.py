@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
@@ -29,7 +28,7 @@ from flowrt.retrieval import (
     rag,
 )
 from flowrt.retrieval.chunking import hf_token_spans
-from flowrt.retrieval.cli import add_parser
+from support import retrieval_cli as _cli
 from support import ROOT
 
 CORPUS = ROOT / "workflows" / "corpus"
@@ -449,14 +448,6 @@ def test_rag_on_real_results_shares_prefix(corpus):
 
 
 # ---------------------------------------------------------------------------------------------- CLI
-def _cli(*argv) -> int:
-    parser = argparse.ArgumentParser(prog="flowrt")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args([str(a) for a in argv])
-    return args.func(args)
-
-
 def test_cli_build_add_query_info_delete(tmp_path, capsys):
     docs = small_docs(tmp_path)
     idx = tmp_path / "cli-idx"

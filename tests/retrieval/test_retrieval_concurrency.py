@@ -3,7 +3,6 @@ racing a writer (issue 11, item 2)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -18,20 +17,12 @@ pytest.importorskip("sentence_transformers")
 
 import flowrt.retrieval.retriever as rmod
 from flowrt.retrieval import IndexConflictError, IndexLock, IndexLockedError, Retriever
-from flowrt.retrieval.cli import add_parser
+from support import retrieval_cli as _cli
 from flowrt.retrieval.lock import lock_path
 from support import ROOT
 
 TOPICS = ["Volcanoes erupt when magma rises.", "Glaciers carve valleys slowly.", "Tides follow the moon.",
           "Deserts get little rain."]
-
-
-def _cli(*argv) -> int:
-    parser = argparse.ArgumentParser(prog="flowrt")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args([str(a) for a in argv])
-    return args.func(args)
 
 
 @pytest.fixture()

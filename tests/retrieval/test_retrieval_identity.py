@@ -3,7 +3,6 @@ and indexes of format version 1 (issue 11, item 3)."""
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 from pathlib import Path
@@ -14,15 +13,7 @@ pytest.importorskip("faiss")
 pytest.importorskip("sentence_transformers")
 
 from flowrt.retrieval import Retriever, SourceConflictError, read_documents
-from flowrt.retrieval.cli import add_parser
-
-
-def _cli(*argv) -> int:
-    parser = argparse.ArgumentParser(prog="flowrt")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args([str(a) for a in argv])
-    return args.func(args)
+from support import retrieval_cli as _cli
 
 
 def _write(path: Path, text: str) -> Path:
