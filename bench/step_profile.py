@@ -153,6 +153,9 @@ class EngineAdapter:
                                                                    low.startswith("apply_rope")) else None
                 if kind:
                     self._marker(mmod, fname, f"kind::{kind}")
+        packed = getattr(sys.modules.get("flowrt.engine.cpu_ops"), "PackedLinear", None)
+        if packed is not None:  # flowrt's own projection kernel: a ctypes call, no aten op names it
+            self._marker(packed, "__call__", "kind::matmul")
         backend = getattr(runner, "backend", None) or getattr(runner, "attn_backend", None)
         if backend is not None and callable(getattr(backend, "forward", None)):
             self._marker(backend, "forward", "kind::attention")

@@ -175,7 +175,98 @@ static void decode_one(const float* qp, const float* kc, const float* vc, const 
     }
 }
 
+// ---- projections for few rows: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W prepacked into panels of 16 output
+// features, k-major inside a panel: wp[(p * K + k) * 16 + j] = W[16p + j, k] (zero rows past N). A 6 x 16 tile of y
+// lives in 12 vector registers while the panel streams through once per tile (from memory for the first row tile,
+// from L2 after), so each weight read from memory serves every row of the step: decode steps (a few to a few dozen
+// rows) are bound by streaming the weights, where general GEMM libraries spend their time packing and blocking.
+#ifdef FLOWRT_AVX2
+template <int MR>
+static inline void gemm_tile(const float* x, int64_t xs, int K, const float* w, const float* bias, float* y,
+                             int64_t ys, int nvalid) {
+    __m256 c0[MR], c1[MR];
+    const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+    #pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) { c0[r] = b0; c1[r] = b1; }
+    for (int k = 0; k < K; ++k, w += 16) {
+        const __m256 w0 = _mm256_load_ps(w), w1 = _mm256_load_ps(w + 8);
+        #pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+            const __m256 a = _mm256_broadcast_ss(x + r * xs + k);
+            c0[r] = _mm256_fmadd_ps(a, w0, c0[r]);
+            c1[r] = _mm256_fmadd_ps(a, w1, c1[r]);
+        }
+    }
+    // stores through a row buffer so the accumulators never have their address taken (they stay in registers)
+    alignas(32) float t[MR][16];
+    float* dst = nvalid == 16 ? nullptr : &t[0][0];
+    #pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+        float* yr = dst ? dst + r * 16 : y + r * ys;
+        _mm256_storeu_ps(yr, c0[r]);
+        _mm256_storeu_ps(yr + 8, c1[r]);
+    }
+    if (dst)
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < nvalid; ++j) y[r * ys + j] = t[r][j];
+}
+#endif
+
 extern "C" {
+
+// 1 when the packed projections are compiled in (AVX2 + FMA), else 0 (callers keep their other path).
+int gemm_packed_available() {
+#ifdef FLOWRT_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// W [N, K] row-major (row stride w_st) -> panels (see above); wp holds ceil(N/16) * K * 16 floats, 32-byte aligned.
+void gemm_pack_f32(const float* w, int64_t w_st, int64_t N, int64_t K, float* wp) {
+    const int64_t P = (N + 15) / 16;
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < P; ++p) {
+        float* dst = wp + p * K * 16;
+        for (int j = 0; j < 16; ++j) {
+            const int64_t n = p * 16 + j;
+            if (n < N) for (int64_t k = 0; k < K; ++k) dst[k * 16 + j] = w[n * w_st + k];
+            else for (int64_t k = 0; k < K; ++k) dst[k * 16 + j] = 0.f;
+        }
+    }
+}
+
+// y[M, N] (row stride y_st) = x[M, K] (row stride x_st) @ W^T + bias (nullable, N floats, read as padded: the
+// caller passes it padded to whole panels). Threads split the panels; each runs every row tile over its panels.
+int gemm_packed_f32(const float* x, int64_t x_st, int64_t M, int64_t K, const float* wp, int64_t N,
+                    const float* bias, float* y, int64_t y_st) {
+#ifdef FLOWRT_AVX2
+    const int64_t P = (N + 15) / 16;
+    #pragma omp parallel for schedule(static) if (M * N * K >= 262144)
+    for (int64_t p = 0; p < P; ++p) {
+        const float* w = wp + p * K * 16;
+        const float* b = bias ? bias + p * 16 : nullptr;
+        const int nvalid = (int)std::min<int64_t>(16, N - p * 16);
+        for (int64_t r = 0; r < M; r += 6) {
+            const float* xr = x + r * x_st;
+            float* yr = y + r * y_st + p * 16;
+            switch (std::min<int64_t>(6, M - r)) {
+                case 6: gemm_tile<6>(xr, x_st, (int)K, w, b, yr, y_st, nvalid); break;
+                case 5: gemm_tile<5>(xr, x_st, (int)K, w, b, yr, y_st, nvalid); break;
+                case 4: gemm_tile<4>(xr, x_st, (int)K, w, b, yr, y_st, nvalid); break;
+                case 3: gemm_tile<3>(xr, x_st, (int)K, w, b, yr, y_st, nvalid); break;
+                case 2: gemm_tile<2>(xr, x_st, (int)K, w, b, yr, y_st, nvalid); break;
+                default: gemm_tile<1>(xr, x_st, (int)K, w, b, yr, y_st, nvalid); break;
+            }
+        }
+    }
+    return 0;
+#else
+    return -1;
+#endif
+}
 
 // Decode attention (one query token per sequence) over a paged pool [N, bs, Hkv, D] float32, in place.
 // Sequence b's query row is rows[b] (or b when rows is null); it attends tokens start .. seq_lens[b]-1 of its
@@ -328,7 +419,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.add_rmsnorm_f32.argtypes = [P, P, P, P, I64, I32, F]
     lib.rope_f32.argtypes = [P, I64, I64, I32, I32, P, P, P]
     lib.silu_mul_f32.argtypes = [P, I64, P, I64, I32]
-    for f in (lib.add_rmsnorm_f32, lib.rope_f32, lib.silu_mul_f32):
+    lib.gemm_pack_f32.argtypes = [P, I64, I64, I64, P]
+    lib.gemm_packed_f32.argtypes = [P, I64, I64, I64, P, I64, P, P, I64]
+    lib.gemm_packed_f32.restype = ctypes.c_int
+    lib.gemm_packed_available.restype = ctypes.c_int
+    for f in (lib.add_rmsnorm_f32, lib.rope_f32, lib.silu_mul_f32, lib.gemm_pack_f32):
         f.restype = None
 
 
@@ -359,6 +454,11 @@ def set_enabled(enabled: bool) -> None:
     """Tests and benchmarks: force the plain-torch paths (False) or use the kernels again (True)."""
     global _disabled
     _disabled = not enabled
+
+
+def enabled() -> bool:
+    """False while set_enabled(False) is in force (loaded or not)."""
+    return not _disabled
 
 
 def available() -> bool:
@@ -405,3 +505,39 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, I2 // 2, dtype=gate_up.dtype, device=gate_up.device)
     _lib.silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), T, I2 // 2)
     return out
+
+
+class PackedLinear:
+    """A float32 projection y = x @ W^T (+ bias) with W prepacked for the few-row kernel (gemm_packed_f32):
+    what decode steps run. Build with `PackedLinear.create`, which returns None where the kernel is unavailable."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        N, K = weight.shape
+        self.n, self.k = N, K
+        P = -(-N // 16)
+        # 32-byte aligned storage for the panels (the kernel uses aligned loads)
+        raw = torch.empty(P * K * 16 + 8, dtype=torch.float32)
+        off = (-(raw.data_ptr() // 4)) % 8
+        self.wp = raw[off:off + P * K * 16]
+        w = weight.detach().contiguous()
+        _lib.gemm_pack_f32(w.data_ptr(), w.stride(0), N, K, self.wp.data_ptr())
+        self.bias = None
+        if bias is not None:
+            self.bias = torch.zeros(P * 16, dtype=torch.float32)
+            self.bias[:N] = bias.detach()
+
+    @classmethod
+    def create(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear | None:
+        if (lib() is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
+                or not _lib.gemm_packed_available()):
+            return None
+        return cls(weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        M = x.shape[0]
+        y = torch.empty(M, self.n, dtype=torch.float32)
+        _lib.gemm_packed_f32(x.data_ptr(), x.stride(0), M, self.k, self.wp.data_ptr(), self.n, _p(self.bias),
+                             y.data_ptr(), self.n)
+        return y

@@ -188,19 +188,23 @@ class LlamaModel(nn.Module):
         return self.mm["lm_head"](rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()
 
     def pack_cpu_weights(self, batch_hint: int = 32, small_rows: int = 512) -> bool:
-        """Reorders projection weights into oneDNN's blocked layout once, instead of on every call.
+        """Reorders projection weights once for the CPU's fastest matmul, instead of on every call.
 
-        bfloat16: every projection (~1.2-1.6x on few-row matmuls, bit-identical); the plain weights are dropped
-        (the tied embedding keeps its own copy). float32: the LM head (its rows are the sampled tokens: 1.5-1.9x
-        at 8-32 rows) and, for steps of at most `small_rows` tokens, the layers' projections: with the weights
-        streaming from memory as in a real step (all 30 layers of SmolLM2-135M, 2 threads, Zen3) 1.6x at 16
-        rows, 1.45x at 32, 1.35x at 64, 1.1x at 128-512; MKL's plain path stays for larger steps (2,048-token
-        prefill chunks), where it is ~6% faster. Returns False, changing nothing, where oneDNN cannot do it.
+        float32: flowrt's own kernel (cpu_ops.PackedLinear: weights in panels of 16 output features, a 6 x 16 tile
+        of the result in registers) for every projection and the LM head, at every row count. With the weights
+        streaming from memory as in a real step (all 30 layers of SmolLM2-135M + LM head, 2 threads, Zen3 AVX2)
+        it is 1.3-1.5x oneDNN's prepacked path at 1-32 rows, 1.2x at 64-128, 1.1x at 512 and 1.03x plain MKL at
+        2,048. Without it (no compiler, no AVX2): oneDNN prepacked for the LM head and for steps of at most
+        `small_rows` tokens (1.35-1.6x MKL at 16-64 rows), MKL beyond. The plain weights stay: the float32 paths
+        fall back to them when the kernels are turned off (cpu_ops.set_enabled(False)).
+        bfloat16: oneDNN prepacked for every projection (~1.2-1.6x on few-row matmuls, bit-identical); the plain
+        weights are dropped (the tied embedding keeps its own copy). Returns False, changing nothing, where no
+        packing applies.
         """
         if self.embed.device.type != "cpu":
             return False
         if self.dtype == torch.float32:
-            return self._pack_fp32(batch_hint, small_rows)
+            return self._pack_fp32_kernel() or self._pack_fp32_onednn(batch_hint, small_rows)
         if self.dtype != torch.bfloat16 or not _onednn_bf16():
             return False
 
@@ -218,7 +222,19 @@ class LlamaModel(nn.Module):
             del self.lm_head
         return True
 
-    def _pack_fp32(self, batch_hint: int, small_rows: int) -> bool:
+    def _pack_fp32_kernel(self) -> bool:
+        lm_head = cpu_ops.PackedLinear.create(self.lm_head)
+        if lm_head is None:
+            return False
+        self.mm = {"lm_head": _unless_disabled(lm_head, self.mm["lm_head"])}
+        for layer in self.layers:
+            layer.mm = {name: _unless_disabled(cpu_ops.PackedLinear(getattr(layer, name),
+                                                                    layer.qkv_bias if name == "qkv" else None),
+                                               layer.mm[name])
+                        for name in ("qkv", "o", "gate_up", "down")}
+        return True
+
+    def _pack_fp32_onednn(self, batch_hint: int, small_rows: int) -> bool:
         try:
             if not torch.backends.mkldnn.is_available():
                 return False
@@ -231,7 +247,6 @@ class LlamaModel(nn.Module):
         for layer, packed in zip(self.layers, small):
             layer.mm = {name: _by_rows(packed[name], layer.mm[name], small_rows) for name in packed}
         return True
-
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Raises naming a missing tensor."""
@@ -281,6 +296,11 @@ class LlamaModel(nn.Module):
 def _packed(weight, bias, batch_hint: int):
     w = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+def _unless_disabled(kernel, plain):
+    """The kernel, or the plain path while the CPU kernels are turned off (tests compare the two)."""
+    return lambda x: kernel(x) if cpu_ops.enabled() else plain(x)
 
 
 def _by_rows(small, large, limit: int):

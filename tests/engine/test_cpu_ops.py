@@ -54,6 +54,48 @@ def test_rope_in_place_matches_torch(T, nh, D):
     assert torch.equal(x[:, nh * D :], tail)
 
 
+@pytest.mark.parametrize("N,K", [(960, 576), (576, 1536), (100, 37), (16, 1), (7, 64)])
+@pytest.mark.parametrize("M", [1, 5, 6, 7, 32, 97])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_torch(N, K, M, with_bias):
+    """Every row-tile size (1-6 rows), outputs past the last whole panel of 16, odd K, a bias and strided rows."""
+    torch.manual_seed(N + K + M)
+    w, b = torch.randn(N, K), torch.randn(N)
+    lin = cpu_ops.PackedLinear.create(w, b if with_bias else None)
+    if lin is None:
+        pytest.skip("no AVX2 + FMA: the projections keep oneDNN/MKL")
+    x = torch.randn(M, K + 3)[:, :K]  # rows with a stride larger than K
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double() if with_bias else None).float()
+    y = lin(x)
+    assert y.shape == (M, N) and y.is_contiguous()
+    torch.testing.assert_close(y, ref, atol=1e-4 * K**0.5, rtol=1e-5)
+
+
+def test_packed_linear_is_used_and_respects_set_enabled(stories_path):
+    """A float32 model's projections run the packed kernel, and turning the kernels off restores plain F.linear
+    (bit-identical to the reference matmul)."""
+    llm = LLM(stories_path, dtype="float32")
+    model = llm.engine.runner.model
+    if cpu_ops.PackedLinear.create(torch.zeros(16, 8)) is None:
+        pytest.skip("no AVX2 + FMA")
+    x = torch.randn(3, model.layers[0].qkv.shape[1])
+    calls = []
+    orig = cpu_ops.PackedLinear.__call__
+    cpu_ops.PackedLinear.__call__ = lambda self, v: calls.append(1) or orig(self, v)
+    try:
+        on = model.layers[0].mm["qkv"](x)
+        assert calls, "the packed kernel was not used"
+        cpu_ops.set_enabled(False)
+        calls.clear()
+        off = model.layers[0].mm["qkv"](x)
+        assert not calls
+    finally:
+        cpu_ops.PackedLinear.__call__ = orig
+        cpu_ops.set_enabled(True)
+    assert torch.equal(off, torch.nn.functional.linear(x, model.layers[0].qkv, model.layers[0].qkv_bias))
+    torch.testing.assert_close(on, off, atol=1e-4, rtol=1e-4)
+
+
 def _paged_case(B, Hkv, G, D, bs, lens, seed):
     g = torch.Generator().manual_seed(seed)
     nblk = [(L + bs - 1) // bs for L in lens]
