@@ -2,8 +2,8 @@
 """This machine's ceilings for SmolLM2-135M, and the share of them a benchmark reaches.
 
 Measures (torch, this process's threads):
-  * GEMM GFLOP/s at the model's real shapes, nn.Linear layout (x[M,K] W[N,K]^T), the best of MKL (F.linear) and
-    oneDNN with prepacked weights (faster up to ~512 rows on AVX2 machines): qkv 576x960, o 576x576,
+  * GEMM GFLOP/s at the model's real shapes, nn.Linear layout (x[M,K] W[N,K]^T), the best of MKL (F.linear),
+    oneDNN with prepacked weights and flowrt's own packed kernel (cpu_ops.PackedLinear, float32 with AVX2): qkv 576x960, o 576x576,
     gate_up 576x3072, down 1536x576, lm_head 576x49152; decode rows M = 1, 8, 32, 64 and prefill rows 512, 2048.
     Weights rotate over copies larger than the caches ("cold"), as in a real step that streams ~0.5 GB (fp32) of
     weights; for prefill rows this changes nothing (compute bound).
@@ -77,6 +77,19 @@ def gemm_gflops(shape: str, rows: int, dtype: torch.dtype, min_time: float, cold
         t = min(t, _time(packed_pass, min_time) / copies)
     except (AttributeError, RuntimeError):
         pass
+    try:  # flowrt's own packed kernel (float32 with AVX2 + FMA: what the engine runs at every row count)
+        from flowrt.engine import cpu_ops
+
+        own = [cpu_ops.PackedLinear.create(w) for w in ws] if dtype == torch.float32 else [None]
+        if all(p is not None for p in own):
+
+            def own_pass():
+                for p in own:
+                    p(x)
+
+            t = min(t, _time(own_pass, min_time) / copies)
+    except ImportError:
+        pass
     return 2.0 * rows * K * N / t / 1e9
 
 
@@ -140,8 +153,9 @@ def measure(dtypes=("float32",), quick=False, bf16_mode="auto", log=print) -> di
 # ---------------------------------------------------------------------------------------------- for other benchmarks
 def _cache_file() -> Path:
     i = cpu_info()
-    # v2: the GEMM figures are the best of MKL and prepacked oneDNN (v1 measured MKL only)
-    key = f"v2|{i['cpu']}|{','.join(i['flags'])}|{i['cores']}|{torch.__version__}|{torch.get_num_threads()}"
+    # v3: the GEMM figures are the best of MKL, prepacked oneDNN and flowrt's own packed kernel (v2: the first two,
+    # v1: MKL only)
+    key = f"v3|{i['cpu']}|{','.join(i['flags'])}|{i['cores']}|{torch.__version__}|{torch.get_num_threads()}"
     return cache_dir() / f"peak-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 

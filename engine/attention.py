@@ -284,7 +284,7 @@ class TorchAttentionBackend:
                 # and from the cache for the other members (per layer it is Hkv*D*8 bytes a token: 0.75 MiB for 512
                 # tokens of SmolLM2), which beats a separate attention over the prefix plus a merge.
                 cpu_ops.paged_decode(_rows_of_heads(q), k_cache, v_cache, cp.tables, cp.seq_lens, out, scale,
-                                     rows=cp.rows)
+                                     rows=cp.rows, shared_prefix=True)
             else:
                 out.index_copy_(0, cp.rows, self._cascade(q, k_cache, v_cache, cp, scale))
         for cp in prep["cascade_prefill"]:

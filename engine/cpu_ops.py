@@ -274,18 +274,22 @@ int gemm_packed_f32(const float* x, int64_t x_st, int64_t M, int64_t K, const fl
 // Returns -1 (doing nothing) for a head size it does not handle.
 int paged_decode_f32(const float* q, int64_t q_st, const float* kc, const float* vc, const int32_t* tables,
                      int64_t tab_st, const int32_t* seq_lens, const int64_t* rows, int32_t start, float* out,
-                     int64_t o_st, float* lse, int B, int H, int Hkv, int D, int bs, float scale) {
+                     int64_t o_st, float* lse, int B, int H, int Hkv, int D, int bs, float scale, int heads_outer) {
     if (D > 256) return -1;
     const int G = H / Hkv;
     #pragma omp parallel
     {
         std::vector<float> s;
-        // KV head outermost: consecutive items (one thread's, and the two threads' neighbouring ones) read the same
-        // head's keys and values, so a prefix shared by the sequences (forks, prefix-cache hits) stays in the
-        // core's L2 for all of them instead of cycling every head's copy through L3.
-        #pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int kh = 0; kh < Hkv; ++kh) {
-            for (int b = 0; b < B; ++b) {
+        // Items (sequence, KV head) in one of two orders. heads_outer (sequences sharing a prefix: forks, prefix-cache
+        // hits): consecutive items (one thread's, and the two threads' neighbouring ones) read the same head's keys
+        // and values, so the shared prefix stays in the core's L2 for all of them instead of cycling every head's
+        // copy through L3. Otherwise a sequence's heads run back to back: its rows (all heads of a token side by
+        // side) are fetched from memory once and used whole (~10-15% faster on independent sequences, Zen3).
+        #pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < Hkv * B; ++item) {
+            {
+                const int kh = heads_outer ? item / B : item % Hkv;
+                const int b = heads_outer ? item % B : item / Hkv;
                 const int64_t row = rows ? rows[b] : b;
                 const float* qp = q + row * q_st + (int64_t)kh * G * D;
                 float* op = out + row * o_st + (int64_t)kh * G * D;
@@ -415,7 +419,7 @@ def build(force: bool = False) -> Path:
 def _declare(lib: ctypes.CDLL) -> None:
     P, I64, I32, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.paged_decode_f32.restype = ctypes.c_int
-    lib.paged_decode_f32.argtypes = [P, I64, P, P, P, I64, P, P, I32, P, I64, P, I32, I32, I32, I32, I32, F]
+    lib.paged_decode_f32.argtypes = [P, I64, P, P, P, I64, P, P, I32, P, I64, P, I32, I32, I32, I32, I32, F, I32]
     lib.add_rmsnorm_f32.argtypes = [P, P, P, P, I64, I32, F]
     lib.rope_f32.argtypes = [P, I64, I64, I32, I32, P, P, P]
     lib.silu_mul_f32.argtypes = [P, I64, P, I64, I32]
@@ -472,15 +476,16 @@ def _p(t: torch.Tensor | None):
 # ---- wrappers (float32 CPU tensors; callers check `lib()` and dtypes first) ------------------------------
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out, scale: float, rows=None, start: int = 0,
-                 lse=None) -> None:
+                 lse=None, shared_prefix: bool = False) -> None:
     """q/out [*, H, D] (rows contiguous in the last two dims), caches [N, bs, Hkv, D] contiguous float32,
-    block_tables int32 [B, W] (row-contiguous), seq_lens int32 [B], rows int64 [B] or None, lse float32 [B, H]."""
+    block_tables int32 [B, W] (row-contiguous), seq_lens int32 [B], rows int64 [B] or None, lse float32 [B, H].
+    shared_prefix: the sequences share their first blocks (the work is ordered to keep that prefix in L2)."""
     N, bs, Hkv, D = k_cache.shape
     H = q.shape[1]
     B = seq_lens.shape[0]
     rc = _lib.paged_decode_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), _p(rows), start,
-                               out.data_ptr(), out.stride(0), _p(lse), B, H, Hkv, D, bs, scale)
+                               out.data_ptr(), out.stride(0), _p(lse), B, H, Hkv, D, bs, scale, int(shared_prefix))
     if rc != 0:
         raise ValueError(f"paged_decode: head size {D} not supported")
 

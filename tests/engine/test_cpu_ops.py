@@ -128,6 +128,10 @@ def test_paged_decode_matches_reference(Hkv, G, D, bs):
     cpu_ops.paged_decode(wide[:, : Hkv * G], kc, vc, tables, seq_lens, out2, 0.17, rows=rows)
     torch.testing.assert_close(out2[rows], ref, atol=1e-5, rtol=1e-5)
     assert not out2[[1, 3, 5, 6]].any()
+    # the shared-prefix work order computes the very same numbers
+    out3 = torch.zeros(9, Hkv * G, D)
+    cpu_ops.paged_decode(wide[:, : Hkv * G], kc, vc, tables, seq_lens, out3, 0.17, rows=rows, shared_prefix=True)
+    assert torch.equal(out3, out2)
 
 
 def test_paged_decode_suffix_with_lse():
