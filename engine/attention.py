@@ -247,12 +247,15 @@ class TorchAttentionBackend:
         """q [T,H,D], k/v [T,Hkv,D] (new tokens); writes k/v into the caches, returns [T,H,D]."""
         T, H, D = q.shape
         Hkv = k.shape[1]
-        kflat = k_cache.view(-1, Hkv, D)
-        vflat = v_cache.view(-1, Hkv, D)
-        kflat.index_copy_(0, meta.slot_mapping, k.to(kflat.dtype))
-        vflat.index_copy_(0, meta.slot_mapping, v.to(vflat.dtype))
-        prep = meta.prepared
         kernel = _use_kernel(q, k_cache)
+        if kernel and k.stride(2) == 1 and k.stride(1) == D and v.stride(2) == 1 and v.stride(1) == D:
+            cpu_ops.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            kflat = k_cache.view(-1, Hkv, D)
+            vflat = v_cache.view(-1, Hkv, D)
+            kflat.index_copy_(0, meta.slot_mapping, k.to(kflat.dtype))
+            vflat.index_copy_(0, meta.slot_mapping, v.to(vflat.dtype))
+        prep = meta.prepared
         dp = prep.get("decode")
         if dp is not None and dp.rows is None and kernel:  # a pure decode step: the kernel writes every row
             out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)

@@ -81,10 +81,15 @@ static void decode_one(const float* qp, const float* kc, const float* vc, const 
     auto row = [&](const float* cache, int pos) {
         return cache + ((int64_t)tab[pos / bs] * bs + pos % bs) * tok_st + (int64_t)kh * D;
     };
+    // each head's largest score, when the vector path tracks it while computing the scores (G <= 16)
+    float gmax[16];
+    bool have_max = false;
 #ifdef FLOWRT_AVX2
     if constexpr (DD > 0 && DD % 8 == 0) {
         constexpr int C = DD / 8;
         const __m256 vscale = _mm256_set1_ps(scale);
+        __m256 vmax[16];
+        for (int g = 0; g < std::min(G, 16); ++g) vmax[g] = _mm256_set1_ps(-INFINITY);
         // a cursor over (block, offset) instead of a division and a modulo for every token's row
         int bi = start / bs, off = start % bs;
         const float* blk_base = kc + (int64_t)tab[bi] * bs * tok_st + (int64_t)kh * D;
@@ -107,9 +112,21 @@ static void decode_one(const float* qp, const float* kc, const float* vc, const 
                     const __m256 qv = _mm256_loadu_ps(qg + 8 * c);
                     for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[j] + 8 * c), acc[j]);
                 }
-                // a partial last group's extra lanes land in the row's padding
-                _mm256_storeu_ps(s.data() + (size_t)g * Ls + (pos - start), _mm256_mul_ps(hsum8(acc), vscale));
+                // a partial last group's extra lanes land in the row's padding (they repeat the group's first
+                // token's score, so the running maximum stays exact)
+                const __m256 sc = _mm256_mul_ps(hsum8(acc), vscale);
+                _mm256_storeu_ps(s.data() + (size_t)g * Ls + (pos - start), sc);
+                if (g < 16) vmax[g] = _mm256_max_ps(vmax[g], sc);
             }
+        }
+        if (G <= 16) {
+            for (int g = 0; g < G; ++g) {
+                alignas(32) float t[8];
+                _mm256_store_ps(t, vmax[g]);
+                gmax[g] = std::max(std::max(std::max(t[0], t[1]), std::max(t[2], t[3])),
+                                   std::max(std::max(t[4], t[5]), std::max(t[6], t[7])));
+            }
+            have_max = true;
         }
     } else
 #endif
@@ -131,8 +148,9 @@ static void decode_one(const float* qp, const float* kc, const float* vc, const 
     }
     for (int g = 0; g < G; ++g) {
         float* sg = s.data() + (size_t)g * Ls;
-        float m = -INFINITY;
-        for (int t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
+        float m = have_max ? gmax[g] : -INFINITY;
+        if (!have_max)
+            for (int t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
         float sum = 0.f;
         #pragma omp simd reduction(+:sum)
         for (int t = 0; t < L; ++t) { float e = fexp(sg[t] - m); sg[t] = e; sum += e; }
@@ -310,6 +328,21 @@ int paged_decode_f32(const float* q, int64_t q_st, const float* kc, const float*
     return 0;
 }
 
+// The step's new keys and values into their cache slots: row t of k/v (W floats, row strides k_st/v_st) to row
+// slots[t] of the pools (n_slots rows of W floats). One call for both, instead of two indexed copies through torch.
+// Returns -1, writing nothing, when a slot is out of range.
+int kv_write_f32(const float* k, int64_t k_st, const float* v, int64_t v_st, float* kc, float* vc,
+                 const int64_t* slots, int64_t T, int W, int64_t n_slots) {
+    for (int64_t t = 0; t < T; ++t)
+        if (slots[t] < 0 || slots[t] >= n_slots) return -1;
+    #pragma omp parallel for schedule(static) if (T * W >= 262144)
+    for (int64_t t = 0; t < T; ++t) {
+        std::memcpy(kc + slots[t] * W, k + t * k_st, sizeof(float) * W);
+        std::memcpy(vc + slots[t] * W, v + t * v_st, sizeof(float) * W);
+    }
+    return 0;
+}
+
 // h += delta (when delta is not null), then out = w * (h * rsqrt(mean(h^2) + eps)). Rows of E floats.
 void add_rmsnorm_f32(float* h, const float* delta, const float* w, float* out, int64_t T, int E, float eps) {
     #pragma omp parallel for schedule(static) if (T * E >= 65536)
@@ -421,6 +454,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode_f32.restype = ctypes.c_int
     lib.paged_decode_f32.argtypes = [P, I64, P, P, P, I64, P, P, I32, P, I64, P, I32, I32, I32, I32, I32, F, I32]
     lib.add_rmsnorm_f32.argtypes = [P, P, P, P, I64, I32, F]
+    lib.kv_write_f32.argtypes = [P, I64, P, I64, P, P, P, I64, I32, I64]
+    lib.kv_write_f32.restype = ctypes.c_int
     lib.rope_f32.argtypes = [P, I64, I64, I32, I32, P, P, P]
     lib.silu_mul_f32.argtypes = [P, I64, P, I64, I32]
     lib.gemm_pack_f32.argtypes = [P, I64, I64, I64, P]
@@ -488,6 +523,20 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out, scale: float,
                                out.data_ptr(), out.stride(0), _p(lse), B, H, Hkv, D, bs, scale, int(shared_prefix))
     if rc != 0:
         raise ValueError(f"paged_decode: head size {D} not supported")
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """k/v [T, Hkv, D] float32 (each row contiguous, any row stride) into the contiguous pools [N, bs, Hkv, D] at
+    the flat token slots (int64 [T], contiguous)."""
+    T, Hkv, D = k.shape
+    if k.stride(2) != 1 or k.stride(1) != D or v.stride(2) != 1 or v.stride(1) != D:
+        raise ValueError("kv_write: rows of k and v must be contiguous")
+    slots = slots.to(torch.int64).contiguous()
+    rc = _lib.kv_write_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                           v_cache.data_ptr(), slots.data_ptr(), T, Hkv * D, k_cache.numel() // (Hkv * D))
+    if rc != 0:
+        raise IndexError(f"kv_write: a slot is outside the KV pool of {k_cache.numel() // (Hkv * D)} token slots")
 
 
 def add_rmsnorm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -96,6 +96,26 @@ def test_packed_linear_is_used_and_respects_set_enabled(stories_path):
     torch.testing.assert_close(on, off, atol=1e-4, rtol=1e-4)
 
 
+def test_kv_write_matches_index_copy():
+    """New K/V rows (views of a wider projection output, as the model passes them) land in their slots; an
+    out-of-range slot raises and writes nothing."""
+    torch.manual_seed(3)
+    N, bs, Hkv, D, T = 6, 4, 3, 16, 5
+    qkv = torch.randn(T, (3 + 2 * Hkv) * D)
+    k = qkv[:, 3 * D: (3 + Hkv) * D].view(T, Hkv, D)
+    v = qkv[:, (3 + Hkv) * D:].view(T, Hkv, D)
+    slots = torch.tensor([0, 23, 7, 8, 12])
+    kc, vc = torch.zeros(N, bs, Hkv, D), torch.zeros(N, bs, Hkv, D)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    ref_k.view(-1, Hkv, D).index_copy_(0, slots, k)
+    ref_v.view(-1, Hkv, D).index_copy_(0, slots, v)
+    cpu_ops.kv_write(k, v, kc, vc, slots)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    with pytest.raises(IndexError, match="outside the KV pool"):
+        cpu_ops.kv_write(k, v, kc, vc, torch.tensor([0, 1, 2, 3, N * bs]))
+    assert torch.equal(kc, ref_k)
+
+
 def _paged_case(B, Hkv, G, D, bs, lens, seed):
     g = torch.Generator().manual_seed(seed)
     nblk = [(L + bs - 1) // bs for L in lens]
