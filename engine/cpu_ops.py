@@ -343,9 +343,12 @@ int kv_write_f32(const float* k, int64_t k_st, const float* v, int64_t v_st, flo
     return 0;
 }
 
+// The row-wise kernels below split rows over the threads from ~8k elements (a decode step of 8-16 sequences):
+// measured on Zen3, 2 threads, silu_mul + two add_rmsnorm of 32 rows take 96 us per layer split, 171 us not.
+
 // h += delta (when delta is not null), then out = w * (h * rsqrt(mean(h^2) + eps)). Rows of E floats.
 void add_rmsnorm_f32(float* h, const float* delta, const float* w, float* out, int64_t T, int E, float eps) {
-    #pragma omp parallel for schedule(static) if (T * E >= 65536)
+    #pragma omp parallel for schedule(static) if (T * E >= 8192)
     for (int64_t t = 0; t < T; ++t) {
         float* hr = h + t * E;
         if (delta) {
@@ -367,7 +370,7 @@ void add_rmsnorm_f32(float* h, const float* delta, const float* w, float* out, i
 void rope_f32(float* x, int64_t row_st, int64_t T, int nh, int D, const float* cos_t, const float* sin_t,
               const int64_t* pos) {
     const int h = D / 2;
-    #pragma omp parallel for schedule(static) if (T * nh * D >= 65536)
+    #pragma omp parallel for schedule(static) if (T * nh * D >= 8192)
     for (int64_t t = 0; t < T; ++t) {
         const float* c = cos_t + pos[t] * D;
         const float* s = sin_t + pos[t] * D;
@@ -386,7 +389,7 @@ void rope_f32(float* x, int64_t row_st, int64_t T, int nh, int D, const float* c
 // out[t] = silu(gu[t, :I]) * gu[t, I:] for rows of the fused gate+up projection [T, 2I] (row stride gu_st):
 // one pass instead of silu, then a multiply (each a full read and write of the activations).
 void silu_mul_f32(const float* gu, int64_t gu_st, float* out, int64_t T, int I) {
-    #pragma omp parallel for schedule(static) if (T * I >= 65536)
+    #pragma omp parallel for schedule(static) if (T * I >= 8192)
     for (int64_t t = 0; t < T; ++t) {
         const float* g = gu + t * gu_st;
         const float* u = g + I;
