@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """All of a step's projections as the engine runs them, weights streaming from memory: the 30 layers' distinct
-qkv / o / gate_up / down weights of SmolLM2-135M plus the LM head at M rows, plain MKL (F.linear) against oneDNN
-with prepacked weights, interleaved, best of --reps. This chose EngineArgs' packed-path limit
-(LlamaModel.pack_cpu_weights small_rows): warm single-shape benchmarks (bench/gemm_paths.py) hide the memory side.
+qkv / o / gate_up / down weights of SmolLM2-135M plus the LM head at M rows, plain MKL (F.linear), oneDNN with
+prepacked weights and flowrt's own packed kernel (cpu_ops.PackedLinear, float32 with AVX2: what the engine runs),
+interleaved, best of --reps. This chose LlamaModel.pack_cpu_weights' paths: warm single-shape benchmarks
+(bench/gemm_paths.py) hide the memory side.
 
     python bench/gemm_cold.py [--rows 16,32,64,128,512,2048] [--threads 0] [--reps 5]
 """
@@ -36,6 +37,11 @@ def main() -> None:
     torch.manual_seed(0)
     plain = [[torch.randn(n, k) * 0.02 for n, k in SHAPES] for _ in range(LAYERS)] + [[torch.randn(VOCAB, HIDDEN)]]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws] for ws in plain]
+    from flowrt.engine import cpu_ops
+
+    own = [[cpu_ops.PackedLinear.create(w) for w in ws] for ws in plain]
+    if any(p is None for ps in own for p in ps):
+        own = None  # no compiler or no AVX2 + FMA: the engine uses oneDNN / MKL there
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k) for k in (576, 1536)}
 
@@ -49,17 +55,23 @@ def main() -> None:
                 for p, w in zip(ps, ws):
                     torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
 
+        def run_own():
+            for ps, ws in zip(own, plain):
+                for p, w in zip(ps, ws):
+                    p(xs[w.shape[1]])
+
         flops = 2 * m * (LAYERS * sum(n * k for n, k in SHAPES) + VOCAB * HIDDEN)
-        best = {"mkl": 1e9, "onednn-packed": 1e9}
+        paths = [("mkl", run_plain), ("onednn-packed", run_packed)] + ([("flowrt-packed", run_own)] if own else [])
+        best = {name: 1e9 for name, _ in paths}
         with torch.inference_mode():
             for _ in range(args.reps):
-                for name, f in (("mkl", run_plain), ("onednn-packed", run_packed)):
+                for name, f in paths:
                     t = time.perf_counter()
                     f()
                     best[name] = min(best[name], time.perf_counter() - t)
         print(f"M={m:5d}  " + "  ".join(f"{k} {v * 1e3:8.1f} ms ({flops / v / 1e9:5.1f} GFLOP/s)"
                                         for k, v in best.items())
-              + f"  packed/mkl speed {best['mkl'] / best['onednn-packed']:.2f}x")
+              + "".join(f"  {k}/mkl {best['mkl'] / best[k]:.2f}x" for k in best if k != "mkl"))
 
 
 if __name__ == "__main__":

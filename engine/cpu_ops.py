@@ -1,5 +1,6 @@
-"""Fused CPU kernels for the float32 path: paged decode attention that reads the KV pool in place (no gather),
-residual-add + RMSNorm, and rotary embedding in place.
+"""CPU kernels for the float32 path: the projections (weights prepacked in panels, PackedLinear), paged decode
+attention that reads the KV pool in place (no gather), the KV cache write, residual-add + RMSNorm, SiLU x up and
+rotary embedding in place.
 
 The C++ source below is compiled lazily at first use with the system's C++ compiler (`$CXX` or g++), for this
 CPU (-march=native), and the shared library is cached under ~/.cache/flowrt/cpu_ops/ keyed by the source, the
@@ -193,11 +194,12 @@ static void decode_one(const float* qp, const float* kc, const float* vc, const 
     }
 }
 
-// ---- projections for few rows: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W prepacked into panels of 16 output
-// features, k-major inside a panel: wp[(p * K + k) * 16 + j] = W[16p + j, k] (zero rows past N). A 6 x 16 tile of y
-// lives in 12 vector registers while the panel streams through once per tile (from memory for the first row tile,
-// from L2 after), so each weight read from memory serves every row of the step: decode steps (a few to a few dozen
-// rows) are bound by streaming the weights, where general GEMM libraries spend their time packing and blocking.
+// ---- projections: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W prepacked into panels of 16 output features,
+// k-major inside a panel: wp[(p * K + k) * 16 + j] = W[16p + j, k] (zero rows past N). A 6 x 16 tile of y lives in
+// 12 vector registers while the panel streams through once per tile (from memory for the first row tile, from L2
+// after), so each weight read from memory serves every row of the step: decode steps (a few to a few dozen rows)
+// are bound by streaming the weights, where general GEMM libraries spend their time packing and blocking. It
+// also stays ahead of MKL on 2,048-row prefill chunks (x re-read from L3 per panel costs less than MKL's packing).
 #ifdef FLOWRT_AVX2
 template <int MR>
 static inline void gemm_tile(const float* x, int64_t xs, int K, const float* w, const float* bias, float* y,
@@ -565,8 +567,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear:
-    """A float32 projection y = x @ W^T (+ bias) with W prepacked for the few-row kernel (gemm_packed_f32):
-    what decode steps run. Build with `PackedLinear.create`, which returns None where the kernel is unavailable."""
+    """A float32 projection y = x @ W^T (+ bias) with W prepacked for gemm_packed_f32: what every float32 step
+    runs on a CPU with AVX2 + FMA. Build with `PackedLinear.create`, which returns None where it is unavailable."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         N, K = weight.shape

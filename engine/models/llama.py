@@ -192,11 +192,13 @@ class LlamaModel(nn.Module):
 
         float32: flowrt's own kernel (cpu_ops.PackedLinear: weights in panels of 16 output features, a 6 x 16 tile
         of the result in registers) for every projection and the LM head, at every row count. With the weights
-        streaming from memory as in a real step (all 30 layers of SmolLM2-135M + LM head, 2 threads, Zen3 AVX2)
-        it is 1.3-1.5x oneDNN's prepacked path at 1-32 rows, 1.2x at 64-128, 1.1x at 512 and 1.03x plain MKL at
-        2,048. Without it (no compiler, no AVX2): oneDNN prepacked for the LM head and for steps of at most
-        `small_rows` tokens (1.35-1.6x MKL at 16-64 rows), MKL beyond. The plain weights stay: the float32 paths
-        fall back to them when the kernels are turned off (cpu_ops.set_enabled(False)).
+        streaming from memory as in a real step (python bench/gemm_cold.py: all 30 layers of SmolLM2-135M + LM
+        head, 2 threads, Zen3 AVX2) it is 1.2-1.4x oneDNN's prepacked path at 1-32 rows (decode), level with the
+        best of oneDNN and MKL (within +-5%, run to run) at 128-512 and 1.03-1.05x MKL at 2,048 (prefill); one
+        path and one extra copy of the weights instead of two. Without it (no compiler, no AVX2): oneDNN prepacked
+        for the LM head and for steps of at most `small_rows` tokens (1.35-1.6x MKL at 16-64 rows), MKL beyond.
+        The plain weights stay: the float32 paths fall back to them when the kernels are turned off
+        (cpu_ops.set_enabled(False)).
         bfloat16: oneDNN prepacked for every projection (~1.2-1.6x on few-row matmuls, bit-identical); the plain
         weights are dropped (the tied embedding keeps its own copy). Returns False, changing nothing, where no
         packing applies.
