@@ -75,7 +75,6 @@ class CascadeDecodePlan:
 
     rows: torch.Tensor  # int64 [B]
     common: torch.Tensor  # int64 [n_common] shared block ids
-    start: int  # n_common * block_size: first token of the own suffixes
     tables: torch.Tensor  # int32 [B, W] (kernel path)
     seq_lens: torch.Tensor  # int32 [B] (kernel path)
     suffix: torch.Tensor  # int64 [B * nsuf] (torch path)
@@ -173,8 +172,8 @@ class TorchAttentionBackend:
                 bias = torch.zeros(len(members), 1, 1, pos.shape[0], device=dev)
                 bias.masked_fill_(~(pos[None, :] < lens.long()[:, None])[:, None, None, :], float("-inf"))
                 common = tables[0, :n_common].long()
-                cascade.append(CascadeDecodePlan(rows, common, n_common * bs, tables, lens, suffix, nblk - n_common,
-                                                 bias, _span(common.tolist())))
+                cascade.append(CascadeDecodePlan(rows, common, tables, lens, suffix, nblk - n_common, bias,
+                                                 _span(common.tolist())))
         p["cascade"] = tuple(cascade)
         if plain:
             all_rows = len(plain) == len(qlens)  # a pure decode step: rows are 0..B-1 in order
@@ -248,7 +247,7 @@ class TorchAttentionBackend:
         T, H, D = q.shape
         Hkv = k.shape[1]
         kernel = _use_kernel(q, k_cache)
-        if kernel and k.stride(2) == 1 and k.stride(1) == D and v.stride(2) == 1 and v.stride(1) == D:
+        if kernel:
             cpu_ops.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
             kflat = k_cache.view(-1, Hkv, D)

@@ -111,6 +111,10 @@ def test_kv_write_matches_index_copy():
     ref_v.view(-1, Hkv, D).index_copy_(0, slots, v)
     cpu_ops.kv_write(k, v, kc, vc, slots)
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    # rows whose heads are not laid out contiguously are copied first
+    kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+    cpu_ops.kv_write(k.transpose(1, 2).contiguous().transpose(1, 2), v, kc2, vc2, slots)
+    assert torch.equal(kc2, ref_k) and torch.equal(vc2, ref_v)
     with pytest.raises(IndexError, match="outside the KV pool"):
         cpu_ops.kv_write(k, v, kc, vc, torch.tensor([0, 1, 2, 3, N * bs]))
     assert torch.equal(kc, ref_k)
