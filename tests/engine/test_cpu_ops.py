@@ -55,7 +55,7 @@ def test_rope_in_place_matches_torch(T, nh, D):
 
 
 @pytest.mark.parametrize("N,K", [(960, 576), (576, 1536), (100, 37), (16, 1), (7, 64)])
-@pytest.mark.parametrize("M", [1, 5, 6, 7, 32, 97])
+@pytest.mark.parametrize("M", [1, 5, 6, 7, 32, 96, 97])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_matches_torch(N, K, M, with_bias):
     """Every row-tile size (1-6 rows), outputs past the last whole panel of 16, odd K, a bias and strided rows."""
