@@ -58,6 +58,25 @@ static inline float fexp(float x) {
 #define FLOWRT_AVX2 1
 // [sum(a0), ..., sum(a7)]: eight horizontal sums in one vector (a transpose-and-add tree instead of eight
 // separate reductions).
+// fexp on eight lanes, the same operations in the same order (the build keeps multiplies and adds unfused), so the
+// vector and scalar paths agree bit for bit. Written out because GCC's vectorized fexp ran at ~10 cycles an element.
+static inline __m256 fexp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                                   _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
 static inline __m256 hsum8(const __m256* a) {
     const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
     const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
@@ -153,8 +172,22 @@ static void decode_one(const float* qp, const float* kc, const float* vc, const 
         if (!have_max)
             for (int t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
         float sum = 0.f;
-        #pragma omp simd reduction(+:sum)
-        for (int t = 0; t < L; ++t) { float e = fexp(sg[t] - m); sg[t] = e; sum += e; }
+        int t0 = 0;
+#ifdef FLOWRT_AVX2
+        {
+            const __m256 vm = _mm256_set1_ps(m);
+            __m256 vs = _mm256_setzero_ps();
+            for (; t0 + 8 <= L; t0 += 8) {
+                const __m256 e = fexp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t0), vm));
+                _mm256_storeu_ps(sg + t0, e);
+                vs = _mm256_add_ps(vs, e);
+            }
+            alignas(32) float lanes[8];
+            _mm256_store_ps(lanes, vs);
+            for (int i = 0; i < 8; ++i) sum += lanes[i];
+        }
+#endif
+        for (int t = t0; t < L; ++t) { float e = fexp(sg[t] - m); sg[t] = e; sum += e; }
         const float inv = 1.f / sum;
         if (lse_out) lse_out[g] = m + std::log(sum);
 #ifdef FLOWRT_AVX2
@@ -424,8 +457,16 @@ void silu_mul_f32(const float* gu, int64_t gu_st, float* out, int64_t T, int I) 
         const float* g = gu + t * gu_st;
         const float* u = g + I;
         float* o = out + t * (int64_t)I;
-        #pragma omp simd
-        for (int i = 0; i < I; ++i) o[i] = g[i] / (1.f + fexp(-g[i])) * u[i];
+        int i = 0;
+#ifdef FLOWRT_AVX2
+        const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 den = _mm256_add_ps(one, fexp8(_mm256_sub_ps(zero, gv)));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; ++i) o[i] = g[i] / (1.f + fexp(-g[i])) * u[i];
     }
 }
 
