@@ -95,6 +95,24 @@ class ChunkPlan:
 
 
 @dataclass(frozen=True)
+class RowsPlan:
+    """Prefill rows the C++ kernel attends one by one, in place in the pool: row i (flat row rows[i]) attends the first
+    seq_lens[i] tokens of block table tables[i] (its own position and everything before it). `chunks` are the same
+    rows as ChunkPlans, for the torch path."""
+
+    rows: torch.Tensor  # int64 [R]
+    tables: torch.Tensor  # int32 [R, W]
+    seq_lens: torch.Tensor  # int32 [R]
+    chunks: tuple[ChunkPlan, ...]
+
+
+# Prefill chunks whose context is at most this many tokens go to the C++ kernel row by row (each row's keys and
+# values stay in L2 while the row is computed); longer ones to SDPA's blocked flash kernel. Per layer, Zen3 fp32,
+# 2 threads: 16 x 128 tokens 5.8 ms vs SDPA 9.3, 8 x 256 10.1 vs 12.5, 4 x 512 20.5 vs 22.1, 1 x 1,024 19.4 vs 14.8.
+KERNEL_PREFILL_MAX_CONTEXT = 512
+
+
+@dataclass(frozen=True)
 class CascadePrefillPlan:
     rows: torch.Tensor  # int64 flat rows of every member's chunk, member by member
     common: torch.Tensor  # int64 shared block ids
@@ -139,10 +157,11 @@ class TorchAttentionBackend:
     path reads that shared prefix once for the whole group (cascade attention); the kernel reads each member's
     whole context in place, where the shared blocks come from DRAM once and from the CPU caches for the other
     members (measured a little faster than a separate prefix attention plus a merge). Sequences with several new
-    tokens (prefill chunks) each get one SDPA call with a causal mask offset by their cached prefix. Attention
-    stays per sequence (or per shared prefix): never one dense mask over the batch. `prepare` builds immutable
-    plans once per step (in meta.prepared: "decode", "cascade", "cascade_prefill", "prefill"); layers only read
-    them.
+    tokens (prefill chunks) each get one SDPA call with a causal mask offset by their cached prefix, except that
+    with the C++ kernel, chunks over a short context (KERNEL_PREFILL_MAX_CONTEXT) are attended row by row in place.
+    Attention stays per sequence (or per shared prefix): never one dense mask over the batch. `prepare` builds immutable
+    plans once per step (in meta.prepared: "decode", "cascade", "cascade_prefill", "prefill", "prefill_rows"); layers
+    only read them.
     """
 
     name = "torch"
@@ -209,16 +228,35 @@ class TorchAttentionBackend:
         else:
             alone.update(chunks)
         p["cascade_prefill"] = tuple(cascade_prefill)
+        short, short_seqs = [], []
         for b in sorted(alone):
             s, q, ctx = qsl[b], qlens[b], slens[b]
+            target = short if ctx <= KERNEL_PREFILL_MAX_CONTEXT and dev.type == "cpu" else pre
+            if target is short:
+                short_seqs.append(b)
             if ctx == q:
-                pre.append(ChunkPlan(s, s + q, None, None))  # nothing cached before: attend to the fresh K/V
+                target.append(ChunkPlan(s, s + q, None, None))  # nothing cached before: attend to the fresh K/V
                 continue
             blocks = meta.block_tables[b, : (ctx + bs - 1) // bs].long()
             qpos = torch.arange(ctx - q, ctx, device=dev)
             mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]
-            pre.append(ChunkPlan(s, s + q, blocks, mask, _span(blocks.tolist())))
+            target.append(ChunkPlan(s, s + q, blocks, mask, _span(blocks.tolist())))
         p["prefill"] = tuple(pre)
+        p["prefill_rows"] = self._rows_plan(meta, short_seqs, tuple(short)) if short else None
+
+    @staticmethod
+    def _rows_plan(meta: AttentionMetadata, seqs: list[int], chunks: tuple[ChunkPlan, ...]) -> RowsPlan:
+        """Every new row of `seqs` with its own context end and its sequence's block table."""
+        dev = meta.seq_lens.device
+        qlens = [meta.query_lens_list[b] for b in seqs]
+        slens = [meta.seq_lens_list[b] for b in seqs]
+        nblk = (max(slens) + meta.block_size - 1) // meta.block_size
+        per_row_seq = torch.tensor(seqs, dtype=torch.long, device=dev).repeat_interleave(
+            torch.tensor(qlens, dtype=torch.long, device=dev))
+        rows = torch.cat([torch.arange(c.start, c.end, device=dev) for c in chunks])
+        ends = torch.cat([torch.arange(ctx - q + 1, ctx + 1, dtype=torch.int32, device=dev)
+                          for q, ctx in zip(qlens, slens)])
+        return RowsPlan(rows, meta.block_tables[per_row_seq, :nblk].contiguous(), ends, chunks)
 
     @staticmethod
     def _shared_prefix_groups(meta: AttentionMetadata, dec: list[int]) -> list[tuple[list[int], int]]:
@@ -291,7 +329,10 @@ class TorchAttentionBackend:
                 out.index_copy_(0, cp.rows, self._cascade(q, k_cache, v_cache, cp, scale))
         for cp in prep["cascade_prefill"]:
             self._cascade_prefill(q, k_cache, v_cache, cp, scale, out)
-        for c in prep["prefill"]:
+        rp = prep.get("prefill_rows")
+        if rp is not None and kernel:
+            cpu_ops.paged_decode(_rows_of_heads(q), k_cache, v_cache, rp.tables, rp.seq_lens, out, scale, rows=rp.rows)
+        for c in prep["prefill"] + (rp.chunks if rp is not None and not kernel else ()):
             s, e = c.start, c.end
             qs = q[s:e].float().transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if c.blocks is None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flowrt.engine import cpu_ops
-from flowrt.engine.attention import AttentionMetadata, TorchAttentionBackend
+from flowrt.engine.attention import KERNEL_PREFILL_MAX_CONTEXT, AttentionMetadata, TorchAttentionBackend
 from flowrt.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 
 
@@ -107,4 +107,34 @@ def test_pure_decode_step_matches_reference():
     k, v = torch.randn(4, Hkv, D), torch.randn(4, Hkv, D)
     out = be.forward(q, k, v, kc, vc, meta, 0.125)
     ref = paged_decode_attention_ref(q, kc, vc, meta.block_tables, meta.seq_lens, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_short_prefill_chunks_go_row_by_row_and_long_ones_to_sdpa():
+    """Chunks over at most KERNEL_PREFILL_MAX_CONTEXT tokens are one rows plan (the kernel attends each row in
+    place); a longer chunk keeps its own SDPA call; both, with a decode row beside them, match the reference."""
+    torch.manual_seed(5)
+    bs, Hkv, G, D = 16, 3, 3, 64
+    long_ctx = KERNEL_PREFILL_MAX_CONTEXT + 88
+    sizes = [(long_ctx + bs - 1) // bs, 3, 2, 2]
+    N = sum(sizes) + 4
+    perm = torch.randperm(N).tolist()
+    tables, at = [], 0
+    for n in sizes:
+        tables.append(perm[at : at + n])
+        at += n
+    seq_lens, q_lens = [long_ctx, 40, 30, 25], [40, 40, 12, 1]  # long cached + short, fresh, cached short, decode
+    meta = make_meta(tables, seq_lens, q_lens, bs)
+    be = TorchAttentionBackend()
+    be.prepare(meta)
+    rp = meta.prepared["prefill_rows"]
+    assert [(c.start, c.end) for c in meta.prepared["prefill"]] == [(0, 40)]
+    assert rp.rows.tolist() == list(range(40, 92))
+    assert rp.seq_lens.tolist() == list(range(1, 41)) + list(range(19, 31))
+    kc, vc = torch.randn(N, bs, Hkv, D), torch.randn(N, bs, Hkv, D)
+    T = sum(q_lens)
+    q, k, v = torch.randn(T, Hkv * G, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+    out = be.forward(q, k, v, kc, vc, meta, 0.125)
+    ref = paged_prefill_attention_ref(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.125,
+                                      meta.max_query_len)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
