@@ -58,17 +58,41 @@ def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         kth = torch.topk(logits, int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
         logits.masked_fill_(logits < kth, float("-inf"))
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        srt, idx = torch.sort(logits, dim=-1, descending=True)
-        cum = torch.softmax(srt, dim=-1).cumsum(-1)
-        drop = (cum - torch.softmax(srt, dim=-1)) >= top_p[:, None]  # keep the smallest set reaching top_p
-        drop[:, 0] = False
-        logits.scatter_(1, idx, srt.masked_fill(drop, float("-inf")))
+        logits = _top_p(logits, torch.tensor([p.top_p for p in params], dtype=torch.float32))
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
         probs = torch.softmax(logits, dim=-1)
         thresh = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         logits.masked_fill_(probs < thresh, float("-inf"))
+    return logits
+
+
+# Top-p looks for the nucleus among each row's TOP_P_CANDIDATES largest logits first (a partial selection): a full
+# sort of 32 rows of a 49,152-token vocabulary took ~70 ms a step on a 2-core Zen3, the selection a few ms. Rows whose
+# nucleus is larger than the candidates are sorted whole, as before.
+TOP_P_CANDIDATES = 512
+
+
+def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keeps each row's smallest set of most likely tokens whose probability reaches top_p (others -inf)."""
+    k = min(TOP_P_CANDIDATES, logits.shape[1])
+    srt, idx = torch.topk(logits, k, dim=-1)  # descending
+    probs = torch.exp(srt - torch.logsumexp(logits, dim=-1, keepdim=True))
+    cum = probs.cumsum(-1)
+    inside = cum[:, -1] >= top_p  # the nucleus lies among the candidates
+    if not bool(inside.all()):
+        rest = (~inside).nonzero().squeeze(1)
+        full, full_idx = torch.sort(logits[rest], dim=-1, descending=True)
+        full_probs = torch.softmax(full, dim=-1)
+        full_drop = (full_probs.cumsum(-1) - full_probs) >= top_p[rest, None]
+        full_drop[:, 0] = False
+        logits[rest] = logits[rest].scatter(1, full_idx, full.masked_fill(full_drop, float("-inf")))
+    if bool(inside.any()):
+        rows = inside.nonzero().squeeze(1)
+        drop = (cum[rows] - probs[rows]) >= top_p[rows, None]  # keep the smallest set reaching top_p
+        drop[:, 0] = False
+        kept = torch.full((len(rows), logits.shape[1]), float("-inf"), dtype=logits.dtype)
+        logits[rows] = kept.scatter_(1, idx[rows], srt[rows].masked_fill(drop, float("-inf")))
     return logits
 
 

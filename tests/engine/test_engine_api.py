@@ -61,6 +61,30 @@ def test_top_k_top_p_min_p_restrict_support():
     assert torch.isfinite(m[0, :2]).all() and torch.isinf(m[0, 2:]).all()
 
 
+def test_top_p_keeps_the_same_tokens_as_a_full_sort():
+    """Top-p looks among each row's largest logits first; rows whose nucleus is bigger (flat rows, top_p near 1) fall
+    back to a full sort. Both keep exactly the tokens the full-sort definition keeps, with their logits."""
+    from flowrt.engine import sampler
+
+    torch.manual_seed(0)
+    V = 3 * sampler.TOP_P_CANDIDATES
+    rows = [torch.randn(V) * s for s in (0.2, 1.0, 4.0, 12.0)]
+    logits = torch.stack(rows + rows)
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.3, 0.999, 0.05, 0.6, 1e-3])
+
+    srt, idx = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(srt, dim=-1)
+    drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+    drop[:, 0] = False
+    want = logits.clone().scatter_(1, idx, srt.masked_fill(drop, float("-inf")))
+
+    got = sampler._top_p(logits.clone(), top_p)
+    kept = torch.isfinite(want)
+    assert (kept.sum(1) > sampler.TOP_P_CANDIDATES).any() and (kept.sum(1) < sampler.TOP_P_CANDIDATES).any()
+    assert torch.equal(torch.isfinite(got), kept)
+    assert torch.equal(got[kept], logits[kept])
+
+
 def test_sampled_tokens_stay_in_top_k(llm):
     out = llm.generate([PROMPTS[0]], SamplingParams(n=4, max_tokens=12, temperature=1.5, top_k=1, seed=1))[0]
     greedy = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].token_ids
