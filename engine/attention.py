@@ -229,9 +229,10 @@ class TorchAttentionBackend:
             alone.update(chunks)
         p["cascade_prefill"] = tuple(cascade_prefill)
         short, short_seqs = [], []
+        row_limit = KERNEL_PREFILL_MAX_CONTEXT if dev.type == "cpu" else 0
         for b in sorted(alone):
             s, q, ctx = qsl[b], qlens[b], slens[b]
-            target = short if ctx <= KERNEL_PREFILL_MAX_CONTEXT and dev.type == "cpu" else pre
+            target = short if ctx <= row_limit else pre
             if target is short:
                 short_seqs.append(b)
             if ctx == q:

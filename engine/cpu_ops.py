@@ -276,6 +276,20 @@ static inline void gemm_tile(const float* x, int64_t xs, int K, const float* w, 
         for (int r = 0; r < MR; ++r)
             for (int j = 0; j < nvalid; ++j) y[r * ys + j] = t[r][j];
 }
+
+// gemm_tile for a run-time row count (1-6).
+template <bool PF>
+static inline void gemm_rows(int rows, const float* x, int64_t xs, int K, const float* w, const float* bias, float* y,
+                             int64_t ys, int nvalid, const float* pf, int every) {
+    switch (rows) {
+        case 6: gemm_tile<6, PF>(x, xs, K, w, bias, y, ys, nvalid, pf, every); break;
+        case 5: gemm_tile<5, PF>(x, xs, K, w, bias, y, ys, nvalid, pf, every); break;
+        case 4: gemm_tile<4, PF>(x, xs, K, w, bias, y, ys, nvalid, pf, every); break;
+        case 3: gemm_tile<3, PF>(x, xs, K, w, bias, y, ys, nvalid, pf, every); break;
+        case 2: gemm_tile<2, PF>(x, xs, K, w, bias, y, ys, nvalid, pf, every); break;
+        default: gemm_tile<1, PF>(x, xs, K, w, bias, y, ys, nvalid, pf, every); break;
+    }
+}
 #endif
 
 extern "C" {
@@ -323,26 +337,10 @@ int gemm_packed_f32(const float* x, int64_t x_st, int64_t M, int64_t K, const fl
             const float* xr = x + r * x_st;
             float* yr = y + r * y_st + p * 16;
             const int rows = (int)std::min<int64_t>(6, M - r);
-            if (next) {  // this tile's share of the next panel: lines [t*K/T, (t+1)*K/T), one every T k steps
-                const float* pf = next + (int64_t)t * K / T * 16;
-                switch (rows) {
-                    case 6: gemm_tile<6, true>(xr, x_st, (int)K, w, b, yr, y_st, nvalid, pf, T); break;
-                    case 5: gemm_tile<5, true>(xr, x_st, (int)K, w, b, yr, y_st, nvalid, pf, T); break;
-                    case 4: gemm_tile<4, true>(xr, x_st, (int)K, w, b, yr, y_st, nvalid, pf, T); break;
-                    case 3: gemm_tile<3, true>(xr, x_st, (int)K, w, b, yr, y_st, nvalid, pf, T); break;
-                    case 2: gemm_tile<2, true>(xr, x_st, (int)K, w, b, yr, y_st, nvalid, pf, T); break;
-                    default: gemm_tile<1, true>(xr, x_st, (int)K, w, b, yr, y_st, nvalid, pf, T); break;
-                }
-                continue;
-            }
-            switch (rows) {
-                case 6: gemm_tile<6, false>(xr, x_st, (int)K, w, b, yr, y_st, nvalid, nullptr, 0); break;
-                case 5: gemm_tile<5, false>(xr, x_st, (int)K, w, b, yr, y_st, nvalid, nullptr, 0); break;
-                case 4: gemm_tile<4, false>(xr, x_st, (int)K, w, b, yr, y_st, nvalid, nullptr, 0); break;
-                case 3: gemm_tile<3, false>(xr, x_st, (int)K, w, b, yr, y_st, nvalid, nullptr, 0); break;
-                case 2: gemm_tile<2, false>(xr, x_st, (int)K, w, b, yr, y_st, nvalid, nullptr, 0); break;
-                default: gemm_tile<1, false>(xr, x_st, (int)K, w, b, yr, y_st, nvalid, nullptr, 0); break;
-            }
+            if (next)  // this tile's share of the next panel: lines [t*K/T, (t+1)*K/T), one every T k steps
+                gemm_rows<true>(rows, xr, x_st, (int)K, w, b, yr, y_st, nvalid, next + (int64_t)t * K / T * 16, T);
+            else
+                gemm_rows<false>(rows, xr, x_st, (int)K, w, b, yr, y_st, nvalid, nullptr, 0);
         }
     }
     return 0;

@@ -78,22 +78,24 @@ def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     k = min(TOP_P_CANDIDATES, logits.shape[1])
     srt, idx = torch.topk(logits, k, dim=-1)  # descending
     probs = torch.exp(srt - torch.logsumexp(logits, dim=-1, keepdim=True))
-    cum = probs.cumsum(-1)
-    inside = cum[:, -1] >= top_p  # the nucleus lies among the candidates
-    if not bool(inside.all()):
-        rest = (~inside).nonzero().squeeze(1)
-        full, full_idx = torch.sort(logits[rest], dim=-1, descending=True)
-        full_probs = torch.softmax(full, dim=-1)
-        full_drop = (full_probs.cumsum(-1) - full_probs) >= top_p[rest, None]
-        full_drop[:, 0] = False
-        logits[rest] = logits[rest].scatter(1, full_idx, full.masked_fill(full_drop, float("-inf")))
-    if bool(inside.any()):
-        rows = inside.nonzero().squeeze(1)
-        drop = (cum[rows] - probs[rows]) >= top_p[rows, None]  # keep the smallest set reaching top_p
-        drop[:, 0] = False
-        kept = torch.full((len(rows), logits.shape[1]), float("-inf"), dtype=logits.dtype)
-        logits[rows] = kept.scatter_(1, idx[rows], srt[rows].masked_fill(drop, float("-inf")))
-    return logits
+    inside = probs.cumsum(-1)[:, -1] >= top_p  # the nucleus lies among the candidates (same sum as _nucleus)
+    out = torch.full_like(logits, float("-inf"))
+    if bool(inside.all()):
+        return _nucleus(out, srt, idx, probs, top_p)
+    rows, rest = inside.nonzero().squeeze(1), (~inside).nonzero().squeeze(1)
+    if len(rows):
+        out[rows] = _nucleus(out[rows], srt[rows], idx[rows], probs[rows], top_p[rows])
+    full, full_idx = torch.sort(logits[rest], dim=-1, descending=True)  # nucleus beyond the candidates
+    out[rest] = _nucleus(out[rest], full, full_idx, torch.softmax(full, dim=-1), top_p[rest])
+    return out
+
+
+def _nucleus(out, srt, idx, probs, top_p) -> torch.Tensor:
+    """out (all -inf) with the logits srt (descending, at columns idx, probabilities probs) of each row's smallest
+    leading set whose probability reaches top_p."""
+    drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+    drop[:, 0] = False
+    return out.scatter_(1, idx, srt.masked_fill(drop, float("-inf")))
 
 
 @torch.inference_mode()

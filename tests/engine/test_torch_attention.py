@@ -32,6 +32,19 @@ def make_meta(tables, seq_lens, q_lens, bs):
                              list(seq_lens), max(q_lens), max(seq_lens), bs)
 
 
+def assert_matches_prefill_reference(be, meta, N, Hkv, G, D, scale):
+    """Random pools and new q/k/v for the step in `meta` (prepared by `be`): the backend's output equals the paged
+    prefill reference's."""
+    bs = meta.block_size
+    kc, vc = torch.randn(N, bs, Hkv, D), torch.randn(N, bs, Hkv, D)
+    T = sum(meta.query_lens_list)
+    q, k, v = torch.randn(T, Hkv * G, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+    out = be.forward(q, k, v, kc, vc, meta, scale)
+    ref = paged_prefill_attention_ref(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+                                      meta.max_query_len)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_with_shared_prefix_groups_matches_reference():
     torch.manual_seed(0)
     bs, Hkv, G, D, N = 16, 2, 3, 32, 64
@@ -61,13 +74,7 @@ def test_mixed_prefill_and_decode_matches_reference():
     meta = make_meta(tables, seq_lens, q_lens, bs)
     be = TorchAttentionBackend()
     be.prepare(meta)
-    kc, vc = torch.randn(N, bs, Hkv, D), torch.randn(N, bs, Hkv, D)
-    T = sum(q_lens)
-    q, k, v = torch.randn(T, Hkv * G, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
-    out = be.forward(q, k, v, kc, vc, meta, 0.25)
-    ref = paged_prefill_attention_ref(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.25,
-                                      meta.max_query_len)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_matches_prefill_reference(be, meta, N, Hkv, G, D, 0.25)
 
 
 def test_prefill_chunks_sharing_a_cached_prefix_match_reference():
@@ -81,13 +88,7 @@ def test_prefill_chunks_sharing_a_cached_prefix_match_reference():
     be = TorchAttentionBackend()
     be.prepare(meta)
     assert len(meta.prepared["cascade_prefill"]) == 1  # the three chunks over the shared blocks
-    kc, vc = torch.randn(N, bs, Hkv, D), torch.randn(N, bs, Hkv, D)
-    T = sum(q_lens)
-    q, k, v = torch.randn(T, Hkv * G, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
-    out = be.forward(q, k, v, kc, vc, meta, 0.3)
-    ref = paged_prefill_attention_ref(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.3,
-                                      meta.max_query_len)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_matches_prefill_reference(be, meta, N, Hkv, G, D, 0.3)
 
 
 def test_pure_decode_step_matches_reference():
@@ -131,10 +132,4 @@ def test_short_prefill_chunks_go_row_by_row_and_long_ones_to_sdpa():
     assert [(c.start, c.end) for c in meta.prepared["prefill"]] == [(0, 40)]
     assert rp.rows.tolist() == list(range(40, 92))
     assert rp.seq_lens.tolist() == list(range(1, 41)) + list(range(19, 31))
-    kc, vc = torch.randn(N, bs, Hkv, D), torch.randn(N, bs, Hkv, D)
-    T = sum(q_lens)
-    q, k, v = torch.randn(T, Hkv * G, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
-    out = be.forward(q, k, v, kc, vc, meta, 0.125)
-    ref = paged_prefill_attention_ref(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.125,
-                                      meta.max_query_len)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_matches_prefill_reference(be, meta, N, Hkv, G, D, 0.125)
