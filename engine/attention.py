@@ -80,6 +80,7 @@ class CascadeDecodePlan:
     suffix: torch.Tensor  # int64 [B * nsuf] (torch path)
     nsuf: int
     bias: torch.Tensor  # float [B, 1, 1, nsuf * block_size] additive mask (torch path)
+    prefix_flash: FlashPlan  # kernel path: the rows over the shared blocks (their own suffix: paged_decode)
     common_span: tuple[int, int] | None = None  # the shared blocks are ids span[0]..span[1]-1: read as a view
 
 
@@ -95,29 +96,53 @@ class ChunkPlan:
 
 
 @dataclass(frozen=True)
-class RowsPlan:
-    """Prefill rows the C++ kernel attends one by one, in place in the pool: row i (flat row rows[i]) attends the first
-    seq_lens[i] tokens of block table tables[i] (its own position and everything before it). `chunks` are the same
-    rows as ChunkPlans, for the torch path."""
+class FlashPlan:
+    """Rows the C++ flash kernel attends in place in the pool, grouped by the block table they read: group g is the flat
+    rows rows[group_start[g]:group_start[g+1]], reading tables[g]; row i attends keys key_start .. ends[i]-1 (a prefill
+    chunk's causal limits; a shared prefix's length for every member)."""
 
     rows: torch.Tensor  # int64 [R]
-    tables: torch.Tensor  # int32 [R, W]
-    seq_lens: torch.Tensor  # int32 [R]
-    chunks: tuple[ChunkPlan, ...]
+    ends: torch.Tensor  # int32 [R]
+    group_start: torch.Tensor  # int32 [NG + 1]
+    tables: torch.Tensor  # int32 [NG, W]
+    key_start: int = 0
 
 
-# Prefill chunks whose context is at most this many tokens go to the C++ kernel row by row (each row's keys and
-# values stay in L2 while the row is computed); longer ones to SDPA's blocked flash kernel. Per layer, Zen3 fp32,
-# 2 threads: 16 x 128 tokens 5.8 ms vs SDPA 9.3, 8 x 256 10.1 vs 12.5, 4 x 512 20.5 vs 22.1, 1 x 1,024 19.4 vs 14.8.
-KERNEL_PREFILL_MAX_CONTEXT = 512
+def _flash_plan(meta: AttentionMetadata, seqs: list[int], key_start: int = 0) -> FlashPlan:
+    """Every new row of `seqs` (one group each), attending its sequence's keys up to its own position."""
+    dev = meta.seq_lens.device
+    qsl = meta.query_start_loc.tolist()
+    qlens = [meta.query_lens_list[b] for b in seqs]
+    slens = [meta.seq_lens_list[b] for b in seqs]
+    rows = torch.cat([torch.arange(qsl[b], qsl[b] + q, device=dev) for b, q in zip(seqs, qlens)])
+    ends = torch.cat([torch.arange(ctx - q + 1, ctx + 1, dtype=torch.int32, device=dev)
+                      for q, ctx in zip(qlens, slens)])
+    starts = torch.zeros(len(seqs) + 1, dtype=torch.int32, device=dev)
+    starts[1:] = torch.tensor(qlens, dtype=torch.int32, device=dev).cumsum(0)
+    nblk = (max(slens) + meta.block_size - 1) // meta.block_size
+    idx = torch.tensor(seqs, dtype=torch.long, device=dev)
+    return FlashPlan(rows, ends, starts, meta.block_tables[idx, :nblk].contiguous(), key_start)
+
+
+def _prefix_flash_plan(rows: torch.Tensor, common32: torch.Tensor, n_prefix: int) -> FlashPlan:
+    """`rows` (of several sequences) against the first n_prefix keys of the blocks they share: one group."""
+    dev = rows.device
+    ends = torch.full((rows.shape[0],), n_prefix, dtype=torch.int32, device=dev)
+    starts = torch.tensor([0, rows.shape[0]], dtype=torch.int32, device=dev)
+    return FlashPlan(rows, ends, starts, common32.reshape(1, -1).contiguous())
 
 
 @dataclass(frozen=True)
 class CascadePrefillPlan:
+    """Prefill chunks of sequences that share cached leading blocks: each member's own keys, then the shared prefix
+    for all members at once, merged by log-sum-exp (the kernel takes the flash plans, the torch path the rest)."""
+
     rows: torch.Tensor  # int64 flat rows of every member's chunk, member by member
     common: torch.Tensor  # int64 shared block ids
     own: tuple[ChunkPlan, ...]  # each member's own part (blocks after the shared prefix, causal mask)
     bias: tuple[torch.Tensor, ...]  # additive float masks [n, L] matching `own`
+    own_flash: FlashPlan  # kernel path: each member's rows over its keys after the shared prefix
+    prefix_flash: FlashPlan  # kernel path: every member row over the shared prefix
     common_span: tuple[int, int] | None = None  # as CascadeDecodePlan.common_span
 
 
@@ -151,17 +176,16 @@ def _use_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 class TorchAttentionBackend:
     """Reads K/V of the paged pool on CPU; computes attention in float32.
 
-    Decode rows (one new token) are attended together: with the C++ kernel (flowrt.engine.cpu_ops, float32
-    caches) straight from the pool through the block tables, otherwise one masked SDPA over their gathered
-    blocks. Decode rows whose sequences share leading blocks (forks, prefix-cache hits) are grouped: the torch
-    path reads that shared prefix once for the whole group (cascade attention); the kernel reads each member's
-    whole context in place, where the shared blocks come from DRAM once and from the CPU caches for the other
-    members (measured a little faster than a separate prefix attention plus a merge). Sequences with several new
-    tokens (prefill chunks) each get one SDPA call with a causal mask offset by their cached prefix, except that
-    with the C++ kernel, chunks over a short context (KERNEL_PREFILL_MAX_CONTEXT) are attended row by row in place.
-    Attention stays per sequence (or per shared prefix): never one dense mask over the batch. `prepare` builds immutable
-    plans once per step (in meta.prepared: "decode", "cascade", "cascade_prefill", "prefill", "prefill_rows"); layers
-    only read them.
+    With the C++ kernels (flowrt.engine.cpu_ops, float32 caches) everything is read in place in the pool: decode rows
+    (one new token) by the paged decode kernel, one row per (sequence, KV head); prefill chunks by the flash kernel,
+    which attends a tile of rows x query heads per KV head as small matrix products over packed chunks of keys. Rows
+    whose sequences share leading blocks (forks, prefix-cache hits) are grouped (cascade attention): each member's own
+    keys first, with their log-sum-exp, then the shared prefix once for all members of the group (flash), merged. The
+    plain-torch path does the same with gathered blocks: one masked SDPA over the decode rows, a cascade of two
+    attentions per shared prefix, one SDPA call per prefill chunk. Attention stays per sequence (or per shared prefix):
+    never one dense mask over the batch. `prepare` builds immutable plans once per step (meta.prepared: "decode",
+    "cascade", "cascade_prefill", "prefill_flash"; the torch path's per-chunk "prefill" on first use); layers only
+    read them.
     """
 
     name = "torch"
@@ -191,7 +215,8 @@ class TorchAttentionBackend:
                 bias = torch.zeros(len(members), 1, 1, pos.shape[0], device=dev)
                 bias.masked_fill_(~(pos[None, :] < lens.long()[:, None])[:, None, None, :], float("-inf"))
                 common = tables[0, :n_common].long()
-                cascade.append(CascadeDecodePlan(rows, common, tables, lens, suffix, nblk - n_common, bias,
+                prefix = _prefix_flash_plan(rows, tables[0, :n_common], n_common * bs)
+                cascade.append(CascadeDecodePlan(rows, common, tables, lens, suffix, nblk - n_common, bias, prefix,
                                                  _span(common.tolist())))
         p["cascade"] = tuple(cascade)
         if plain:
@@ -203,7 +228,6 @@ class TorchAttentionBackend:
             valid = torch.arange(nblk * bs, device=dev)[None, :] < lens.long()[:, None]
             p["decode"] = DecodePlan(None if all_rows else meta.query_start_loc[dec_t].long(), tables.contiguous(),
                                      lens.contiguous(), tables.long().reshape(-1), nblk, valid[:, None, None, :])
-        pre = []
         cascade_prefill = []
         qsl = meta.query_start_loc.tolist()
         chunks = [b for b, q in enumerate(qlens) if q > 1 and slens[b] > q]
@@ -222,42 +246,38 @@ class TorchAttentionBackend:
                     own.append(ChunkPlan(s, s + q, blocks, causal, _span(blocks.tolist())))
                     biases.append(torch.zeros(causal.shape, device=dev).masked_fill_(~causal, float("-inf")))
                 rows = torch.cat([torch.arange(o.start, o.end, device=dev) for o in own])
-                common = meta.block_tables[members[0], :n_common].long()
-                cascade_prefill.append(CascadePrefillPlan(rows, common, tuple(own), tuple(biases),
-                                                          _span(common.tolist())))
+                common32 = meta.block_tables[members[0], :n_common]
+                common = common32.long()
+                own_flash = _flash_plan(meta, members, key_start=n_common * bs)
+                cascade_prefill.append(CascadePrefillPlan(
+                    rows, common, tuple(own), tuple(biases), own_flash,
+                    _prefix_flash_plan(own_flash.rows, common32, n_common * bs), _span(common.tolist())))
         else:
             alone.update(chunks)
         p["cascade_prefill"] = tuple(cascade_prefill)
-        short, short_seqs = [], []
-        row_limit = KERNEL_PREFILL_MAX_CONTEXT if dev.type == "cpu" else 0
-        for b in sorted(alone):
-            s, q, ctx = qsl[b], qlens[b], slens[b]
-            target = short if ctx <= row_limit else pre
-            if target is short:
-                short_seqs.append(b)
-            if ctx == q:
-                target.append(ChunkPlan(s, s + q, None, None))  # nothing cached before: attend to the fresh K/V
-                continue
-            blocks = meta.block_tables[b, : (ctx + bs - 1) // bs].long()
-            qpos = torch.arange(ctx - q, ctx, device=dev)
-            mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]
-            target.append(ChunkPlan(s, s + q, blocks, mask, _span(blocks.tolist())))
-        p["prefill"] = tuple(pre)
-        p["prefill_rows"] = self._rows_plan(meta, short_seqs, tuple(short)) if short else None
+        alone = sorted(alone)
+        p["alone"] = alone  # their SDPA plans ("prefill") are built by the first layer that needs them
+        p["prefill_flash"] = _flash_plan(meta, alone) if alone and dev.type == "cpu" else None
 
     @staticmethod
-    def _rows_plan(meta: AttentionMetadata, seqs: list[int], chunks: tuple[ChunkPlan, ...]) -> RowsPlan:
-        """Every new row of `seqs` with its own context end and its sequence's block table."""
-        dev = meta.seq_lens.device
-        qlens = [meta.query_lens_list[b] for b in seqs]
-        slens = [meta.seq_lens_list[b] for b in seqs]
-        nblk = (max(slens) + meta.block_size - 1) // meta.block_size
-        per_row_seq = torch.tensor(seqs, dtype=torch.long, device=dev).repeat_interleave(
-            torch.tensor(qlens, dtype=torch.long, device=dev))
-        rows = torch.cat([torch.arange(c.start, c.end, device=dev) for c in chunks])
-        ends = torch.cat([torch.arange(ctx - q + 1, ctx + 1, dtype=torch.int32, device=dev)
-                          for q, ctx in zip(qlens, slens)])
-        return RowsPlan(rows, meta.block_tables[per_row_seq, :nblk].contiguous(), ends, chunks)
+    def _chunk_plans(meta: AttentionMetadata) -> tuple[ChunkPlan, ...]:
+        """One SDPA plan per prefill chunk that shares nothing (the path without the flash kernel), built once."""
+        p = meta.prepared
+        if "prefill" not in p:
+            bs, dev = meta.block_size, meta.seq_lens.device
+            qsl = meta.query_start_loc.tolist()
+            plans = []
+            for b in p["alone"]:
+                s, q, ctx = qsl[b], meta.query_lens_list[b], meta.seq_lens_list[b]
+                if ctx == q:
+                    plans.append(ChunkPlan(s, s + q, None, None))  # nothing cached before: attend to the fresh K/V
+                    continue
+                blocks = meta.block_tables[b, : (ctx + bs - 1) // bs].long()
+                qpos = torch.arange(ctx - q, ctx, device=dev)
+                mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]
+                plans.append(ChunkPlan(s, s + q, blocks, mask, _span(blocks.tolist())))
+            p["prefill"] = tuple(plans)
+        return p["prefill"]
 
     @staticmethod
     def _shared_prefix_groups(meta: AttentionMetadata, dec: list[int]) -> list[tuple[list[int], int]]:
@@ -319,21 +339,44 @@ class TorchAttentionBackend:
                 if dp.rows is None:
                     return od
                 out.index_copy_(0, dp.rows, od)
+        flash = kernel and cpu_ops.flash_supported(D)
+        qr = _rows_of_heads(q) if kernel else q
         for cp in prep["cascade"]:
-            if kernel:
-                # The kernel reads each member's whole context in place; the shared prefix is read from DRAM once
-                # and from the cache for the other members (per layer it is Hkv*D*8 bytes a token: 0.75 MiB for 512
-                # tokens of SmolLM2), which beats a separate attention over the prefix plus a merge.
-                cpu_ops.paged_decode(_rows_of_heads(q), k_cache, v_cache, cp.tables, cp.seq_lens, out, scale,
-                                     rows=cp.rows, shared_prefix=True)
+            if flash:
+                # each member's own suffix (with its log-sum-exp), then the shared prefix for all members at once
+                lse = torch.empty(cp.rows.shape[0], H)
+                cpu_ops.paged_decode(qr, k_cache, v_cache, cp.tables, cp.seq_lens, out, scale, rows=cp.rows,
+                                     start=cp.prefix_flash.tables.shape[1] * k_cache.shape[1], lse=lse)
+                self._flash(qr, k_cache, v_cache, cp.prefix_flash, out, scale, lse_in=lse)
+            elif kernel:
+                # each member's whole context in place, ordered so the shared prefix stays in the CPU caches
+                cpu_ops.paged_decode(qr, k_cache, v_cache, cp.tables, cp.seq_lens, out, scale, rows=cp.rows,
+                                     shared_prefix=True)
             else:
                 out.index_copy_(0, cp.rows, self._cascade(q, k_cache, v_cache, cp, scale))
         for cp in prep["cascade_prefill"]:
-            self._cascade_prefill(q, k_cache, v_cache, cp, scale, out)
-        rp = prep.get("prefill_rows")
-        if rp is not None and kernel:
-            cpu_ops.paged_decode(_rows_of_heads(q), k_cache, v_cache, rp.tables, rp.seq_lens, out, scale, rows=rp.rows)
-        for c in prep["prefill"] + (rp.chunks if rp is not None and not kernel else ()):
+            if flash:
+                lse = torch.empty(cp.own_flash.rows.shape[0], H)
+                self._flash(qr, k_cache, v_cache, cp.own_flash, out, scale, lse_out=lse)
+                self._flash(qr, k_cache, v_cache, cp.prefix_flash, out, scale, lse_in=lse)
+            else:
+                self._cascade_prefill(q, k_cache, v_cache, cp, scale, out)
+        if prep["prefill_flash"] is not None and flash:
+            self._flash(qr, k_cache, v_cache, prep["prefill_flash"], out, scale)
+        elif prep["alone"]:
+            self._sdpa_chunks(q, k, v, k_cache, v_cache, self._chunk_plans(meta), scale, out)
+        return out
+
+    @staticmethod
+    def _flash(q, k_cache, v_cache, fp: FlashPlan, out, scale, lse_in=None, lse_out=None) -> None:
+        cpu_ops.paged_flash(q, k_cache, v_cache, fp.rows, fp.ends, fp.group_start, fp.tables, out, scale,
+                            key_start=fp.key_start, lse_in=lse_in, lse_out=lse_out)
+
+    @staticmethod
+    def _sdpa_chunks(q, k, v, k_cache, v_cache, chunks: tuple[ChunkPlan, ...], scale, out) -> None:
+        """One SDPA call per chunk: causal over its fresh K/V, or masked over its gathered context."""
+        H, Hkv = q.shape[1], k.shape[1]
+        for c in chunks:
             s, e = c.start, c.end
             qs = q[s:e].float().transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if c.blocks is None:
@@ -348,7 +391,6 @@ class TorchAttentionBackend:
                 qs, ks, vs, attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=H != Hkv
             )
             out[s:e] = o[0].transpose(0, 1).to(q.dtype)
-        return out
 
     @staticmethod
     def _cascade(q, k_cache, v_cache, cp: CascadeDecodePlan, scale) -> torch.Tensor:

@@ -83,6 +83,38 @@ static inline __m256 hsum8(const __m256* a) {
     const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
+
+// r[i][j] <- r[j][i] for eight vectors of eight.
+static inline void transpose8(__m256* r) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+// max(x[0..n)), eight lanes at a time.
+static inline float row_max(const float* x, int n) {
+    __m256 vm = _mm256_set1_ps(-INFINITY);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + t));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vm);
+    float m = lanes[0];
+    for (int i = 1; i < 8; ++i) m = std::max(m, lanes[i]);
+    for (; t < n; ++t) m = std::max(m, x[t]);
+    return m;
+}
 #endif
 
 // Decode attention for one (sequence, KV head): its G query heads against tokens start .. seq_len-1, read in place
@@ -292,6 +324,18 @@ static inline void gemm_rows(int rows, const float* x, int64_t xs, int K, const 
 }
 #endif
 
+#ifdef FLOWRT_AVX2
+// y[M, 16 * panels] (row stride ys; the last panel writes its first `last` columns) = x[M, K] (row stride xs) @ the
+// packed panels wp (K * 16 floats each), panel by panel so each panel stays in L1 while every row tile uses it.
+static void gemm_small(const float* x, int64_t xs, int M, int K, const float* wp, int panels, int last, float* y,
+                       int64_t ys) {
+    for (int p = 0; p < panels; ++p)
+        for (int r = 0; r < M; r += 6)
+            gemm_rows<false>(std::min(6, M - r), x + r * xs, xs, K, wp + (int64_t)p * K * 16, nullptr,
+                             y + r * ys + p * 16, ys, p == panels - 1 ? last : 16, nullptr, 0);
+}
+#endif
+
 extern "C" {
 
 // 1 when the packed projections are compiled in (AVX2 + FMA), else 0 (callers keep their other path).
@@ -387,6 +431,180 @@ int paged_decode_f32(const float* q, int64_t q_st, const float* kc, const float*
         }
     }
     return 0;
+}
+
+// Attention of many query rows that read the same block table (a sequence's prefill chunk; every member of a group
+// that shares a prefix, against that prefix), as small matrix products instead of one row at a time. Rows are
+// grouped: group g is rows group_start[g] .. group_start[g+1]-1 (indices into rows/ends), reading block table g;
+// row i attends the keys key_start .. ends[i]-1 of it. Work items are (group, KV head, tile of rows); a tile's query
+// vectors are its rows x the query heads of the KV head. An item walks its keys in chunks of FLASH_CHUNK tokens: it
+// packs the chunk's keys (transposed) and values into projection panels in its own buffers, computes the tile's
+// scores and weighted values with gemm_tile (FMA-bound from L1/L2) and keeps an online softmax per query vector.
+// Outputs: without lse_in, out is written, with lse_out (nullable, [R, H] in the order of rows) the log-sum-exp of
+// each row's scores (-inf, and a zero output, for a row without keys); with lse_in, out already holds each row's
+// attention over other keys with that log-sum-exp, and the two parts are merged.
+// Returns -1 (doing nothing) without AVX2 + FMA or for a head size not a multiple of 16 (up to 256).
+constexpr int FLASH_CHUNK = 256;
+
+#ifdef FLOWRT_AVX2
+namespace {
+struct FlashArgs {
+    const float* q; int64_t q_st; const int64_t* rows; const int32_t* ends; const float* kc; const float* vc;
+    float* out; int64_t o_st; const float* lse_in; float* lse_out; int H, Hkv, D, bs; float scale;
+};
+
+// The keys key_start + c0 .. + n of block table `tab`, KV head kh: keys as n/16 panels [D][16] (transposed eight by
+// eight; a partial last panel padded with zero keys), values as D/16 panels [n][16].
+static void flash_pack(const FlashArgs& a, const int32_t* tab, int kh, int pos0, int n, float* kp, float* vp) {
+    const int D = a.D, bs = a.bs;
+    const int64_t tok_st = (int64_t)a.Hkv * D;
+    alignas(32) static const float zeros[256] = {};
+    for (int p0 = 0; p0 < n; p0 += 16) {
+        const float* krow[16];
+        for (int j = 0; j < 16; ++j) {
+            if (p0 + j >= n) {
+                krow[j] = zeros;
+                continue;
+            }
+            const int pos = pos0 + p0 + j;
+            const int64_t off = ((int64_t)tab[pos / bs] * bs + pos % bs) * tok_st + (int64_t)kh * D;
+            krow[j] = a.kc + off;
+            const float* vs = a.vc + off;
+            for (int dp = 0; dp < D / 16; ++dp) std::memcpy(vp + ((size_t)dp * n + p0 + j) * 16, vs + dp * 16, 64);
+        }
+        float* kdst = kp + (size_t)p0 * D;
+        for (int j0 = 0; j0 < 16; j0 += 8)
+            for (int d0 = 0; d0 < D; d0 += 8) {
+                __m256 r[8];
+                for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(krow[j0 + j] + d0);
+                transpose8(r);
+                for (int d = 0; d < 8; ++d) _mm256_storeu_ps(kdst + (d0 + d) * 16 + j0, r[d]);
+            }
+    }
+}
+
+struct FlashScratch {
+    std::vector<float> buf;
+    float *kp, *vp, *qt, *sc, *oc, *ob, *m, *l;
+    void size(int Mq, int D) {
+        const size_t pk = (size_t)FLASH_CHUNK * D;
+        const size_t need = 2 * pk + (size_t)Mq * (3 * D + FLASH_CHUNK + 2) + 8;
+        if (buf.size() < need) buf.resize(need);
+        kp = buf.data() + ((-(reinterpret_cast<uintptr_t>(buf.data()) / 4)) & 7);  // 32-byte aligned panels
+        vp = kp + pk;
+        qt = vp + pk;
+        sc = qt + (size_t)Mq * D;
+        oc = sc + (size_t)Mq * FLASH_CHUNK;
+        ob = oc + (size_t)Mq * D;
+        m = ob + (size_t)Mq * D;
+        l = m + Mq;
+    }
+};
+
+// One work item: rows idx[0..nr) (indices into rows/ends) of one group, KV head kh, keys key_start .. ends-1.
+static void flash_tile(const FlashArgs& a, const int32_t* tab, int key_start, int kh, int i0, int nr,
+                       FlashScratch& w) {
+    const int D = a.D, G = a.H / a.Hkv, Mq = nr * G;
+    int E = key_start;
+    for (int r = 0; r < nr; ++r) E = std::max(E, a.ends[i0 + r]);
+    for (int i = 0; i < Mq; ++i) {
+        const float* src = a.q + a.rows[i0 + i / G] * a.q_st + ((int64_t)kh * G + i % G) * D;
+        for (int d = 0; d < D; ++d) w.qt[(size_t)i * D + d] = src[d] * a.scale;
+        w.m[i] = -INFINITY;
+        w.l[i] = 0.f;
+    }
+    std::memset(w.ob, 0, sizeof(float) * (size_t)Mq * D);
+    for (int c0 = key_start; c0 < E; c0 += FLASH_CHUNK) {
+        const int n = std::min(FLASH_CHUNK, E - c0), np = (n + 15) / 16;
+        flash_pack(a, tab, kh, c0, n, w.kp, w.vp);
+        gemm_small(w.qt, D, Mq, D, w.kp, np, n - (np - 1) * 16, w.sc, FLASH_CHUNK);
+        for (int i = 0; i < Mq; ++i) {
+            float* si = w.sc + (size_t)i * FLASH_CHUNK;
+            const int ni = std::min(n, a.ends[i0 + i / G] - c0);  // this row's keys in the chunk (causal limit)
+            if (ni <= 0) {
+                std::memset(si, 0, sizeof(float) * n);
+                continue;
+            }
+            const float mn = std::max(w.m[i], row_max(si, ni));
+            const float alpha = w.m[i] == -INFINITY ? 0.f : fexp(w.m[i] - mn);
+            const __m256 vm = _mm256_set1_ps(mn);
+            __m256 vs = _mm256_setzero_ps();
+            int t = 0;
+            for (; t + 8 <= ni; t += 8) {
+                const __m256 e = fexp8(_mm256_sub_ps(_mm256_loadu_ps(si + t), vm));
+                _mm256_storeu_ps(si + t, e);
+                vs = _mm256_add_ps(vs, e);
+            }
+            alignas(32) float lanes[8];
+            _mm256_store_ps(lanes, vs);
+            float sum = 0.f;
+            for (int j = 0; j < 8; ++j) sum += lanes[j];
+            for (; t < ni; ++t) { const float e = fexp(si[t] - mn); si[t] = e; sum += e; }
+            for (; t < n; ++t) si[t] = 0.f;
+            w.l[i] = w.l[i] * alpha + sum;
+            w.m[i] = mn;
+            if (alpha != 1.f)
+                for (int d = 0; d < D; ++d) w.ob[(size_t)i * D + d] *= alpha;
+        }
+        gemm_small(w.sc, FLASH_CHUNK, Mq, n, w.vp, D / 16, 16, w.oc, D);  // value panel dp starts at dp * n * 16
+        for (size_t x = 0; x < (size_t)Mq * D; ++x) w.ob[x] += w.oc[x];
+    }
+    for (int i = 0; i < Mq; ++i) {
+        const int64_t row = a.rows[i0 + i / G], h = (int64_t)kh * G + i % G, st = (int64_t)(i0 + i / G) * a.H + h;
+        float* dst = a.out + row * a.o_st + h * D;
+        const float* o = w.ob + (size_t)i * D;
+        const float lp = w.l[i] > 0.f ? w.m[i] + std::log(w.l[i]) : -INFINITY;
+        if (a.lse_in) {  // merge with the part already in dst (normalized, log-sum-exp lse_in) by their weights
+            const float lo = a.lse_in[st], mm = std::max(lp, lo);
+            if (mm == -INFINITY) continue;
+            const float pa = lp == -INFINITY ? 0.f : std::exp(lp - mm), pb = lo == -INFINITY ? 0.f : std::exp(lo - mm);
+            const float wp = pa / (pa + pb) / (w.l[i] > 0.f ? w.l[i] : 1.f), wo = pb / (pa + pb);
+            for (int d = 0; d < D; ++d) dst[d] = o[d] * wp + (wo != 0.f ? dst[d] * wo : 0.f);
+            continue;
+        }
+        const float inv = w.l[i] > 0.f ? 1.f / w.l[i] : 0.f;
+        for (int d = 0; d < D; ++d) dst[d] = o[d] * inv;
+        if (a.lse_out) a.lse_out[st] = lp;
+    }
+}
+}  // namespace
+#endif
+
+int paged_flash_f32(const float* q, int64_t q_st, const int64_t* rows, const int32_t* ends,
+                    const int32_t* group_start, int NG, const int32_t* tables, int64_t tab_st, int key_start,
+                    const float* kc, const float* vc, float* out, int64_t o_st, const float* lse_in, float* lse_out,
+                    int H, int Hkv, int D, int bs, float scale) {
+#ifdef FLOWRT_AVX2
+    if (D % 16 != 0 || D > 256) return -1;
+    const int G = H / Hkv;
+    const int rt = std::max(1, 36 / G);  // rows per tile: ~36 query vectors share each packed chunk
+    // items: (group, KV head, tile), numbered through a prefix sum of each group's tiles
+    std::vector<int64_t> first(NG + 1, 0);
+    for (int g = 0; g < NG; ++g) {
+        const int nr = group_start[g + 1] - group_start[g];
+        first[g + 1] = first[g] + (int64_t)Hkv * ((nr + rt - 1) / rt);
+    }
+    const FlashArgs a{q, q_st, rows, ends, kc, vc, out, o_st, lse_in, lse_out, H, Hkv, D, bs, scale};
+    #pragma omp parallel if (first[NG] > 1)
+    {
+        static thread_local FlashScratch w;
+        w.size(rt * G, D);
+        int g = 0;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < first[NG]; ++item) {
+            while (first[g + 1] <= item) ++g;
+            while (first[g] > item) --g;
+            const int nr = group_start[g + 1] - group_start[g], tiles = (nr + rt - 1) / rt;
+            const int64_t local = item - first[g];
+            const int kh = (int)(local / tiles), t = (int)(local % tiles);
+            const int i0 = group_start[g] + t * rt;
+            flash_tile(a, tables + (int64_t)g * tab_st, key_start, kh, i0, std::min(rt, group_start[g + 1] - i0), w);
+        }
+    }
+    return 0;
+#else
+    return -1;
+#endif
 }
 
 // The step's new keys and values into their cache slots: row t of k/v (W floats, row strides k_st/v_st) to row
@@ -526,6 +744,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode_f32.restype = ctypes.c_int
     lib.paged_decode_f32.argtypes = [P, I64, P, P, P, I64, P, P, I32, P, I64, P, I32, I32, I32, I32, I32, F, I32]
     lib.add_rmsnorm_f32.argtypes = [P, P, P, P, I64, I32, F]
+    lib.paged_flash_f32.argtypes = [P, I64, P, P, P, I32, P, I64, I32, P, P, P, I64, P, P, I32, I32, I32, I32, F]
+    lib.paged_flash_f32.restype = ctypes.c_int
     lib.kv_write_f32.argtypes = [P, I64, P, I64, P, P, P, I64, I32, I64]
     lib.kv_write_f32.restype = ctypes.c_int
     lib.rope_f32.argtypes = [P, I64, I64, I32, I32, P, P, P]
@@ -595,6 +815,27 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out, scale: float,
                                out.data_ptr(), out.stride(0), _p(lse), B, H, Hkv, D, bs, scale, int(shared_prefix))
     if rc != 0:
         raise ValueError(f"paged_decode: head size {D} not supported")
+
+
+def flash_supported(head_dim: int) -> bool:
+    """Whether paged_flash runs here for this head size (the kernels are loaded, with AVX2 + FMA)."""
+    return head_dim % 16 == 0 and head_dim <= 256 and lib() is not None and bool(_lib.gemm_packed_available())
+
+
+def paged_flash(q, k_cache, v_cache, rows, ends, group_start, tables, out, scale: float, key_start: int = 0,
+                lse_in=None, lse_out=None) -> None:
+    """Rows of q [*, H, D] (rows contiguous in the last two dims) attend keys of the pools [N, bs, Hkv, D] float32 in
+    place. Group g is the rows rows[group_start[g]:group_start[g+1]] (int64 flat rows; group_start int32 [NG+1]),
+    reading block table tables[g] (int32 [NG, W], row-contiguous); row i attends keys key_start .. ends[i]-1 (ends
+    int32 [R]). lse_out (float32 [R, H]) receives each row's log-sum-exp; with lse_in instead, out already holds each
+    row's attention over other keys with that log-sum-exp and the two are merged."""
+    N, bs, Hkv, D = k_cache.shape
+    rc = _lib.paged_flash_f32(q.data_ptr(), q.stride(0), rows.data_ptr(), ends.data_ptr(), group_start.data_ptr(),
+                              group_start.shape[0] - 1, tables.data_ptr(), tables.stride(0), key_start,
+                              k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), out.stride(0), _p(lse_in),
+                              _p(lse_out), q.shape[1], Hkv, D, bs, scale)
+    if rc != 0:
+        raise ValueError(f"paged_flash: head size {D} not supported (needs AVX2 + FMA and a multiple of 16)")
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

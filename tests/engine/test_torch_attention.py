@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flowrt.engine import cpu_ops
-from flowrt.engine.attention import KERNEL_PREFILL_MAX_CONTEXT, AttentionMetadata, TorchAttentionBackend
+from flowrt.engine.attention import AttentionMetadata, TorchAttentionBackend
 from flowrt.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 
 
@@ -111,12 +111,12 @@ def test_pure_decode_step_matches_reference():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_short_prefill_chunks_go_row_by_row_and_long_ones_to_sdpa():
-    """Chunks over at most KERNEL_PREFILL_MAX_CONTEXT tokens are one rows plan (the kernel attends each row in
-    place); a longer chunk keeps its own SDPA call; both, with a decode row beside them, match the reference."""
+def test_prefill_chunks_are_one_flash_plan_grouped_by_sequence():
+    """Every prefill chunk that shares nothing (long over a cache, fresh, short over a cache) is one group of the flash
+    plan, each row with its causal end; beside a decode row, the step matches the reference (flash kernel and SDPA)."""
     torch.manual_seed(5)
     bs, Hkv, G, D = 16, 3, 3, 64
-    long_ctx = KERNEL_PREFILL_MAX_CONTEXT + 88
+    long_ctx = 600  # over more than one chunk of the flash kernel (256 keys), not a whole number of them
     sizes = [(long_ctx + bs - 1) // bs, 3, 2, 2]
     N = sum(sizes) + 4
     perm = torch.randperm(N).tolist()
@@ -128,8 +128,58 @@ def test_short_prefill_chunks_go_row_by_row_and_long_ones_to_sdpa():
     meta = make_meta(tables, seq_lens, q_lens, bs)
     be = TorchAttentionBackend()
     be.prepare(meta)
-    rp = meta.prepared["prefill_rows"]
-    assert [(c.start, c.end) for c in meta.prepared["prefill"]] == [(0, 40)]
-    assert rp.rows.tolist() == list(range(40, 92))
-    assert rp.seq_lens.tolist() == list(range(1, 41)) + list(range(19, 31))
+    fp = meta.prepared["prefill_flash"]
+    assert fp.rows.tolist() == list(range(0, 92))
+    assert fp.group_start.tolist() == [0, 40, 80, 92]
+    assert fp.ends.tolist() == list(range(561, 601)) + list(range(1, 41)) + list(range(19, 31))
+    assert fp.tables[0].tolist() == tables[0] and fp.tables[2, :2].tolist() == tables[2]
     assert_matches_prefill_reference(be, meta, N, Hkv, G, D, 0.125)
+
+
+def test_flash_kernel_matches_reference_for_odd_shapes():
+    """The flash kernel alone: head sizes 16-128, GQA and MHA, block sizes 4-16, chunks that end mid-block, rows in a
+    shuffled order of a wider stream; the log-sum-exp it returns and a merge with a second part (key_start) agree."""
+    if cpu_ops.lib() is None or not cpu_ops.flash_supported(64):
+        pytest.skip("flash kernel unavailable here")
+    for D, Hkv, G, bs in [(64, 3, 3, 16), (128, 2, 4, 16), (32, 2, 2, 8), (16, 4, 1, 4)]:
+        torch.manual_seed(D + bs)
+        specs = [(0, 300), (260, 37), (600, 5)]  # (cached, new) per sequence
+        nblk = [(c + n + bs - 1) // bs for c, n in specs]
+        N = sum(nblk) + 3
+        perm = torch.randperm(N).int()
+        tables = torch.zeros(3, max(nblk), dtype=torch.int32)
+        at, ends, starts = 0, [], [0]
+        for g, (c, n) in enumerate(specs):
+            tables[g, : nblk[g]] = perm[at : at + nblk[g]]
+            at += nblk[g]
+            ends += list(range(c + 1, c + n + 1))
+            starts.append(starts[-1] + n)
+        R = starts[-1]
+        kc, vc = torch.randn(N, bs, Hkv, D), torch.randn(N, bs, Hkv, D)
+        q = torch.randn(R + 4, Hkv * G, D)
+        rows = torch.randperm(R + 4)[:R]
+        ends_t, starts_t = torch.tensor(ends, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)
+        scale = D**-0.5
+        out, lse = torch.zeros(R + 4, Hkv * G, D), torch.empty(R, Hkv * G)
+        cpu_ops.paged_flash(q, kc, vc, rows, ends_t, starts_t, tables, out, scale, lse_out=lse)
+        # the same rows in two parts: keys from 256 on (with their log-sum-exp), then keys before 256 merged in
+        split = torch.zeros(R + 4, Hkv * G, D)
+        lse_hi = torch.empty(R, Hkv * G)
+        cpu_ops.paged_flash(q, kc, vc, rows, ends_t, starts_t, tables, split, scale, key_start=256, lse_out=lse_hi)
+        cpu_ops.paged_flash(q, kc, vc, rows, ends_t.clamp(max=256), starts_t, tables, split, scale, lse_in=lse_hi)
+        for g in range(3):
+            sl = slice(starts[g], starts[g + 1])
+            n = starts[g + 1] - starts[g]
+            qsl = torch.tensor([0, n], dtype=torch.int32)
+            ref = paged_prefill_attention_ref(q[rows[sl]], kc, vc, tables[g : g + 1], qsl,
+                                              torch.tensor([ends[starts[g + 1] - 1]], dtype=torch.int32), scale, n)
+            torch.testing.assert_close(out[rows[sl]], ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(split[rows[sl]], ref, atol=1e-5, rtol=1e-5)
+            # log-sum-exp of the scaled scores, against a direct computation for the last row of the group
+            last = starts[g + 1] - 1
+            pos = torch.arange(ends[last])
+            slots = tables[g][pos // bs].long() * bs + pos % bs
+            k = kc.view(-1, Hkv, D)[slots].repeat_interleave(G, dim=1)
+            s = torch.einsum("hd,lhd->hl", q[rows[last]], k) * scale
+            torch.testing.assert_close(lse[last], torch.logsumexp(s, -1), atol=1e-5, rtol=1e-5)
+        assert not out[[r for r in range(R + 4) if r not in set(rows.tolist())]].any()
