@@ -12,7 +12,7 @@ import torch
 from support import hf_greedy
 from flowrt.engine import LLM, SamplingParams, cpu_ops
 from flowrt.engine.models.llama import rms_norm, rotate_half
-from flowrt.kernels.reference import paged_decode_attention_ref
+from flowrt.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 
 pytestmark = pytest.mark.skipif(cpu_ops.lib() is None, reason=f"CPU kernels unavailable: {cpu_ops._error}")
 
@@ -175,6 +175,55 @@ def test_paged_decode_suffix_with_lse():
         s = torch.einsum("hd,lhd->hl", q[b], k) * 0.125
         torch.testing.assert_close(lse[b], torch.logsumexp(s, -1), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out[b], torch.einsum("hl,lhd->hd", s.softmax(-1), v), atol=1e-5, rtol=1e-5)
+
+
+def test_flash_kernel_matches_reference_for_odd_shapes():
+    """The flash kernel alone: head sizes 16-128, GQA and MHA, block sizes 4-16, chunks that end mid-block, rows in a
+    shuffled order of a wider stream; the log-sum-exp it returns and a merge with a second part (key_start) agree."""
+    if not cpu_ops.flash_supported(64):
+        pytest.skip("the flash kernel needs AVX2 + FMA")
+    for D, Hkv, G, bs in [(64, 3, 3, 16), (128, 2, 4, 16), (32, 2, 2, 8), (16, 4, 1, 4)]:
+        torch.manual_seed(D + bs)
+        specs = [(0, 300), (260, 37), (600, 5)]  # (cached, new) per sequence
+        nblk = [(c + n + bs - 1) // bs for c, n in specs]
+        N = sum(nblk) + 3
+        perm = torch.randperm(N).int()
+        tables = torch.zeros(3, max(nblk), dtype=torch.int32)
+        at, ends, starts = 0, [], [0]
+        for g, (c, n) in enumerate(specs):
+            tables[g, : nblk[g]] = perm[at : at + nblk[g]]
+            at += nblk[g]
+            ends += list(range(c + 1, c + n + 1))
+            starts.append(starts[-1] + n)
+        R = starts[-1]
+        kc, vc = torch.randn(N, bs, Hkv, D), torch.randn(N, bs, Hkv, D)
+        q = torch.randn(R + 4, Hkv * G, D)
+        rows = torch.randperm(R + 4)[:R]
+        ends_t, starts_t = torch.tensor(ends, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)
+        scale = D**-0.5
+        out, lse = torch.zeros(R + 4, Hkv * G, D), torch.empty(R, Hkv * G)
+        cpu_ops.paged_flash(q, kc, vc, rows, ends_t, starts_t, tables, out, scale, lse_out=lse)
+        # the same rows in two parts: keys from 256 on (with their log-sum-exp), then keys before 256 merged in
+        split = torch.zeros(R + 4, Hkv * G, D)
+        lse_hi = torch.empty(R, Hkv * G)
+        cpu_ops.paged_flash(q, kc, vc, rows, ends_t, starts_t, tables, split, scale, key_start=256, lse_out=lse_hi)
+        cpu_ops.paged_flash(q, kc, vc, rows, ends_t.clamp(max=256), starts_t, tables, split, scale, lse_in=lse_hi)
+        for g in range(3):
+            sl = slice(starts[g], starts[g + 1])
+            n = starts[g + 1] - starts[g]
+            qsl = torch.tensor([0, n], dtype=torch.int32)
+            ref = paged_prefill_attention_ref(q[rows[sl]], kc, vc, tables[g : g + 1], qsl,
+                                              torch.tensor([ends[starts[g + 1] - 1]], dtype=torch.int32), scale, n)
+            torch.testing.assert_close(out[rows[sl]], ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(split[rows[sl]], ref, atol=1e-5, rtol=1e-5)
+            # log-sum-exp of the scaled scores, against a direct computation for the last row of the group
+            last = starts[g + 1] - 1
+            pos = torch.arange(ends[last])
+            slots = tables[g][pos // bs].long() * bs + pos % bs
+            k = kc.view(-1, Hkv, D)[slots].repeat_interleave(G, dim=1)
+            s = torch.einsum("hd,lhd->hl", q[rows[last]], k) * scale
+            torch.testing.assert_close(lse[last], torch.logsumexp(s, -1), atol=1e-5, rtol=1e-5)
+        assert not out[[r for r in range(R + 4) if r not in set(rows.tolist())]].any()
 
 
 def test_greedy_parity_with_kernels_off(stories_path):
