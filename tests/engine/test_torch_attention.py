@@ -4,7 +4,7 @@ shared-prefix (cascade) decode path that reads blocks common to several sequence
 import pytest
 import torch
 
-from flowrt.engine import cpu_ops
+from flowrt.engine import attention, cpu_ops
 from flowrt.engine.attention import AttentionMetadata, TorchAttentionBackend
 from flowrt.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 
@@ -45,7 +45,12 @@ def assert_matches_prefill_reference(be, meta, N, Hkv, G, D, scale):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_with_shared_prefix_groups_matches_reference():
+@pytest.mark.parametrize("min_shared", [0, None], ids=["prefixes-by-flash", "default-threshold"])
+def test_decode_with_shared_prefix_groups_matches_reference(min_shared, monkeypatch):
+    """Two groups sharing prefixes of different lengths: with the flash kernel for the shared prefixes (their own
+    suffixes first, merged by log-sum-exp), and below the threshold where each member reads its whole context."""
+    if min_shared is not None:
+        monkeypatch.setattr(attention, "FLASH_DECODE_MIN_SHARED", min_shared)
     torch.manual_seed(0)
     bs, Hkv, G, D, N = 16, 2, 3, 32, 64
     perm = torch.randperm(N).tolist()
@@ -58,6 +63,7 @@ def test_decode_with_shared_prefix_groups_matches_reference():
     be = TorchAttentionBackend()
     be.prepare(meta)
     assert len(meta.prepared["cascade"]) == 2  # the plain path takes the rest
+    assert (meta.prepared["cascade_prefixes"] is not None) == (min_shared == 0)
     kc, vc = torch.randn(N, bs, Hkv, D), torch.randn(N, bs, Hkv, D)
     q, k, v = torch.randn(6, Hkv * G, D), torch.randn(6, Hkv, D), torch.randn(6, Hkv, D)
     out = be.forward(q, k, v, kc, vc, meta, 0.2)
