@@ -116,10 +116,10 @@ class FlashPlan:
 FLASH_DECODE_MIN_SHARED = 8192
 
 
-def _flash_plan(meta: AttentionMetadata, seqs: list[int], key_start: int = 0) -> FlashPlan:
-    """Every new row of `seqs` (one group each), attending its sequence's keys up to its own position."""
+def _flash_plan(meta: AttentionMetadata, qsl: list[int], seqs: list[int], key_start: int = 0) -> FlashPlan:
+    """Every new row of `seqs` (one group each; qsl: query_start_loc as a list), attending its sequence's keys up to
+    its own position."""
     dev = meta.seq_lens.device
-    qsl = meta.query_start_loc.tolist()
     qlens = [meta.query_lens_list[b] for b in seqs]
     slens = [meta.seq_lens_list[b] for b in seqs]
     rows = torch.cat([torch.arange(qsl[b], qsl[b] + q, device=dev) for b, q in zip(seqs, qlens)])
@@ -150,15 +150,13 @@ def _prefixes_flash_plan(groups: list[tuple[torch.Tensor, torch.Tensor]], bs: in
 
 @dataclass(frozen=True)
 class CascadePrefillPlan:
-    """Prefill chunks of sequences that share cached leading blocks: each member's own keys, then the shared prefix
-    for all members at once, merged by log-sum-exp (the kernel takes the flash plans, the torch path the rest)."""
+    """Prefill chunks of sequences that share cached leading blocks, for the torch path: the shared prefix for all
+    members at once, each member's own keys, merged by log-sum-exp (the flash kernel has its own plans)."""
 
     rows: torch.Tensor  # int64 flat rows of every member's chunk, member by member
     common: torch.Tensor  # int64 shared block ids
     own: tuple[ChunkPlan, ...]  # each member's own part (blocks after the shared prefix, causal mask)
     bias: tuple[torch.Tensor, ...]  # additive float masks [n, L] matching `own`
-    own_flash: FlashPlan  # kernel path: each member's rows over its keys after the shared prefix
-    common32: torch.Tensor  # int32 shared block ids (kernel path)
     common_span: tuple[int, int] | None = None  # as CascadeDecodePlan.common_span
 
 
@@ -200,8 +198,9 @@ class TorchAttentionBackend:
     plain-torch path does the same with gathered blocks: one masked SDPA over the decode rows, a cascade of two
     attentions per shared prefix, one SDPA call per prefill chunk. Attention stays per sequence (or per shared prefix):
     never one dense mask over the batch. `prepare` builds immutable plans once per step (meta.prepared: "decode",
-    "cascade", "cascade_prefixes", "cascade_prefill", "cascade_prefill_prefixes", "prefill_flash"; the torch path's
-    per-chunk "prefill" on first use); layers only read them.
+    "cascade", "cascade_prefixes", "cascade_prefill" groups with their "cascade_prefill_own" and
+    "cascade_prefill_prefixes", "prefill_flash"; the torch path's prefill plans, which need masks, on first use);
+    layers only read them.
     """
 
     name = "torch"
@@ -255,29 +254,42 @@ class TorchAttentionBackend:
             for members, n_common in self._shared_prefix_groups(meta, chunks):
                 if n_common == 0 or len(members) < 2:
                     alone.update(members)
-                    continue
+                else:
+                    cascade_prefill.append((members, n_common))
+        else:
+            alone.update(chunks)
+        p["cascade_prefill"] = tuple(cascade_prefill)  # (members, shared blocks); the torch plans on first use
+        alone = sorted(alone)
+        p["alone"] = alone  # their SDPA plans ("prefill") are built by the first layer that needs them
+        cpu = dev.type == "cpu"
+        own = tuple(_flash_plan(meta, qsl, m, key_start=n * bs) for m, n in cascade_prefill) if cpu else ()
+        p["cascade_prefill_own"] = own
+        p["cascade_prefill_prefixes"] = _prefixes_flash_plan(
+            [(o.rows, meta.block_tables[m[0], :n]) for o, (m, n) in zip(own, cascade_prefill)], bs)
+        p["prefill_flash"] = _flash_plan(meta, qsl, alone) if alone and cpu else None
+
+    @staticmethod
+    def _cascade_prefill_plans(meta: AttentionMetadata) -> tuple[CascadePrefillPlan, ...]:
+        """The torch path's plans for the prefill chunks over shared prefixes (masks per member), built once."""
+        p = meta.prepared
+        if "cascade_prefill_torch" not in p:
+            bs, dev = meta.block_size, meta.seq_lens.device
+            qsl = meta.query_start_loc.tolist()
+            plans = []
+            for members, n_common in p["cascade_prefill"]:
                 own, biases = [], []
                 for b in members:
-                    s, q, ctx = qsl[b], qlens[b], slens[b]
+                    s, q, ctx = qsl[b], meta.query_lens_list[b], meta.seq_lens_list[b]
                     blocks = meta.block_tables[b, n_common : (ctx + bs - 1) // bs].long()
                     kpos = n_common * bs + torch.arange(ctx - n_common * bs, device=dev)
                     causal = kpos[None, :] <= torch.arange(ctx - q, ctx, device=dev)[:, None]
                     own.append(ChunkPlan(s, s + q, blocks, causal, _span(blocks.tolist())))
                     biases.append(torch.zeros(causal.shape, device=dev).masked_fill_(~causal, float("-inf")))
                 rows = torch.cat([torch.arange(o.start, o.end, device=dev) for o in own])
-                common32 = meta.block_tables[members[0], :n_common]
-                common = common32.long()
-                own_flash = _flash_plan(meta, members, key_start=n_common * bs)
-                cascade_prefill.append(CascadePrefillPlan(
-                    rows, common, tuple(own), tuple(biases), own_flash, common32, _span(common.tolist())))
-        else:
-            alone.update(chunks)
-        p["cascade_prefill"] = tuple(cascade_prefill)
-        p["cascade_prefill_prefixes"] = _prefixes_flash_plan(
-            [(cp.own_flash.rows, cp.common32) for cp in cascade_prefill], bs) if dev.type == "cpu" else None
-        alone = sorted(alone)
-        p["alone"] = alone  # their SDPA plans ("prefill") are built by the first layer that needs them
-        p["prefill_flash"] = _flash_plan(meta, alone) if alone and dev.type == "cpu" else None
+                common = meta.block_tables[members[0], :n_common].long()
+                plans.append(CascadePrefillPlan(rows, common, tuple(own), tuple(biases), _span(common.tolist())))
+            p["cascade_prefill_torch"] = tuple(plans)
+        return p["cascade_prefill_torch"]
 
     @staticmethod
     def _chunk_plans(meta: AttentionMetadata) -> tuple[ChunkPlan, ...]:
@@ -379,16 +391,18 @@ class TorchAttentionBackend:
                                      shared_prefix=True)
             else:
                 out.index_copy_(0, cp.rows, self._cascade(q, k_cache, v_cache, cp, scale))
-        if flash and prep["cascade_prefill"]:
+        if flash and prep["cascade_prefill_own"]:
+            # each group's own parts (with their log-sum-exp), then every shared prefix for all its members at once
             lse = torch.empty(prep["cascade_prefill_prefixes"].rows.shape[0], H)
             r0 = 0
-            for cp in prep["cascade_prefill"]:
-                n = cp.own_flash.rows.shape[0]
-                self._flash(qr, k_cache, v_cache, cp.own_flash, out, scale, lse_out=lse[r0 : r0 + n])
+            for fp in prep["cascade_prefill_own"]:
+                n = fp.rows.shape[0]
+                self._flash(qr, k_cache, v_cache, fp, out, scale, lse_out=lse[r0 : r0 + n])
                 r0 += n
             self._flash(qr, k_cache, v_cache, prep["cascade_prefill_prefixes"], out, scale, lse_in=lse)
-        for cp in prep["cascade_prefill"] if not flash else ():
-            self._cascade_prefill(q, k_cache, v_cache, cp, scale, out)
+        elif prep["cascade_prefill"]:
+            for cp in self._cascade_prefill_plans(meta):
+                self._cascade_prefill(q, k_cache, v_cache, cp, scale, out)
         if prep["prefill_flash"] is not None and flash:
             self._flash(qr, k_cache, v_cache, prep["prefill_flash"], out, scale)
         elif prep["alone"]:

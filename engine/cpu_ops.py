@@ -117,6 +117,26 @@ static inline float row_max(const float* x, int n) {
 }
 #endif
 
+// x[t] <- exp(x[t] - m) for t < n, returning their sum: the softmax numerators (eight lanes at a time with AVX2).
+static inline float exp_sum(float* x, int n, float m) {
+    float sum = 0.f;
+    int t = 0;
+#ifdef FLOWRT_AVX2
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vs = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = fexp8(_mm256_sub_ps(_mm256_loadu_ps(x + t), vm));
+        _mm256_storeu_ps(x + t, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vs);
+    for (int i = 0; i < 8; ++i) sum += lanes[i];
+#endif
+    for (; t < n; ++t) { const float e = fexp(x[t] - m); x[t] = e; sum += e; }
+    return sum;
+}
+
 // Decode attention for one (sequence, KV head): its G query heads against tokens start .. seq_len-1, read in place
 // from the paged pool [N, bs, Hkv, D]. DD > 0 fixes the head size at compile time (registers hold a row).
 // With AVX2, scores are computed for eight tokens at a time (one vector of eight dot products, no reduction per
@@ -203,23 +223,7 @@ static void decode_one(const float* qp, const float* kc, const float* vc, const 
         float m = have_max ? gmax[g] : -INFINITY;
         if (!have_max)
             for (int t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
-        float sum = 0.f;
-        int t0 = 0;
-#ifdef FLOWRT_AVX2
-        {
-            const __m256 vm = _mm256_set1_ps(m);
-            __m256 vs = _mm256_setzero_ps();
-            for (; t0 + 8 <= L; t0 += 8) {
-                const __m256 e = fexp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t0), vm));
-                _mm256_storeu_ps(sg + t0, e);
-                vs = _mm256_add_ps(vs, e);
-            }
-            alignas(32) float lanes[8];
-            _mm256_store_ps(lanes, vs);
-            for (int i = 0; i < 8; ++i) sum += lanes[i];
-        }
-#endif
-        for (int t = t0; t < L; ++t) { float e = fexp(sg[t] - m); sg[t] = e; sum += e; }
+        const float sum = exp_sum(sg, L, m);
         const float inv = 1.f / sum;
         if (lse_out) lse_out[g] = m + std::log(sum);
 #ifdef FLOWRT_AVX2
@@ -529,20 +533,8 @@ static void flash_tile(const FlashArgs& a, const int32_t* tab, int key_start, in
             }
             const float mn = std::max(w.m[i], row_max(si, ni));
             const float alpha = w.m[i] == -INFINITY ? 0.f : fexp(w.m[i] - mn);
-            const __m256 vm = _mm256_set1_ps(mn);
-            __m256 vs = _mm256_setzero_ps();
-            int t = 0;
-            for (; t + 8 <= ni; t += 8) {
-                const __m256 e = fexp8(_mm256_sub_ps(_mm256_loadu_ps(si + t), vm));
-                _mm256_storeu_ps(si + t, e);
-                vs = _mm256_add_ps(vs, e);
-            }
-            alignas(32) float lanes[8];
-            _mm256_store_ps(lanes, vs);
-            float sum = 0.f;
-            for (int j = 0; j < 8; ++j) sum += lanes[j];
-            for (; t < ni; ++t) { const float e = fexp(si[t] - mn); si[t] = e; sum += e; }
-            for (; t < n; ++t) si[t] = 0.f;
+            const float sum = exp_sum(si, ni, mn);
+            for (int t = ni; t < n; ++t) si[t] = 0.f;
             w.l[i] = w.l[i] * alpha + sum;
             w.m[i] = mn;
             if (alpha != 1.f)
