@@ -136,7 +136,7 @@ def _paged_case(B, Hkv, G, D, bs, lens, seed):
     return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("Hkv,G,D,bs", [(3, 3, 64, 16), (2, 1, 128, 8), (1, 4, 48, 4), (4, 2, 16, 16)])
+@pytest.mark.parametrize("Hkv,G,D,bs", [(3, 3, 64, 16), (2, 1, 128, 8), (1, 4, 48, 4), (4, 2, 16, 16), (2, 2, 12, 4)])
 def test_paged_decode_matches_reference(Hkv, G, D, bs):
     lens = [1, 17, bs, 150, 33]
     q, kc, vc, tables, seq_lens = _paged_case(len(lens), Hkv, G, D, bs, lens, D + G)
