@@ -55,10 +55,11 @@ def test_rope_in_place_matches_torch(T, nh, D):
 
 
 @pytest.mark.parametrize("N,K", [(960, 576), (576, 1536), (100, 37), (16, 1), (7, 64)])
-@pytest.mark.parametrize("M", [1, 5, 6, 7, 32, 96, 97])
+@pytest.mark.parametrize("M", [1, 5, 6, 7, 32, 96, 97, 803])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_matches_torch(N, K, M, with_bias):
-    """Every row-tile size (1-6 rows), outputs past the last whole panel of 16, odd K, a bias and strided rows."""
+    """Every row-tile size (1-6 rows), outputs past the last whole panel of 16, odd K, a bias and strided rows; 803
+    rows take the row-block split (a partial last block and tile)."""
     torch.manual_seed(N + K + M)
     w, b = torch.randn(N, K), torch.randn(N)
     lin = cpu_ops.PackedLinear.create(w, b if with_bias else None)
