@@ -268,6 +268,6 @@ def interleaved(script: str, vllm_task: str, common: list[str], rounds: int, bin
     else:
         for res, mine, other in ((rf, tf, tv), (rv, tv, None)):
             for entry in res["runs"]:
-                if entry.get("workload") in mine and entry.get("interleaved", True) is not False:
+                if entry.get("workload") in mine and entry.get("interleaved") is not False:  # not sharing-off runs
                     update(entry, mine[entry["workload"]], other and other[entry["workload"]])
     return [rf, rv]

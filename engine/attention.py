@@ -187,6 +187,16 @@ def _use_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and q.shape[-1] <= 256 and k_cache.is_contiguous() and cpu_ops.lib() is not None)
 
 
+def _chunk_plan(meta: AttentionMetadata, qsl: list[int], b: int, first_block: int = 0) -> ChunkPlan:
+    """Sequence b's prefill chunk against its keys from block first_block on (0: its whole context; a cascade
+    member: the keys after the shared prefix): the blocks to gather and the causal mask [q, keys]."""
+    bs, dev = meta.block_size, meta.seq_lens.device
+    s, q, ctx = qsl[b], meta.query_lens_list[b], meta.seq_lens_list[b]
+    blocks = meta.block_tables[b, first_block : (ctx + bs - 1) // bs].long()
+    causal = torch.arange(first_block * bs, ctx, device=dev)[None, :] <= torch.arange(ctx - q, ctx, device=dev)[:, None]
+    return ChunkPlan(s, s + q, blocks, causal, _span(blocks.tolist()))
+
+
 class TorchAttentionBackend:
     """Reads K/V of the paged pool on CPU; computes attention in float32.
 
@@ -273,21 +283,15 @@ class TorchAttentionBackend:
         """The torch path's plans for the prefill chunks over shared prefixes (masks per member), built once."""
         p = meta.prepared
         if "cascade_prefill_torch" not in p:
-            bs, dev = meta.block_size, meta.seq_lens.device
+            dev = meta.seq_lens.device
             qsl = meta.query_start_loc.tolist()
             plans = []
             for members, n_common in p["cascade_prefill"]:
-                own, biases = [], []
-                for b in members:
-                    s, q, ctx = qsl[b], meta.query_lens_list[b], meta.seq_lens_list[b]
-                    blocks = meta.block_tables[b, n_common : (ctx + bs - 1) // bs].long()
-                    kpos = n_common * bs + torch.arange(ctx - n_common * bs, device=dev)
-                    causal = kpos[None, :] <= torch.arange(ctx - q, ctx, device=dev)[:, None]
-                    own.append(ChunkPlan(s, s + q, blocks, causal, _span(blocks.tolist())))
-                    biases.append(torch.zeros(causal.shape, device=dev).masked_fill_(~causal, float("-inf")))
+                own = tuple(_chunk_plan(meta, qsl, b, first_block=n_common) for b in members)
+                biases = tuple(torch.zeros(o.mask.shape, device=dev).masked_fill_(~o.mask, float("-inf")) for o in own)
                 rows = torch.cat([torch.arange(o.start, o.end, device=dev) for o in own])
                 common = meta.block_tables[members[0], :n_common].long()
-                plans.append(CascadePrefillPlan(rows, common, tuple(own), tuple(biases), _span(common.tolist())))
+                plans.append(CascadePrefillPlan(rows, common, own, biases, _span(common.tolist())))
             p["cascade_prefill_torch"] = tuple(plans)
         return p["cascade_prefill_torch"]
 
@@ -296,18 +300,14 @@ class TorchAttentionBackend:
         """One SDPA plan per prefill chunk that shares nothing (the path without the flash kernel), built once."""
         p = meta.prepared
         if "prefill" not in p:
-            bs, dev = meta.block_size, meta.seq_lens.device
             qsl = meta.query_start_loc.tolist()
             plans = []
             for b in p["alone"]:
-                s, q, ctx = qsl[b], meta.query_lens_list[b], meta.seq_lens_list[b]
-                if ctx == q:
+                s, q = qsl[b], meta.query_lens_list[b]
+                if meta.seq_lens_list[b] == q:
                     plans.append(ChunkPlan(s, s + q, None, None))  # nothing cached before: attend to the fresh K/V
-                    continue
-                blocks = meta.block_tables[b, : (ctx + bs - 1) // bs].long()
-                qpos = torch.arange(ctx - q, ctx, device=dev)
-                mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]
-                plans.append(ChunkPlan(s, s + q, blocks, mask, _span(blocks.tolist())))
+                else:
+                    plans.append(_chunk_plan(meta, qsl, b))
             p["prefill"] = tuple(plans)
         return p["prefill"]
 
