@@ -527,9 +527,10 @@ def _parse_answer(raw: str) -> Any:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from .checkpoint import CheckpointError, SQLiteStore
+    from .checkpoint.lease import live_holder
 
     try:
-        store = SQLiteStore(args.checkpoint)
+        store = SQLiteStore(args.checkpoint, create=False)
         record = store.get_run(args.run_id, with_state=False)
         store.close()
     except CheckpointError as e:
@@ -538,6 +539,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if record.status == "done":
         print(f"flowrt resume: run {record.run_id} already finished; `flowrt runs show {record.run_id} --checkpoint "
               f"{args.checkpoint}` shows its results", file=sys.stderr)
+        return EXIT_USAGE
+    holder = live_holder(record)
+    if holder is not None:   # before loading anything; the claim when the run starts is what decides
+        print(f"flowrt resume: error: run {record.run_id} is held by {holder} (running, or resumed by another "
+              f"process)", file=sys.stderr)
         return EXIT_USAGE
     file = args.file or record.file
     if not file:
@@ -564,24 +570,26 @@ def cmd_runs(args: argparse.Namespace) -> int:
     import datetime
 
     from .checkpoint import CheckpointError, SQLiteStore
+    from .checkpoint.lease import live_holder
 
     def when(t: float) -> str:
         return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
     try:
-        store = SQLiteStore(args.checkpoint)
+        store = SQLiteStore(args.checkpoint, readonly=True)   # reading: never creates or changes the file
         if args.action == "list":
             runs = store.list_runs(args.limit)
             if args.json:
                 print(json.dumps([{"run_id": r.run_id, "workflow": r.workflow, "status": r.status, "file": r.file,
-                                   "created": r.created, "updated": r.updated, "checkpoints": r.checkpoints}
-                                  for r in runs], indent=2))
+                                   "created": r.created, "updated": r.updated, "checkpoints": r.checkpoints,
+                                   "holder": live_holder(r)} for r in runs], indent=2))
                 return EXIT_OK
             if not runs:
                 print(f"no runs in {args.checkpoint}", file=sys.stderr)
             for r in runs:
+                held = live_holder(r)
                 print(f"{r.run_id}  {r.status:<11}  {r.workflow:<20}  {when(r.created)}  {r.checkpoints} checkpoints"
-                      f"  {r.file or ''}")
+                      f"  {r.file or ''}{f'  held by {held}' if held else ''}")
             return EXIT_OK
         if not args.run_id:
             print("flowrt runs show: error: which run? `flowrt runs show RUN_ID --checkpoint DB`", file=sys.stderr)
@@ -597,7 +605,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
             "created": when(r.created), "updated": when(r.updated), "outputs": outputs,
             "errors": {k: e["message"] for k, e in state.get("errors", {}).items()},
             "skipped": state.get("not_routed", {}), "routes": state.get("routes", []),
-            "interrupt": r.interrupt, "steps": [{k: h[k] for k in ("seq", "step", "visit", "status")} for h in hist]}
+            "interrupt": r.interrupt, "holder": live_holder(r),
+            "steps": [{k: h[k] for k in ("seq", "step", "visit", "status")} for h in hist]}
     print(json.dumps(info, indent=2, ensure_ascii=False, default=str))
     return EXIT_OK
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 from ..render import to_jsonable
 from .codec import NotRestorable, decode, encode, encode_thread
-from .store import CheckpointError, CheckpointStore, RunRecord
+from .lease import LEASE_TTL_S, holder_is_dead, new_holder, renewer
+from .store import CheckpointError, CheckpointStore, RunBusyError, RunRecord
 
 __all__ = ["RunCheckpoint", "open_store", "NO_ANSWER"]
 
@@ -29,14 +31,19 @@ def open_store(spec: Any) -> CheckpointStore | None:
 
 
 class RunCheckpoint:
-    """Saves a run's state to ``store`` after every step; ``resume`` continues a stored run."""
+    """Saves a run's state to ``store`` after every step; ``resume`` continues a stored run.
+
+    The run is held by ``holder`` (flowrt.checkpoint.lease) while it executes: ``held()`` renews the lease
+    and gives it back at the end, and every save is refused once another holder has taken the run over."""
 
     def __init__(self, store: CheckpointStore, run_id: str, *, record: RunRecord | None = None,
-                 answer: Any = NO_ANSWER) -> None:
+                 answer: Any = NO_ANSWER, holder: str | None = None, ttl: float = LEASE_TTL_S) -> None:
         self.store = store
         self.run_id = run_id
         self.record = record
         self.answer = answer
+        self.holder = holder
+        self.ttl = ttl
         self._enc: dict[str, dict[str, Any]] = {}
         self._scope: Any = None
         self.restored_steps: list[str] = []   # steps a resume did not run again
@@ -45,15 +52,41 @@ class RunCheckpoint:
     def new(cls, store: CheckpointStore, workflow: str, inputs: dict[str, Any], *, file: str | None = None,
             meta: dict[str, Any] | None = None, run_id: str | None = None) -> "RunCheckpoint":
         run_id = run_id or uuid.uuid4().hex[:16]
-        store.create_run(run_id, workflow, to_jsonable(inputs), file=file, meta=meta)
-        return cls(store, run_id)
+        holder = new_holder()
+        store.create_run(run_id, workflow, to_jsonable(inputs), file=file, meta=meta, holder=holder, ttl=LEASE_TTL_S)
+        return cls(store, run_id, holder=holder)
 
     @classmethod
     def resume(cls, store: CheckpointStore, run_id: str, *, answer: Any = NO_ANSWER) -> "RunCheckpoint":
-        record = store.get_run(run_id)
-        if record.status == "done":
-            raise CheckpointError(f"run {run_id} already finished (status done); nothing to resume")
-        return cls(store, run_id, record=record, answer=answer)
+        """Claim the stored run (``claim_run``: one atomic transition, so of two resumes one wins and the
+        other gets ``RunBusyError`` naming the winner); a holder of this host whose process died is taken
+        over at once, others when their lease runs out."""
+        holder = new_holder()
+        waiting = answer is not NO_ANSWER
+        try:
+            record = store.claim_run(run_id, holder, LEASE_TTL_S, waiting=waiting)
+        except RunBusyError as e:
+            if not holder_is_dead(e.holder):
+                raise
+            record = store.claim_run(run_id, holder, LEASE_TTL_S, take_over=e.holder, waiting=waiting)
+        return cls(store, run_id, record=record, answer=answer, holder=holder)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Keep the run's lease renewed while the block runs; give it back after (a run that ended gave
+        it back with its last save already)."""
+        if self.holder is None:
+            yield
+            return
+        renewer().hold(self.store, self.run_id, self.holder, self.ttl)
+        try:
+            yield
+        finally:
+            renewer().drop(self.store, self.run_id, self.holder)
+            try:
+                self.store.release_run(self.run_id, self.holder)
+            except CheckpointError:
+                pass   # the store cannot be written now: the lease runs out by itself
 
     # ------------------------------------------------------------------ executor hooks
     def start(self, st: Any, scope: Any, model: Any) -> bool:
@@ -61,8 +94,6 @@ class RunCheckpoint:
         self._scope = scope
         state = self.record.state if self.record is not None else None
         if not state:
-            if self.record is not None and self.answer is not NO_ANSWER:
-                raise CheckpointError(f"run {self.run_id} is not waiting for an answer")
             return False
         status = dict(state.get("status", {}))
         for name in list(status):
@@ -95,10 +126,7 @@ class RunCheckpoint:
         st.timings = dict(state.get("timings", {}))
         scope.answers = {k: list(v) for k, v in state.get("answers", {}).items()}
         pending = state.get("interrupt")
-        if self.answer is not NO_ANSWER:
-            if not pending:
-                raise CheckpointError(f"run {self.run_id} is not waiting for an answer (status "
-                                      f"{self.record.status if self.record else '?'})")
+        if self.answer is not NO_ANSWER and pending:   # claim_run(waiting=True) took an interrupted run
             scope.answers.setdefault(pending["step"], []).append(self.answer)
         self.restored_steps = [n for n, s in status.items() if s == "done" and n in st.outputs]
         return True
@@ -147,7 +175,8 @@ class RunCheckpoint:
         self.store.save(self.run_id, step=step, visit=st.visits.get(step, 0) if step else 0, step_status=status,
                         result=self._enc.get(step) if step and step in st.outputs else None,
                         route=route, threads=self._threads(threads), state=self._state(st),
-                        run_status=run_status if step is None else "running", interrupt=st.interrupt)
+                        run_status=run_status if step is None else "running", interrupt=st.interrupt,
+                        holder=self.holder)
 
     def finish(self, st: Any, status: str, threads: Any) -> None:
         self.save(st, None, threads, run_status=status)
