@@ -12,7 +12,9 @@
 
 Exit status of ``run``: 0 when every step succeeded, 1 when a step failed (its dependents are skipped;
 every other result is still printed), 2 for a bad command line, workflow file, input, model or checkpoint
-database, 3 when a step called ``fr.interrupt`` (the payload is printed; ``flowrt resume`` continues).
+database (and for ``resume``, a run that another process holds: it is named), 3 when a step called
+``fr.interrupt`` (the payload is printed; ``flowrt resume`` continues). ``flowrt runs`` only reads: it opens
+the database read-only and never creates one.
 
 The engine options (``run`` and ``serve``) are generated from ``flowrt.engine.EngineArgs``: one
 ``--kebab-case`` option per field, documented where the field is (``flowrt run --help`` lists them).

@@ -324,7 +324,9 @@ class _NoEngine:
 
 
 @pytest.fixture
-def approval_server():
+def approval_server(request):
+    """A server of workflow ``agent`` (ask: interrupts; act: waits on ``srv.gate``), its runs checkpointed in
+    memory, or in the database given as the fixture's parameter."""
     from flowrt.server.app import create_app
     from flowrt.server.background import BackgroundServer
 
@@ -341,7 +343,8 @@ def approval_server():
         assert gate.wait(WAIT_S)
         return f"did {ask}"
 
-    rt = fr.Runtime(checkpoint=":memory:")   # plain Python steps: no model
+    db = getattr(request, "param", None)
+    rt = fr.Runtime(checkpoint=str(request.getfixturevalue("tmp_path") / db) if db else ":memory:")   # no model
     srv = BackgroundServer(create_app(_NoEngine(), workflows={"agent": wf}, workflow_runtime=rt)).start()
     srv.gate, srv.calls = gate, calls
     try:
@@ -382,3 +385,14 @@ def test_http_resume_of_an_interrupted_run_needs_an_answer(approval_server):
     approval_server.gate.set()
     r = httpx.post(f"{url}/{rid}/resume", json={"answer": None}, timeout=WAIT_S)   # null, said explicitly
     assert r.status_code == 200 and r.json()["outputs"]["act"] == "did None"
+
+
+@pytest.mark.parametrize("approval_server", ["crashed.db"], indirect=True)
+def test_http_resume_of_a_crashed_run_needs_no_answer(approval_server):
+    store = approval_server.app.state.flowrt.workflow_runtime.checkpointer
+    store.create_run("c1", "agent", {}, holder="elsewhere:1:dead", ttl=-60)   # its server died, its lease ran out
+    url = approval_server.url + "/v1/workflows/agent/runs/c1/resume"
+    r = httpx.post(url, json={"answer": "yes"}, timeout=WAIT_S)
+    assert r.status_code == 409 and "not waiting for an answer" in r.json()["error"]["message"]
+    r = httpx.post(url, json={}, timeout=WAIT_S)
+    assert r.status_code == 200 and r.json()["status"] == "interrupted", r.text
