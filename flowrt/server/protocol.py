@@ -97,6 +97,7 @@ class _SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    bound_numbers: bool | None = None  # False: JSON numbers as long as the schema allows (default: bounded)
 
     def check_unsupported(self) -> None:
         if self.logit_bias:
@@ -224,6 +225,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(None, ge=1)  # calls in one response (default toolcalls.MAX_CALLS)
     # Extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
