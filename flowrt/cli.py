@@ -526,10 +526,10 @@ def _parse_answer(raw: str) -> Any:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from .checkpoint import CheckpointError, SQLiteStore
+    from .checkpoint import CheckpointError, open_store
 
     try:
-        store = SQLiteStore(args.checkpoint)
+        store = open_store(args.checkpoint)
         record = store.get_run(args.run_id, with_state=False)
         store.close()
     except CheckpointError as e:
@@ -563,13 +563,13 @@ def cmd_resume(args: argparse.Namespace) -> int:
 def cmd_runs(args: argparse.Namespace) -> int:
     import datetime
 
-    from .checkpoint import CheckpointError, SQLiteStore
+    from .checkpoint import CheckpointError, open_store
 
     def when(t: float) -> str:
         return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
     try:
-        store = SQLiteStore(args.checkpoint)
+        store = open_store(args.checkpoint)
         if args.action == "list":
             runs = store.list_runs(args.limit)
             if args.json:
@@ -696,7 +696,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no live progress display")
     p.add_argument("--traceback", action="store_true", help="print full tracebacks of failed steps")
     p.add_argument("--checkpoint", metavar="DB", help="save the run after every step to this SQLite database "
-                   "(created if missing); prints the run id; `flowrt resume RUN_ID --checkpoint DB` continues it")
+                   "(created if missing) or postgresql:// URL; prints the run id; `flowrt resume RUN_ID "
+                   "--checkpoint DB` continues it")
     p.add_argument("--stream", action="store_true", help="print generated text live as the steps produce it")
     add_engine_arguments(p)
     p.set_defaults(func=cmd_run)

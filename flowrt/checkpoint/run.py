@@ -16,16 +16,23 @@ NO_ANSWER: Any = object()
 
 
 def open_store(spec: Any) -> CheckpointStore | None:
-    """A store from ``None``, a path (SQLite file; ``":memory:"``) or a store object."""
+    """A store from ``None``, a path (SQLite file; ``":memory:"``), a ``postgresql://`` URL (PostgreSQL) or a
+    store object."""
     if spec is None:
         return None
     if isinstance(spec, (str, bytes, os.PathLike)):
+        spec = os.fsdecode(spec)
+        from .postgres import PostgresStore, is_postgres_url
+
+        if is_postgres_url(spec):
+            return PostgresStore(spec)
         from .sqlite import SQLiteStore
 
-        return SQLiteStore(os.fsdecode(spec))
+        return SQLiteStore(spec)
     if isinstance(spec, CheckpointStore):
         return spec
-    raise TypeError(f"checkpoint must be a database path or a CheckpointStore, got {type(spec).__name__}")
+    raise TypeError(f"checkpoint must be a database path, a postgresql:// URL or a CheckpointStore, "
+                    f"got {type(spec).__name__}")
 
 
 class RunCheckpoint:
