@@ -7,7 +7,9 @@ engine sees every LLM call that can happen at a given moment and batches them.
   abandoned: Python cannot stop a thread, so it runs on in the background, its result is dropped, and
   being a daemon thread it never keeps the process from exiting);
 * a failing step fails alone: steps that depend on it are skipped (with the reason), every other branch
-  runs to completion, and the result keeps all that completed next to the error and its traceback.
+  runs to completion, and the result keeps all that completed next to the error and its traceback;
+* a subgraph step (``wf.step(sub)``) or ``fr.subflow`` runs a child ``WorkflowRun`` inside the step: the
+  run's tracer, events, interrupts and checkpoint are shared, its step names are prefixed by its path.
 """
 
 from __future__ import annotations

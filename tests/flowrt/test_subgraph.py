@@ -258,3 +258,40 @@ def test_http_resumes_an_interrupt_inside_a_subgraph(tmp_path):
         r = httpx.post(f"{url}/{body['run_id']}/resume", json={"answer": "1"}, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["outputs"] == {"topic": "KV", "findings": "KV!", "write": "about KV!"}
+
+
+def test_a_subgraph_inside_a_subgraph_interrupts_and_resumes_at_depth_two():
+    calls: list[str] = []
+    leaf = fr.Workflow("leaf")
+
+    @leaf.step
+    def l1(m1: int) -> int:
+        calls.append("l1")
+        return m1 + 1
+
+    @leaf.step
+    async def l2(l1: int) -> int:
+        calls.append("l2")
+        return l1 * int(await fr.interrupt("factor?"))
+
+    mid = fr.Workflow("mid")
+
+    @mid.step
+    def m1(x: int) -> int:
+        calls.append("m1")
+        return x * 10
+
+    mid.step(leaf, name="deep")
+    top = fr.Workflow("top")
+    top.step(mid, name="outer")
+
+    async def go():
+        async with fr.Runtime(checkpoint=":memory:") as rt:
+            r1 = await rt.run(top, x=1)
+            return r1, await rt.resume(r1.run_id, answer="3", workflow=top)
+
+    r1, r2 = anyio.run(go)
+    assert r1.interrupt["step"] == "outer/deep/l2" and r2.outputs == {"outer": 33}
+    assert calls == ["m1", "l1", "l2", "l2"]
+    dot = top.render("dot")
+    assert 'subgraph "cluster_outer/deep" {' in dot and '"outer/m1" -> "outer/deep/l1";' in dot
