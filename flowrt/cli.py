@@ -424,7 +424,7 @@ class _CliEvents:
     def __call__(self, ev: Any) -> None:
         kind = ev.type
         if kind == "run_started" and ev.run_id:
-            how = " (forked)" if self.cmd == "fork" else " (resumed)" if ev.resumed else ""
+            how = " (forked)" if self.cmd == "runs fork" else " (resumed)" if ev.resumed else ""
             print(f"flowrt {self.cmd}: run {ev.run_id}{how}; checkpoints in "
                   f"{self.checkpoint}", file=sys.stderr, flush=True)
         if not self.stream:
@@ -649,7 +649,7 @@ def cmd_fork(args: argparse.Namespace) -> int:
         print(f"flowrt runs fork: error: run {record.run_id} recorded no workflow file; pass --file", file=sys.stderr)
         return EXIT_USAGE
     args.file, args.workflow = file, record.workflow
-    wf = _load_valid(args, "fork")
+    wf = _load_valid(args, "runs fork")
     if wf is None:
         return EXIT_USAGE
     try:
@@ -660,7 +660,7 @@ def cmd_fork(args: argparse.Namespace) -> int:
     meta = record.meta or {}
     engine_kwargs = {**(meta.get("engine") or {}), **engine_kwargs_from_args(args)}
     model = args.model if args.model is not None else meta.get("model")
-    runtime = _make_runtime(args, "fork", model, engine_kwargs, args.index or meta.get("index"))
+    runtime = _make_runtime(args, "runs fork", model, engine_kwargs, args.index or meta.get("index"))
     if runtime is None:
         return EXIT_USAGE
     forked: list[Any] = []
@@ -669,7 +669,7 @@ def cmd_fork(args: argparse.Namespace) -> int:
         forked.append(await runtime.fork(args.run_id, at=args.at, workflow=wf, **kw, **inputs))
         return forked[-1]
 
-    code = _run_cli(args, "fork", wf, runtime, start)
+    code = _run_cli(args, "runs fork", wf, runtime, start)
     if forked and not args.json:
         print(forked[-1].run_id)   # the new run's id, alone on the last line (for scripts)
     return code

@@ -137,7 +137,7 @@ def test_cli_history_and_fork(tmp_path, capsys):
                  "--no-progress"]) == 0
     out, err = capsys.readouterr()
     new_id = out.strip().splitlines()[-1]
-    assert new_id != run_id and f"flowrt fork: run {new_id} (forked)" in err
+    assert new_id != run_id and f"flowrt runs fork: run {new_id} (forked)" in err
     assert main(["runs", "show", new_id, "--checkpoint", db]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["outputs"]["total"] == 18 and info["inputs"] == {"n": 3, "factor": 5}
