@@ -36,7 +36,8 @@ def lone_surrogate_at(value: Any, path: str = "") -> str | None:
             return path or "body"
     elif isinstance(value, dict):
         for k, v in value.items():
-            name = f"{path}.{k}" if path else str(k)
+            shown = str(k).encode("utf-8", "backslashreplace").decode("utf-8")  # a key may be the bad string
+            name = f"{path}.{shown}" if path else shown
             found = lone_surrogate_at(k, name) or lone_surrogate_at(v, name)
             if found:
                 return found
