@@ -712,7 +712,8 @@ class ChatThread(Thread):
         return sampling
 
     async def assistant(self, *, tools: Iterable[Any] | None = None, tool_choice: str | None = None,
-                        parallel_tool_calls: bool = True, **sampling: Any) -> Any:
+                        parallel_tool_calls: bool = True, max_tool_calls: int | None = None,
+                        **sampling: Any) -> Any:
         """Generate the assistant's reply to the conversation so far and record it.
 
         ``json=`` / ``regex=`` / ``choice=`` / ``grammar=`` constrain the reply as in ``Thread.gen`` (``json=``
@@ -721,7 +722,8 @@ class ChatThread(Thread):
         (``c.tools``; ``tools=[]`` removes them). With tools the reply is an ``AssistantReply`` (a str, plus
         ``.content`` and ``.tool_calls``); ``tool_choice``: "auto" (default: the model may call; a call it
         starts is constrained to the tools' schemas), "required" (at least one call, constrained),
-        a tool's name (a call of that tool), "none" (no calls: generation stops at a ``<tool_call>``)."""
+        a tool's name (a call of that tool), "none" (no calls: generation stops at a ``<tool_call>``).
+        A reply makes at most ``max_tool_calls`` calls (default ``toolcalls.MAX_CALLS``), so it always ends."""
         from . import toolcalls
         from .tools import TOOL_CHOICES, AssistantReply, as_tools, assistant_message
 
@@ -759,8 +761,8 @@ class ChatThread(Thread):
         elif "sampling_params" in sampling:
             raise ValueError("tool calls need sampling keywords, not sampling_params=")
         else:
-            constraint = (toolcalls.call_constraint(tool_specs, choice, parallel=parallel_tool_calls)
-                          if choice != "auto" else toolcalls.auto_constraint(tool_specs))
+            constraint = (toolcalls.call_constraint(tool_specs, choice, parallel_tool_calls, max_tool_calls)
+                          if choice != "auto" else toolcalls.auto_constraint(tool_specs, max_tool_calls))
             if constraint is not None:
                 sampling["structured_outputs"] = constraint
                 sampling.setdefault("max_tokens", 256)
