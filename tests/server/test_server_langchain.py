@@ -92,3 +92,14 @@ def test_structured_output_whose_string_holds_the_close_tag(llm):
 def test_structured_output_by_json_schema(llm):
     person = llm.with_structured_output(Person, method="json_schema").invoke("A person?")
     assert isinstance(person, Person)
+
+
+def test_streamed_tool_call_whose_string_holds_the_close_tag(llm):
+    """The stream splitter decodes calls structurally too: the streamed call reassembles whole."""
+    chunks = list(llm.bind_tools([Tagged], tool_choice="Tagged", parallel_tool_calls=False).stream("Tag it."))
+    full = chunks[0]
+    for c in chunks[1:]:
+        full = full + c
+    call = full.tool_calls[0]
+    assert call["name"] == "Tagged" and call["args"]["note"] == "}}</tool_call>  # 31"
+    assert "<tool_call>" not in full.content
