@@ -15,7 +15,8 @@ every other result is still printed), 2 for a bad command line, workflow file, i
 database, 3 when a step called ``fr.interrupt`` (the payload is printed; ``flowrt resume`` continues).
 
 The engine options (``run`` and ``serve``) are generated from ``flowrt.engine.EngineArgs``: one
-``--kebab-case`` option per field, documented where the field is (``flowrt run --help`` lists them).
+``--kebab-case`` option per field, its help the field's description (``flowrt.engine.cli_args``;
+``flowrt run --help`` lists them).
 """
 
 from __future__ import annotations
@@ -31,13 +32,11 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .cli_options import add_engine_arguments, engine_kwargs_from_args, replica_kwargs_from_args
+
 __all__ = ["main", "build_parser", "add_engine_arguments", "engine_kwargs_from_args", "parse_inputs"]
 
 EXIT_OK, EXIT_STEP_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 3
-
-ENGINE_GROUP_DESCRIPTION = ("the fields of flowrt.engine.EngineArgs (engine/API.md); an option left out keeps the "
-                            "engine's default")
-
 
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser that adds the engine's options only when it is used (parsing or help).
@@ -72,162 +71,6 @@ class _Parser(argparse.ArgumentParser):
     def format_help(self) -> str:
         self._materialize()
         return super().format_help()
-
-
-def _engine_fields() -> dict[str, Any]:
-    """EngineArgs' fields (pydantic FieldInfo) but ``model`` (``--model``, handled apart)."""
-    from .engine import EngineArgs
-
-    return {n: f for n, f in EngineArgs.model_fields.items() if n != "model"}
-
-
-_ENGINE_FIELD_NAMES: list[str] | None = None  # filled when the options are first added
-
-
-def _engine_field_names() -> list[str]:
-    global _ENGINE_FIELD_NAMES
-    if _ENGINE_FIELD_NAMES is None:
-        _ENGINE_FIELD_NAMES = list(_engine_fields())
-    return _ENGINE_FIELD_NAMES
-
-
-def _field_comments() -> dict[str, str]:
-    """The ``# comment`` of each EngineArgs field in engine/config.py (trailing the field, else the comment
-    lines right above it): the help of a field that has no ``Field(description=...)``."""
-    import ast
-    import inspect
-    import io
-    import textwrap
-    import tokenize
-
-    try:
-        from .engine import EngineArgs
-
-        src = textwrap.dedent(inspect.getsource(EngineArgs))
-        lines = src.splitlines()
-        comments = {tok.start[0]: tok.string.lstrip("#").strip()
-                    for tok in tokenize.generate_tokens(io.StringIO(src).readline) if tok.type == tokenize.COMMENT}
-        cls = ast.parse(src).body[0]
-        out = {}
-        for node in getattr(cls, "body", []):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                text = comments.get(node.end_lineno or node.lineno)
-                if not text:  # a block of comment-only lines right above the field
-                    above, n = [], node.lineno - 1
-                    while n in comments and lines[n - 1].lstrip().startswith("#"):
-                        above.insert(0, comments[n])
-                        n -= 1
-                    text = " ".join(above)
-                if text:
-                    out[node.target.id] = text
-        return out
-    except Exception:  # noqa: BLE001 - source unavailable (zipped install, ...): help without the comments
-        return {}
-
-
-def _unwrap_optional(ann: Any) -> Any:
-    import types
-    import typing
-
-    if typing.get_origin(ann) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(ann) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return ann
-
-
-def _engine_option_help(name: str, field: Any, comment: str | None) -> tuple[str, str | None]:
-    """(help, metavar) of one EngineArgs field."""
-    import typing
-
-    ann = _unwrap_optional(field.annotation)
-    kind = ""
-    if typing.get_origin(ann) is typing.Literal:
-        metavar = "{" + ",".join(str(c) for c in typing.get_args(ann)) + "}"
-    else:
-        metavar = {int: "N", float: "X", str: "TEXT"}.get(ann)
-        kind = getattr(ann, "__name__", str(ann))
-        lo = next((getattr(m, "ge", None) for m in field.metadata if getattr(m, "ge", None) is not None), None)
-        hi = next((getattr(m, "le", None) for m in field.metadata if getattr(m, "le", None) is not None), None)
-        if lo is not None and hi is not None:
-            kind += f" in {lo}..{hi}"
-        elif lo is not None:
-            kind += f" >= {lo}"
-        elif hi is not None:
-            kind += f" <= {hi}"
-    default = "default: the engine's choice" if field.default is None else f"default {field.default}"
-    details = f"{kind}; {default}" if kind else default
-    lead = field.description or comment
-    help_ = f"{lead} ({details})" if lead else details
-    return help_.replace("%", "%%"), metavar
-
-
-def _engine_value(name: str) -> Callable[[str], Any]:
-    """argparse ``type=``: the value as EngineArgs validates it (a bad one is a usage error naming the option)."""
-
-    def convert(raw: str) -> Any:
-        from pydantic import ValidationError
-
-        from .engine import EngineArgs
-
-        try:
-            return getattr(EngineArgs(**{name: raw}), name)
-        except ValidationError as e:
-            raise argparse.ArgumentTypeError(f"{raw!r}: {e.errors()[0]['msg']}") from None
-
-    convert.__name__ = name  # argparse names the type in some messages
-    return convert
-
-
-def _add_engine_options(g: Any) -> None:
-    global _ENGINE_FIELD_NAMES
-    fields = _engine_fields()
-    _ENGINE_FIELD_NAMES = list(fields)
-    comments = _field_comments()
-    for name, field in fields.items():
-        flag = "--" + name.replace("_", "-")
-        help_, metavar = _engine_option_help(name, field, comments.get(name))
-        if _unwrap_optional(field.annotation) is bool:
-            g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
-        else:
-            g.add_argument(flag, dest=name, type=_engine_value(name), default=None, metavar=metavar, help=help_)
-    if "enable_prefix_caching" in fields:  # the historical spelling
-        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
-                       help=argparse.SUPPRESS)
-
-
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """``--model`` and one ``--kebab-case`` option per ``EngineArgs`` field (shared by ``flowrt run`` and
-    ``flowrt serve``; read back with ``engine_kwargs_from_args``). On a parser of this CLI the engine
-    options are generated when the parser is first used, so building the CLI does not load the engine."""
-    g = p.add_argument_group("engine", ENGINE_GROUP_DESCRIPTION)
-    g.add_argument("--model", metavar="PATH", default=None,
-                   help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    defer = getattr(p, "defer_engine_options", None)  # duck-typed: `python -m flowrt.cli` has two _Parser classes
-    if defer is not None:
-        defer(lambda: _add_engine_options(g))
-    else:
-        _add_engine_options(g)
-    r = p.add_argument_group("replicas", "scale out: engine replicas as Ray actors (needs `pip install 'flowrt[ray]'`)")
-    r.add_argument("--replicas", type=int, default=None, metavar="N",
-                   help="run N engine replicas as Ray actors on a local Ray instance; each workflow run stays on "
-                        "one replica, new runs go where their prefix is cached")
-    r.add_argument("--ray-address", default=None, metavar="ADDRESS",
-                   help="join this Ray cluster (e.g. auto, ray://host:10001) instead of starting one")
-    r.add_argument("--routing", choices=["prefix", "round_robin"], default="prefix",
-                   help="how new runs pick a replica (default: prefix, with a load fallback)")
-
-
-def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``EngineArgs`` keywords given on the command line (options left out are not included)."""
-    return {n: getattr(args, n) for n in _engine_field_names() if getattr(args, n, None) is not None}
-
-
-def replica_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """``fr.Runtime`` keywords for ``--replicas`` / ``--ray-address`` / ``--routing`` (empty without them)."""
-    if not getattr(args, "replicas", None) and not getattr(args, "ray_address", None):
-        return {}
-    return {"replicas": args.replicas, "ray_address": args.ray_address, "routing": args.routing}
 
 
 # ---------------------------------------------------------------------------------------------- inputs
