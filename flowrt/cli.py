@@ -402,6 +402,7 @@ def _make_runtime(args: argparse.Namespace, cmd: str, model: Any, engine_kwargs:
 
     try:
         return Runtime(model, index=index, checkpoint=getattr(args, "checkpoint", None),
+                       checkpoint_kv=getattr(args, "checkpoint_kv", False),
                        **replica_kwargs_from_args(args), **engine_kwargs)
     except Exception as e:  # a checkpoint database that cannot be used: corrupt, newer format, ...
         from .checkpoint import CheckpointError
@@ -516,6 +517,12 @@ def _run_cli(args: argparse.Namespace, cmd: str, wf: Any, runtime: Any, start: C
               file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_OK if result.ok else EXIT_STEP_FAILED
+
+
+def _add_checkpoint_kv(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint-kv", nargs="?", const=True, default=False, metavar="DIR",
+                   help="save the KV blocks of live threads with every checkpoint (in DIR; default: beside the "
+                        "SQLite database, DB.kv), so that a resume in a fresh process does not compute them again")
 
 
 def _parse_answer(raw: str) -> Any:
@@ -699,6 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(created if missing) or postgresql:// URL; prints the run id; `flowrt resume RUN_ID "
                    "--checkpoint DB` continues it")
     p.add_argument("--stream", action="store_true", help="print generated text live as the steps produce it")
+    _add_checkpoint_kv(p)
     add_engine_arguments(p)
     p.set_defaults(func=cmd_run)
 
@@ -709,6 +717,7 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("run_id", metavar="RUN_ID")
     rs.add_argument("--checkpoint", metavar="DB", required=True, help="the run's checkpoint database")
     rs.add_argument("--answer", metavar="VALUE", help="the answer to the run's interrupt (JSON, else a string)")
+    _add_checkpoint_kv(rs)
     rs.add_argument("--file", metavar="FILE.py", help="the workflow file (default: the one the run recorded)")
     rs.add_argument("--json", action="store_true", help="print the result as JSON and nothing else on stdout")
     rs.add_argument("--stream", action="store_true", help="print generated text live")

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..render import to_jsonable
 from .codec import NotRestorable, decode, encode, encode_thread
+from .kv import KVCheckpoint, KVLoad
 from .store import CheckpointError, CheckpointStore, RunRecord
 
 __all__ = ["RunCheckpoint", "open_store", "NO_ANSWER"]
@@ -39,34 +40,42 @@ class RunCheckpoint:
     """Saves a run's state to ``store`` after every step; ``resume`` continues a stored run."""
 
     def __init__(self, store: CheckpointStore, run_id: str, *, record: RunRecord | None = None,
-                 answer: Any = NO_ANSWER) -> None:
+                 answer: Any = NO_ANSWER, kv: KVCheckpoint | None = None) -> None:
         self.store = store
         self.run_id = run_id
         self.record = record
         self.answer = answer
+        self.kv = kv                          # KV saved with the checkpoints (flowrt.checkpoint.kv)
+        self.kv_load: KVLoad | None = None    # what a resume loaded
         self._enc: dict[str, dict[str, Any]] = {}
         self._scope: Any = None
         self.restored_steps: list[str] = []   # steps a resume did not run again
 
     @classmethod
     def new(cls, store: CheckpointStore, workflow: str, inputs: dict[str, Any], *, file: str | None = None,
-            meta: dict[str, Any] | None = None, run_id: str | None = None) -> "RunCheckpoint":
+            meta: dict[str, Any] | None = None, run_id: str | None = None,
+            kv: KVCheckpoint | None = None) -> "RunCheckpoint":
         run_id = run_id or uuid.uuid4().hex[:16]
         store.create_run(run_id, workflow, to_jsonable(inputs), file=file, meta=meta)
-        return cls(store, run_id)
+        return cls(store, run_id, kv=kv)
 
     @classmethod
-    def resume(cls, store: CheckpointStore, run_id: str, *, answer: Any = NO_ANSWER) -> "RunCheckpoint":
+    def resume(cls, store: CheckpointStore, run_id: str, *, answer: Any = NO_ANSWER,
+               kv: KVCheckpoint | None = None) -> "RunCheckpoint":
         record = store.get_run(run_id)
         if record.status == "done":
             raise CheckpointError(f"run {run_id} already finished (status done); nothing to resume")
-        return cls(store, run_id, record=record, answer=answer)
+        return cls(store, run_id, record=record, answer=answer, kv=kv)
 
     # ------------------------------------------------------------------ executor hooks
     def start(self, st: Any, scope: Any, model: Any) -> bool:
         """Fill the executor's state from the stored one (a resume); False for a new run."""
         self._scope = scope
+        if self.kv is not None and model is not None:
+            self.kv.bind(model.engine)
         state = self.record.state if self.record is not None else None
+        if state and self.kv is not None:
+            self.kv_load = self.kv.load(state.get("kv"))   # into the prefix cache, before any prefill
         if not state:
             if self.record is not None and self.answer is not NO_ANSWER:
                 raise CheckpointError(f"run {self.run_id} is not waiting for an answer")
@@ -151,10 +160,15 @@ class RunCheckpoint:
     def save(self, st: Any, step: str | None, threads: Any, run_status: str = "running") -> None:
         route = next((r for r in reversed(st.route_log) if r["step"] == step), None) if step else None
         status = st.status.get(step, "") if step else run_status
+        live, state = self._threads(threads), self._state(st)
+        if self.kv is not None and self.kv.bound and run_status != "done":   # a finished run keeps no KV
+            state["kv"] = self.kv.save([t["token_ids"] for t in live])
         self.store.save(self.run_id, step=step, visit=st.visits.get(step, 0) if step else 0, step_status=status,
                         result=self._enc.get(step) if step and step in st.outputs else None,
-                        route=route, threads=self._threads(threads), state=self._state(st),
+                        route=route, threads=live, state=state,
                         run_status=run_status if step is None else "running", interrupt=st.interrupt)
 
     def finish(self, st: Any, status: str, threads: Any) -> None:
         self.save(st, None, threads, run_status=status)
+        if self.kv is not None and status == "done":
+            self.kv.collect(self.store)   # its blocks go unless another unfinished run refers to them
