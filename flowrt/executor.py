@@ -7,7 +7,9 @@ engine sees every LLM call that can happen at a given moment and batches them.
   abandoned: Python cannot stop a thread, so it runs on in the background, its result is dropped, and
   being a daemon thread it never keeps the process from exiting);
 * a failing step fails alone: steps that depend on it are skipped (with the reason), every other branch
-  runs to completion, and the result keeps all that completed next to the error and its traceback.
+  runs to completion, and the result keeps all that completed next to the error and its traceback;
+* a subgraph step (``wf.step(sub)``) or ``fr.subflow`` runs a child ``WorkflowRun`` inside the step: the
+  run's tracer, events, interrupts and checkpoint are shared, its step names are prefixed by its path.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 import traceback as tb_mod
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -34,7 +37,7 @@ from .worker import run_sync_abandonable
 from .workflow import Step, Workflow
 
 __all__ = ["RunResult", "StepError", "StepFailed", "RunObserver", "WorkflowRun", "execute", "load_resources",
-           "ResourceProvider", "to_jsonable"]
+           "ResourceProvider", "to_jsonable", "subflow", "run_subgraph", "SubgraphFailed"]
 
 
 @dataclass
@@ -200,6 +203,10 @@ class _RunState:
         self.route_log: list[dict[str, Any]] = []
         self.timings: dict[str, float] = {}
         self.interrupt: dict[str, Any] | None = None
+        # the root run's: the states of subgraphs in flight, by path (saved nested in its checkpoints), and
+        # those a resume found, which the subgraph takes when it starts again
+        self.children: dict[str, _RunState] = {}
+        self.restoring: dict[str, Any] = {}
 
 
 def _as_gotos(step: Step, value: Any) -> list[Goto]:
@@ -239,18 +246,29 @@ class WorkflowRun:
     def __init__(self, wf: Workflow, inputs: dict[str, Any], *, resources: dict[str, Any] | None = None,
                  resource_errors: dict[str, str] | None = None, tracer: Tracer | None = None,
                  observer: RunObserver | None = None, checkpoint: Any = None,
-                 events: EventSink | None = None) -> None:
+                 events: EventSink | None = None, provider: ResourceProvider | None = None,
+                 parent: WorkflowRun | None = None, path: str = "") -> None:
         self.wf = wf
         self.inputs = inputs
         self.resources = dict(resources or {})
         self.resource_errors = dict(resource_errors or {})
-        self.tracer = tracer or Tracer()
-        self.observer = observer
-        self.checkpoint = checkpoint
-        self.events = events
+        self.provider = provider
         self.st = _RunState(wf)
-        self.scope = InterruptScope(enabled=checkpoint is not None)
-        self.threads = RunThreads(getattr(checkpoint, "run_id", None))   # a checkpointed run: its durable id
+        self.parent = parent
+        self.path = path                      # a subgraph's: "research" (its steps are "research/...")
+        if parent is None:
+            self.root: WorkflowRun = self
+            self.tracer = tracer or Tracer()
+            self.observer = observer
+            self.checkpoint = checkpoint
+            self.events = events
+            self.scope = InterruptScope(enabled=checkpoint is not None)
+            self.threads = RunThreads(getattr(checkpoint, "run_id", None))   # a checkpointed run: its durable id
+            self.subflow_calls: dict[str, int] = {}   # "label/sub" -> subflow calls in the current attempt
+        else:   # a subgraph: its steps are the parent run's (one tracer, event sink, checkpoint, interrupts)
+            self.root = parent.root
+            self.tracer, self.observer, self.checkpoint = parent.tracer, None, parent.checkpoint
+            self.events, self.scope, self.threads = parent.events, parent.scope, parent.threads
         self.running: set[str] = set()
         self.halted = False          # an interrupt: start no new steps
         self.changed = anyio.Event()
@@ -259,6 +277,10 @@ class WorkflowRun:
         self._graph = wf.graph
 
     # ------------------------------------------------------------------ bookkeeping
+    def label(self, name: str) -> str:
+        """A step's name as events, traces and checkpoints show it: its path (``research/search``)."""
+        return f"{self.path}/{name}" if self.path else name
+
     def emit(self, event: ev.Event) -> None:
         if self.events is not None:
             self.events(event)
@@ -269,13 +291,25 @@ class WorkflowRun:
 
     def save(self, step: str | None) -> None:
         """Checkpoint the run's state (after ``step``; None: the run's end)."""
-        if self.checkpoint is not None:
+        if self.checkpoint is None:
+            return
+        if self.parent is None:
             self.checkpoint.save(self.st, step, self.threads)
+        elif step is not None:   # the whole run's state, saved at this subgraph step
+            self.checkpoint.save(self.root.st, self.label(step), self.threads, at=self.st)
 
     def restore(self) -> bool:
-        """Fill the state from the checkpoint (a resume); False for a new run."""
+        """Fill the state from the checkpoint (a resume; for a subgraph, the state its last run left);
+        False for a new run."""
         if self.checkpoint is None:
             return False
+        if self.parent is not None:
+            saved = self.root.st.restoring.pop(self.path, None)
+            self.root.st.children[self.path] = self.st
+            if saved is None:
+                return False
+            self.checkpoint.restore_into(self.st, saved, self.resources.get("llm"), prefix=self.path + "/")
+            return True
         restored = self.checkpoint.start(self.st, self.scope, self.resources.get("llm"))
         if restored:
             for name in self.st.status:
@@ -295,7 +329,7 @@ class WorkflowRun:
             if name not in st.outputs:
                 st.not_routed[name] = err
             self.set_status(name, "skipped" if name not in st.outputs else "done")
-            self.emit(ev.StepSkipped(name, err.message))
+            self.emit(ev.StepSkipped(self.label(name), err.message))
         elif status in ("failed", "skipped"):
             assert err is not None
             st.outputs.pop(name, None)
@@ -303,7 +337,7 @@ class WorkflowRun:
             st.errors[name] = err
             self.set_status(name, status)
             if status == "skipped":
-                self.emit(ev.StepSkipped(name, err.message))
+                self.emit(ev.StepSkipped(self.label(name), err.message))
 
     # ------------------------------------------------------------------ decisions
     def readiness(self, step: Step) -> str:
@@ -367,7 +401,8 @@ class WorkflowRun:
         loops = [g for g in gotos if (step.name, g.step) in self.loop_edges]
         forward = [g for g in gotos if (step.name, g.step) not in self.loop_edges]
         st.route_log.append({"step": step.name, "visit": st.visits[step.name], "to": [g.step for g in gotos]})
-        self.emit(ev.Routed(step.name, [g.step for g in gotos], [g.step for g in loops]))
+        self.emit(ev.Routed(self.label(step.name), [self.label(g.step) for g in gotos],
+                            [self.label(g.step) for g in loops]))
         for g in loops:
             again = {g.step} | (set(nx.descendants(self._graph, g.step)) & set(self.wf.steps))
             for x in again:
@@ -389,10 +424,12 @@ class WorkflowRun:
         """Run one invocation with retries and a per-attempt timeout; returns (value, attempts)."""
         total = step.retries + 1
         for attempt in range(1, total + 1):
-            self.scope.calls[label] = 0   # each attempt asks its interrupts from the first again
+            self.scope.calls[label] = 0   # each attempt asks its interrupts (and subflows) from the first again
+            for k in [k for k in self.root.subflow_calls if k.startswith(label + "/")]:
+                del self.root.subflow_calls[k]
             if self.observer is not None:
                 self.observer.attempts[step.name] = max(self.observer.attempts.get(step.name, 0), attempt)
-            span = self.tracer.start(label, "step", step=step.name, attempt=attempt)
+            span = self.tracer.start(label, "step", step=self.label(step.name), attempt=attempt)
             try:
                 value = await self._attempt(step, kwargs)
             except anyio.get_cancelled_exc_class():
@@ -436,7 +473,7 @@ class WorkflowRun:
 
         async def one(i: int, item: Any) -> None:
             nonlocal finished
-            label = f"{step.name}[{i}]"
+            label = f"{self.label(step.name)}[{i}]"
             token = current_step.set(label)
             try:
                 if limiter is not None:
@@ -468,14 +505,15 @@ class WorkflowRun:
 
     async def run_step(self, step: Step) -> None:
         """Run one visit of ``step`` and record how it ended (result, failure, interrupt); checkpoint."""
-        token = current_step.set(step.name)
+        label = self.label(step.name)
+        token = current_step.set(label)
         try:
             visit = self._next_visit(step)
             if visit is None:
                 return
             kwargs = self.kwargs_for(step)
             self.set_status(step.name, "running")
-            self.emit(ev.StepStarted(step.name, visit))
+            self.emit(ev.StepStarted(label, visit))
             t0 = time.perf_counter()
             try:
                 value = await self._invoke(step, kwargs)
@@ -485,15 +523,17 @@ class WorkflowRun:
                 self.on_interrupt(step, e)
             except Exception as e:  # noqa: BLE001 - step failure is recorded, other steps go on
                 self.resolve(step.name, "failed", _failure(step, e))
-                self.emit(ev.StepFailed(step.name, visit, self.st.errors[step.name].message,
+                self.emit(ev.StepFailed(label, visit, self.st.errors[step.name].message,
                                         self.st.errors[step.name].kind))
             else:
                 self.on_result(step, value, visit, time.perf_counter() - t0)
             finally:
                 self.st.timings[step.name] = time.perf_counter() - t0
+            if self.st.status[step.name] != "interrupted":
+                self.root.drop_children(label)
             self.save(step.name)
         finally:
-            self.threads.step_done(step.name)  # the step's open threads: "finished" hints to the engine
+            self.threads.step_done(label)  # the step's open threads: "finished" hints to the engine
             current_step.reset(token)
             self.running.discard(step.name)
             self.changed.set()
@@ -508,12 +548,12 @@ class WorkflowRun:
                f"that does not end?); end the loop or raise @wf.step(max_visits=...)")
         self.st.visits[step.name] -= 1
         self.resolve(step.name, "failed", StepError(step.name, msg, kind="failed"))
-        self.emit(ev.StepFailed(step.name, visit, msg))
+        self.emit(ev.StepFailed(self.label(step.name), visit, msg))
         return None
 
     async def _invoke(self, step: Step, kwargs: dict[str, Any]) -> Any:
         if step.map is None:
-            value, _ = await self.attempts(step, kwargs, step.name)
+            value, _ = await self.attempts(step, kwargs, self.label(step.name))
         else:
             value = await self.run_mapped(step, kwargs)
         if step.routes:
@@ -529,19 +569,26 @@ class WorkflowRun:
         st.interrupt = {"step": e.step, "index": e.index, "payload": to_jsonable(e.payload)}
         self.halted = True
         self.set_status(step.name, "interrupted")
-        self.emit(ev.Interrupted(e.step, e.payload, getattr(self.checkpoint, "run_id", None)))
+        if self.parent is None:   # a subgraph's interrupt reaches the parent's step, which reports it
+            self.emit(ev.Interrupted(e.step, e.payload, getattr(self.checkpoint, "run_id", None)))
 
     def on_result(self, step: Step, value: Any, visit: int, seconds: float) -> None:
         st = self.st
         st.outputs[step.name] = value
         if self.checkpoint is not None:
-            self.checkpoint.record_output(step.name, value)
+            self.checkpoint.record_output(self.label(step.name), value)
         st.errors.pop(step.name, None)
         st.not_routed.pop(step.name, None)
         if st.status[step.name] in ("running", "done"):
             st.status[step.name] = "done"
         self.set_status(step.name, "done")
-        self.emit(ev.StepFinished(step.name, visit, round(seconds, 6)))
+        self.emit(ev.StepFinished(self.label(step.name), visit, round(seconds, 6)))
+
+    def drop_children(self, label: str) -> None:
+        """A step at ``label`` ended (not interrupted): the subgraph states it kept are no longer needed
+        (a later visit starts them afresh)."""
+        for k in [k for k in self.st.children if k == label or k.startswith((label + "/", label + "["))]:
+            del self.st.children[k]
 
     # ------------------------------------------------------------------ the loop
     def start_ready(self, tg: Any) -> bool:
@@ -565,7 +612,8 @@ class WorkflowRun:
         tokens = [(current_tracer, current_tracer.set(self.tracer)),
                   (current_run_threads, current_run_threads.set(self.threads)),
                   (current_sink, current_sink.set(self.events)),
-                  (current_interrupts, current_interrupts.set(self.scope))]
+                  (current_interrupts, current_interrupts.set(self.scope)),
+                  (current_run, current_run.set(self))]
         try:
             async with anyio.create_task_group() as tg:
                 while True:
@@ -576,7 +624,8 @@ class WorkflowRun:
                     self.changed = anyio.Event()
                     await self.changed.wait()
         except BaseException:  # cancelled (or interrupted): release the run's KV now, not at garbage collection
-            self.threads.close_all()
+            if self.parent is None:
+                self.threads.close_all()
             raise
         finally:
             for var, tok in reversed(tokens):
@@ -609,12 +658,13 @@ class WorkflowRun:
                          interrupt=st.interrupt)
 
 
-async def load_resources(wf: Workflow, provider: ResourceProvider | None,
-                         observer: RunObserver | None = None) -> tuple[dict[str, Any], dict[str, str]]:
-    """The resources ``wf`` needs, loaded once before any step starts: (loaded, why not for the others)."""
+async def load_resources(wf: Workflow, provider: ResourceProvider | None, observer: RunObserver | None = None,
+                         only: list[str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The resources ``wf`` needs (or ``only`` these), loaded once before any step starts: (loaded, why
+    not for the others)."""
     resources: dict[str, Any] = {}
     errors: dict[str, str] = {}
-    for rname in wf.resources:
+    for rname in only if only is not None else wf.resources:
         if observer is not None:
             observer.phase = f"loading {rname}"
         if provider is None:
@@ -646,7 +696,7 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
     t_start = time.perf_counter()
     resources, resource_errors = await load_resources(wf, provider, observer)
     run = WorkflowRun(wf, inputs, resources=resources, resource_errors=resource_errors, tracer=tracer,
-                      observer=observer, checkpoint=checkpoint, events=events)
+                      observer=observer, checkpoint=checkpoint, events=events, provider=provider)
     restored = run.restore()
     run.emit(ev.RunStarted(wf.name, getattr(checkpoint, "run_id", None), list(wf.steps), resumed=restored))
     await run.run()
@@ -671,3 +721,54 @@ def _stats(engine_fn: Callable[[], dict[str, Any]] | None, run: dict[str, Any]) 
             engine = {}
     flat_run = {k if k.startswith(("elapsed", "steps_")) else f"run_{k}": v for k, v in run.items()}
     return {**engine, **flat_run, "engine": engine, "run": run}
+
+
+current_run: ContextVar[WorkflowRun | None] = ContextVar("flowrt_run", default=None)
+
+
+class SubgraphFailed(RuntimeError):
+    """A subgraph's run failed: the first failing step's path and message."""
+
+
+async def run_subgraph(sub: Workflow, inputs: dict[str, Any], *, output: str | None = None,
+                       path: str | None = None) -> Any:
+    """Run ``sub`` inside the current run under ``path`` (default: the current step's label) and return
+    its result (its last step's, or ``output``'s). An interrupt inside pauses the whole run; a failure
+    raises ``SubgraphFailed``."""
+    parent = current_run.get()
+    label = current_step.get()
+    if parent is None or label is None:
+        raise RuntimeError("a subgraph runs inside a workflow step (fr.subflow, wf.step(sub))")
+    sub.validate()
+    inputs = sub.check_inputs(inputs)
+    resources = {r: parent.resources[r] for r in sub.resources if r in parent.resources}
+    missing = [r for r in sub.resources if r not in resources]
+    loaded, errors = await load_resources(sub, parent.provider, only=missing) if missing else ({}, {})
+    child = WorkflowRun(sub, inputs, resources={**resources, **loaded}, resource_errors=errors,
+                        provider=parent.provider, parent=parent, path=path or label)
+    child.restore()
+    await child.run()
+    if child.st.interrupt is not None:
+        i = child.st.interrupt
+        raise Interrupt(i["payload"], i["step"], i["index"])
+    result = child.result(0.0, None)
+    bad = next((e for e in result.errors.values() if e.kind != "skipped"), None)
+    if bad is not None:
+        raise SubgraphFailed(f"subgraph step {child.label(bad.step)!r} {bad.kind}: {bad.message}")
+    return result[output] if output is not None else result.output
+
+
+async def subflow(sub: Workflow, /, **inputs: Any) -> Any:
+    """Run the workflow ``sub`` from inside a step, as part of this run: ``await fr.subflow(agent, q=q)``.
+
+    Its steps' events, traces and checkpoints carry the path ``step/sub`` (``step/sub#2`` for the second
+    call in the same step), a resume continues inside it, and an interrupt inside it pauses the run.
+    Returns its last step's result."""
+    label = current_step.get()
+    run = current_run.get()
+    if run is None or label is None:
+        raise RuntimeError("fr.subflow() can only be called inside a workflow step")
+    key = f"{label}/{sub.name}"
+    n = run.root.subflow_calls.get(key, 0) + 1
+    run.root.subflow_calls[key] = n
+    return await run_subgraph(sub, inputs, path=key if n == 1 else f"{key}#{n}")

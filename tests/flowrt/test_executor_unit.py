@@ -44,8 +44,8 @@ class FakeCheckpoint:
     def record_output(self, step: str, value: Any) -> None:
         self.recorded[step] = value
 
-    def save(self, st: Any, step: str | None, threads: Any) -> None:
-        self.saved.append((step, dict(st.status)))
+    def save(self, st: Any, step: str | None, threads: Any, at: Any = None) -> None:
+        self.saved.append((step, dict((at or st).status)))
 
 
 def make(wf: fr.Workflow, **kw: Any) -> tuple[WorkflowRun, list[ev.Event]]:
@@ -289,3 +289,25 @@ def test_start_ready_does_not_start_steps_once_halted():
     assert run.st.status == {"a": "pending", "b": "pending"} and not run.running
 
 
+
+
+def test_a_subgraph_run_labels_its_steps_with_its_path_and_shares_the_parents_run():
+    wf = chain()
+    cp = FakeCheckpoint()
+    parent, seen = make(wf, checkpoint=cp)
+    child = WorkflowRun(wf, {"x": 1}, parent=parent, path="outer/inner")
+    assert child.label("a") == "outer/inner/a" and child.root is parent
+    assert child.events is parent.events and child.scope is parent.scope and child.threads is parent.threads
+    child.st.status["a"] = "running"   # as start_ready leaves it
+    anyio.run(child.run_step, wf.steps["a"])
+    assert [(e.type, e.step) for e in seen] == [("step_started", "outer/inner/a"), ("step_finished", "outer/inner/a")]
+    assert cp.recorded == {"outer/inner/a": 2}
+    assert cp.saved == [("outer/inner/a", {"a": "done", "b": "pending"})]   # the subgraph's own state
+
+
+def test_drop_children_forgets_the_subgraph_states_of_a_finished_step():
+    parent, _ = make(chain())
+    for key in ("a", "a/sub", "a[2]/sub", "ab/sub", "b/sub"):
+        parent.st.children[key] = object()
+    parent.drop_children("a")
+    assert sorted(parent.st.children) == ["ab/sub", "b/sub"]
