@@ -293,6 +293,7 @@ class Runtime:
         wf.validate()
         checked = wf.check_inputs({**record.inputs, **inputs})
         run = fork_run(self.checkpointer, run_id, wf, at, checked)
+        run.kv = self.kv_checkpoint   # with KV checkpoints, the source run's saved blocks are loaded
         return await self.execute(wf, checked, tracer=tracer, observer=observer, events=events, run=run)
 
 
