@@ -200,10 +200,11 @@ class Runtime:
 
     async def resume(self, run_id: str, *, answer: Any = _NO_ANSWER, workflow: Workflow | None = None,
                      tracer: Tracer | None = None, observer: RunObserver | None = None,
-                     events: Any = None) -> RunResult:
+                     events: Any = None, answers: dict[str, Any] | None = None) -> RunResult:
         """Continue a checkpointed run (after a crash, or an interrupt: ``answer`` is what the interrupted
-        ``fr.interrupt`` call returns). Steps that finished are not run again. ``workflow``: the workflow
-        (default: loaded from the file the run recorded)."""
+        ``fr.interrupt`` call returns; ``answers``: ``{step: answer}`` for a run waiting at several, from
+        parallel branches, ``result.interrupts``). Steps that finished are not run again. ``workflow``: the
+        workflow (default: loaded from the file the run recorded)."""
         from .checkpoint import CheckpointError, RunCheckpoint
 
         if self.checkpointer is None:
@@ -211,7 +212,7 @@ class Runtime:
         from .checkpoint.run import NO_ANSWER
 
         run = RunCheckpoint.resume(self.checkpointer, run_id, answer=NO_ANSWER if answer is _NO_ANSWER else answer,
-                                   kv=self.kv_checkpoint)
+                                   kv=self.kv_checkpoint, answers=answers)
         wf = workflow
         if wf is None:
             if not run.record or not run.record.file:

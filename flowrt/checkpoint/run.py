@@ -40,11 +40,13 @@ class RunCheckpoint:
     """Saves a run's state to ``store`` after every step; ``resume`` continues a stored run."""
 
     def __init__(self, store: CheckpointStore, run_id: str, *, record: RunRecord | None = None,
-                 answer: Any = NO_ANSWER, kv: KVCheckpoint | None = None) -> None:
+                 answer: Any = NO_ANSWER, kv: KVCheckpoint | None = None,
+                 answers: dict[str, Any] | None = None) -> None:
         self.store = store
         self.run_id = run_id
         self.record = record
         self.answer = answer
+        self.answers = answers or {}          # by step, for a run waiting at several interrupts
         self.kv = kv                          # KV saved with the checkpoints (flowrt.checkpoint.kv)
         self.kv_load: KVLoad | None = None    # what a resume loaded
         self._enc: dict[str, dict[str, Any]] = {}
@@ -61,11 +63,11 @@ class RunCheckpoint:
 
     @classmethod
     def resume(cls, store: CheckpointStore, run_id: str, *, answer: Any = NO_ANSWER,
-               kv: KVCheckpoint | None = None) -> "RunCheckpoint":
+               kv: KVCheckpoint | None = None, answers: dict[str, Any] | None = None) -> "RunCheckpoint":
         record = store.get_run(run_id)
         if record.status == "done":
             raise CheckpointError(f"run {run_id} already finished (status done); nothing to resume")
-        return cls(store, run_id, record=record, answer=answer, kv=kv)
+        return cls(store, run_id, record=record, answer=answer, kv=kv, answers=answers)
 
     # ------------------------------------------------------------------ executor hooks
     def start(self, st: Any, scope: Any, model: Any) -> bool:
@@ -77,19 +79,35 @@ class RunCheckpoint:
         if state and self.kv is not None:
             self.kv_load = self.kv.load(state.get("kv"))   # into the prefix cache, before any prefill
         if not state:
-            if self.record is not None and self.answer is not NO_ANSWER:
+            if self.record is not None and (self.answer is not NO_ANSWER or self.answers):
                 raise CheckpointError(f"run {self.run_id} is not waiting for an answer")
             return False
         status = self.restore_into(st, state, model)
         scope.answers = {k: list(v) for k, v in state.get("answers", {}).items()}
-        pending = state.get("interrupt")
-        if self.answer is not NO_ANSWER:
-            if not pending:
-                raise CheckpointError(f"run {self.run_id} is not waiting for an answer (status "
-                                      f"{self.record.status if self.record else '?'})")
-            scope.answers.setdefault(pending["step"], []).append(self.answer)
+        for step, value in self._given_answers(state).items():
+            scope.answers.setdefault(step, []).append(value)
         self.restored_steps = [n for n, s in status.items() if s == "done" and n in st.outputs]
         return True
+
+    def _given_answers(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The answers given to this resume, by the step of the pending interrupt each answers."""
+        pending = state.get("interrupts") or ([state["interrupt"]] if state.get("interrupt") else [])
+        steps = [p["step"] for p in pending]
+        if (self.answer is not NO_ANSWER or self.answers) and not pending:
+            raise CheckpointError(f"run {self.run_id} is not waiting for an answer (status "
+                                  f"{self.record.status if self.record else '?'})")
+        given = dict(self.answers)
+        if self.answer is not NO_ANSWER:
+            if len(steps) > 1:
+                raise CheckpointError(f"run {self.run_id} waits for {len(steps)} answers (steps "
+                                      f"{', '.join(steps)}): answer each by step (--answer STEP=VALUE; "
+                                      f"answers={{step: value}})")
+            given[steps[0]] = self.answer
+        unknown = [s for s in given if s not in steps]
+        if unknown:
+            raise CheckpointError(f"run {self.run_id} has no pending interrupt at {', '.join(map(repr, unknown))} "
+                                  f"(it waits at {', '.join(map(repr, steps))})")
+        return given
 
     def restore_into(self, st: Any, state: dict[str, Any], model: Any, prefix: str = "") -> dict[str, str]:
         """Fill a run state (the run's, or a subgraph's: ``prefix`` is its path and "/") from a saved one;
@@ -152,6 +170,7 @@ class RunCheckpoint:
             "routes": list(st.route_log),
             "timings": dict(st.timings),
             "interrupt": st.interrupt,
+            **({"interrupts": list(st.interrupts)} if len(getattr(st, "interrupts", ())) > 1 else {}),
             "answers": to_jsonable(self._scope.answers) if self._scope is not None and not prefix else {},
             **({"subruns": subruns} if subruns else {}),
         }
