@@ -98,19 +98,23 @@ def _engine(stories_path):
     return AsyncLLM(model=stories_path, dtype="float32", seed=0, num_kv_blocks=256)
 
 
-def test_cold_resume_loads_blocks_and_old_blocks_are_collected(tmp_path, wf_file, stories_path, monkeypatch):
+def test_cold_resume_loads_blocks_and_old_blocks_are_collected(tmp_path, wf_file, stories_path, monkeypatch,
+                                                               store_spec):
     """Two runs paused at s2 on one engine; each resumes on a fresh engine (a cold resume), one with its KV
-    blocks and one without. Then blocks no unfinished run refers to are collected."""
+    blocks and one without. Then blocks no unfinished run refers to are collected. On SQLite (blocks beside
+    the file) and PostgreSQL (blocks in a given directory)."""
     from flowrt.loader import load_workflow
 
     monkeypatch.setenv("KV_INTERRUPT", "1")
     wf = load_workflow(wf_file)
-    db = str(tmp_path / "runs.db")
+    db = store_spec
+    kv_dir = db + ".kv" if "://" not in db else str(tmp_path / "blocks")
+    kv_opt = True if "://" not in db else kv_dir
 
     async def paused() -> list[str]:
         eng = _engine(stories_path)
         try:
-            async with fr.Runtime(eng, checkpoint=db, checkpoint_kv=True) as rt:
+            async with fr.Runtime(eng, checkpoint=db, checkpoint_kv=kv_opt) as rt:
                 a = await rt.run(wf, start="Once upon a time")
                 b = await rt.run(wf, start="One day")
                 assert a.status == b.status == "interrupted"
@@ -121,7 +125,7 @@ def test_cold_resume_loads_blocks_and_old_blocks_are_collected(tmp_path, wf_file
     async def resume(run_id: str, kv: bool) -> tuple[fr.RunResult, int, object]:
         eng = _engine(stories_path)
         try:
-            async with fr.Runtime(eng, checkpoint=db, checkpoint_kv=kv) as rt:
+            async with fr.Runtime(eng, checkpoint=db, checkpoint_kv=kv_opt if kv else False) as rt:
                 if kv:
                     rt.kv_checkpoint.grace_s = 0   # collect at once (no other process writes here)
                 r = await rt.resume(run_id, workflow=wf, answer="yes")
@@ -130,7 +134,6 @@ def test_cold_resume_loads_blocks_and_old_blocks_are_collected(tmp_path, wf_file
             eng.shutdown()
 
     a_id, b_id = anyio.run(paused)
-    kv_dir = db + ".kv"
     files = lambda: set(os.path.join(d, f) for d, _, fs in os.walk(kv_dir) for f in fs)  # noqa: E731
     both = files()
     assert both and all(f.endswith(".kv") for f in both)
