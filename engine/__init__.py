@@ -7,7 +7,7 @@ from .llm import LLM
 from .llm_engine import LLMEngine
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .program import ProgramContext, ProgramState
-from .protocol import EngineClient, SequenceHandle  # the typed contract the runtime and server use
+from .protocol import EngineClient, KVTransfer, SequenceHandle  # the typed contract the runtime and server use
 from .sampling_params import BeamSearchParams, SamplingParams
 from .structured_output import StructuredOutputsParams
 
@@ -19,6 +19,7 @@ __all__ = [
     "EngineSequence",
     "EngineClient",
     "SequenceHandle",
+    "KVTransfer",
     "SamplingParams",
     "BeamSearchParams",
     "BeamSearchOutput",

@@ -245,6 +245,7 @@ def _make_runtime(args: argparse.Namespace, cmd: str, model: Any, engine_kwargs:
 
     try:
         return Runtime(model, index=index, checkpoint=getattr(args, "checkpoint", None),
+                       checkpoint_kv=getattr(args, "checkpoint_kv", False),
                        **replica_kwargs_from_args(args), **engine_kwargs)
     except Exception as e:  # a checkpoint database that cannot be used: corrupt, newer format, ...
         from .checkpoint import CheckpointError
@@ -354,12 +355,47 @@ def _run_cli(args: argparse.Namespace, cmd: str, wf: Any, runtime: Any, start: C
         if not args.json:
             from .render import to_jsonable
 
-            print(json.dumps(to_jsonable(it.get("payload")), ensure_ascii=False, indent=2))
-        print(f"flowrt {cmd}: run {result.run_id} is waiting for an answer (step {it.get('step')!r}); continue "
-              f"it with: flowrt resume {result.run_id} --checkpoint {args.checkpoint} --answer '...'",
-              file=sys.stderr)
+            shown = {i["step"]: i.get("payload") for i in result.interrupts} if len(result.interrupts) > 1 \
+                else it.get("payload")
+            print(json.dumps(to_jsonable(shown), ensure_ascii=False, indent=2))
+        steps = [i["step"] for i in result.interrupts] if len(result.interrupts) > 1 else []
+        if steps:
+            print(f"flowrt {cmd}: run {result.run_id} is waiting for {len(steps)} answers (steps "
+                  f"{', '.join(map(repr, steps))}); continue it with: flowrt resume {result.run_id} --checkpoint "
+                  f"{args.checkpoint} " + " ".join(f"--answer '{s}=...'" for s in steps), file=sys.stderr)
+        else:
+            print(f"flowrt {cmd}: run {result.run_id} is waiting for an answer (step {it.get('step')!r}); continue "
+                  f"it with: flowrt resume {result.run_id} --checkpoint {args.checkpoint} --answer '...'",
+                  file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_OK if result.ok else EXIT_STEP_FAILED
+
+
+def _add_checkpoint_kv(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint-kv", nargs="?", const=True, default=False, metavar="DIR",
+                   help="save the KV blocks of live threads with every checkpoint (in DIR; default: beside the "
+                        "SQLite database, DB.kv), so that a resume in a fresh process does not compute them again")
+
+
+def _parse_answers(raws: list[str], state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``--answer VALUE`` (the run's one pending interrupt) or ``--answer STEP=VALUE`` for each of several
+    (STEP a pending interrupt's step; anything else with a '=' is a plain value)."""
+    from .checkpoint.run import NO_ANSWER
+
+    pending = [p["step"] for p in (state.get("interrupts") or ([state["interrupt"]] if state.get("interrupt") else []))]
+    answer, answers = NO_ANSWER, {}
+    for raw in raws:
+        step, sep, value = raw.partition("=")
+        if sep and step in pending:
+            answers[step] = _parse_answer(value)
+        elif answer is NO_ANSWER:
+            answer = _parse_answer(raw)
+        else:
+            raise UsageError(f"--answer VALUE given twice; a run waiting at several steps takes --answer STEP=VALUE "
+                             f"for each (it waits at: {', '.join(pending) or 'none'})")
+    if answer is not NO_ANSWER and answers:
+        raise UsageError("give either one --answer VALUE or --answer STEP=VALUE for each step, not both")
+    return answer, answers
 
 
 def _parse_answer(raw: str) -> Any:
@@ -374,9 +410,14 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
     try:
         store = open_store(args.checkpoint)
-        record = store.get_run(args.run_id, with_state=False)
+        record = store.get_run(args.run_id)
         store.close()
     except CheckpointError as e:
+        print(f"flowrt resume: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        answer, answers = _parse_answers(args.answer or [], record.state or {})
+    except UsageError as e:
         print(f"flowrt resume: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if record.status == "done":
@@ -397,11 +438,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
     runtime = _make_runtime(args, "resume", model, engine_kwargs, args.index or meta.get("index"))
     if runtime is None:
         return EXIT_USAGE
-    from .checkpoint.run import NO_ANSWER
-
-    answer = _parse_answer(args.answer) if args.answer is not None else NO_ANSWER
     return _run_cli(args, "resume", wf, runtime,
-                    lambda **kw: runtime.resume(args.run_id, answer=answer, workflow=wf, **kw))
+                    lambda **kw: runtime.resume(args.run_id, answer=answer, answers=answers, workflow=wf, **kw))
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
@@ -615,6 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(created if missing) or postgresql:// URL; prints the run id; `flowrt resume RUN_ID "
                    "--checkpoint DB` continues it")
     p.add_argument("--stream", action="store_true", help="print generated text live as the steps produce it")
+    _add_checkpoint_kv(p)
     add_engine_arguments(p)
     p.set_defaults(func=cmd_run)
 
@@ -624,7 +663,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "call returning --answer.")
     rs.add_argument("run_id", metavar="RUN_ID")
     rs.add_argument("--checkpoint", metavar="DB", required=True, help="the run's checkpoint database")
-    rs.add_argument("--answer", metavar="VALUE", help="the answer to the run's interrupt (JSON, else a string)")
+    rs.add_argument("--answer", metavar="[STEP=]VALUE", action="append",
+                    help="the answer to the run's interrupt (JSON, else a string); STEP=VALUE answers the interrupt "
+                         "of that step, for a run waiting at several (parallel branches); repeat for each")
+    _add_checkpoint_kv(rs)
     rs.add_argument("--file", metavar="FILE.py", help="the workflow file (default: the one the run recorded)")
     rs.add_argument("--json", action="store_true", help="print the result as JSON and nothing else on stdout")
     rs.add_argument("--stream", action="store_true", help="print generated text live")

@@ -1,11 +1,12 @@
 """A checkpoint store in PostgreSQL (psycopg 3, the ``flowrt[postgres]`` extra), for runs shared between
 processes on several machines (``flowrt serve`` processes, Ray replicas).
 
-Same tables and semantics as the SQLite store, prefixed ``flowrt_`` so that the database can hold other
-things. Every method is one transaction; a checkpoint's sequence number is taken under a row lock on its
-run (``SELECT ... FOR UPDATE``), so concurrent writers never collide. The schema is created under an
-advisory lock (several processes may open a fresh database at once) and its version is checked as in
-SQLite: a newer format is a ``CheckpointError``, never a silent downgrade.
+Same tables (the compact layout of flowrt.checkpoint.compact) and semantics as the SQLite store, prefixed
+``flowrt_`` so that the database can hold other things. Every method is one transaction; a checkpoint's
+sequence number is taken under a row lock on its run (``SELECT ... FOR UPDATE``), so concurrent writers
+never collide. The schema is created under an advisory lock (several processes may open a fresh database at
+once) and its version is checked as in SQLite: a newer format is a ``CheckpointError``, never a silent
+downgrade.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
+from . import compact
 from .store import CheckpointError, RunRecord
 
 __all__ = ["PostgresStore", "is_postgres_url"]
@@ -34,8 +36,10 @@ _SCHEMA = [
         meta TEXT NOT NULL,
         interrupt TEXT,
         created DOUBLE PRECISION NOT NULL,
-        updated DOUBLE PRECISION NOT NULL
-    )""",
+        updated DOUBLE PRECISION NOT NULL,
+        state TEXT,
+        threads TEXT
+    ) WITH (fillfactor = 50)""",   # room for HOT updates: a run's row is rewritten at every checkpoint
     """CREATE TABLE IF NOT EXISTS flowrt_checkpoints (
         run_id TEXT NOT NULL REFERENCES flowrt_runs(run_id) ON DELETE CASCADE,
         seq INTEGER NOT NULL,
@@ -44,8 +48,6 @@ _SCHEMA = [
         status TEXT NOT NULL,
         result TEXT,
         route TEXT,
-        threads TEXT NOT NULL,
-        state TEXT NOT NULL,
         created DOUBLE PRECISION NOT NULL,
         PRIMARY KEY (run_id, seq)
     )""",
@@ -146,16 +148,18 @@ class PostgresStore:
         now = time.time()
 
         def go(c: Any) -> int:
-            if c.execute("SELECT 1 FROM flowrt_runs WHERE run_id = %s FOR UPDATE", (run_id,)).fetchone() is None:
+            run = c.execute("SELECT state FROM flowrt_runs WHERE run_id = %s FOR UPDATE", (run_id,)).fetchone()
+            if run is None:
                 raise CheckpointError(f"no run {run_id!r} in {self.where}")
             seq = int(c.execute("SELECT COALESCE(MAX(seq), 0) FROM flowrt_checkpoints WHERE run_id = %s",
                                 (run_id,)).fetchone()[0]) + 1
-            c.execute("INSERT INTO flowrt_checkpoints (run_id, seq, step, visit, status, result, route, threads, "
-                      "state, created) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                      (run_id, seq, step, visit, step_status, _dumps(result), _dumps(route), _dumps(threads),
-                       _dumps(state), now))
-            c.execute("UPDATE flowrt_runs SET status = %s, interrupt = %s, updated = %s WHERE run_id = %s",
-                      (run_status, _dumps(interrupt) if interrupt is not None else None, now, run_id))
+            packed = compact.pack(state, step, visit, seq, result, route, json.loads(run[0]) if run[0] else None)
+            c.execute("INSERT INTO flowrt_checkpoints (run_id, seq, step, visit, status, result, route, created) "
+                      "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                      (run_id, seq, step, visit, step_status, _dumps(result), _dumps(route), now))
+            c.execute("UPDATE flowrt_runs SET status = %s, interrupt = %s, updated = %s, state = %s, threads = %s "
+                      "WHERE run_id = %s", (run_status, _dumps(interrupt) if interrupt is not None else None, now,
+                                            _dumps(packed), _dumps(threads), run_id))
             return seq
 
         return self._guard("saving a checkpoint", go)
@@ -168,18 +172,25 @@ class PostgresStore:
 
     @staticmethod
     def _record(c: Any, row: tuple, with_state: bool) -> RunRecord:
-        run_id, workflow, file, status, inputs, meta, interrupt, created, updated = row
-        n, state = c.execute(
-            "SELECT COUNT(*), (SELECT state FROM flowrt_checkpoints WHERE run_id = %(r)s ORDER BY seq DESC LIMIT 1) "
-            "FROM flowrt_checkpoints WHERE run_id = %(r)s", {"r": run_id}).fetchone()
+        run_id, workflow, file, status, inputs, meta, interrupt, created, updated, raw = row
+        n = c.execute("SELECT COUNT(*) FROM flowrt_checkpoints WHERE run_id = %s", (run_id,)).fetchone()[0]
+        state = None
+        if with_state and raw:
+            packed = json.loads(raw)
+            seqs = compact.refs(packed)
+            results = {s: json.loads(r) for s, r in c.execute(
+                "SELECT seq, result FROM flowrt_checkpoints WHERE run_id = %s AND seq = ANY(%s)", (run_id, seqs))}
+            rows = [(st, v, json.loads(ro)) for st, v, ro in c.execute(
+                "SELECT step, visit, route FROM flowrt_checkpoints WHERE run_id = %s AND route != 'null' ORDER BY seq",
+                (run_id,))] if compact.routes_from_rows(packed) else []
+            state = compact.unpack(packed, results, rows)
         return RunRecord(run_id=run_id, workflow=workflow, status=status, inputs=json.loads(inputs), file=file,
                          meta=json.loads(meta), created=created, updated=updated,
-                         interrupt=json.loads(interrupt) if interrupt else None, checkpoints=int(n),
-                         state=json.loads(state) if (with_state and state) else None)
+                         interrupt=json.loads(interrupt) if interrupt else None, checkpoints=int(n), state=state)
 
     def get_run(self, run_id: str, *, with_state: bool = True) -> RunRecord:
         def go(c: Any) -> RunRecord:
-            row = c.execute(f"SELECT {self._COLS} FROM flowrt_runs WHERE run_id = %s", (run_id,)).fetchone()
+            row = c.execute(f"SELECT {self._COLS}, state FROM flowrt_runs WHERE run_id = %s", (run_id,)).fetchone()
             if row is None:
                 raise CheckpointError(f"no run {run_id!r} in {self.where}")
             return self._record(c, row, with_state)
@@ -188,7 +199,7 @@ class PostgresStore:
 
     def list_runs(self, limit: int = 50) -> list[RunRecord]:
         def go(c: Any) -> list[RunRecord]:
-            rows = c.execute(f"SELECT {self._COLS} FROM flowrt_runs ORDER BY created DESC LIMIT %s",
+            rows = c.execute(f"SELECT {self._COLS}, NULL FROM flowrt_runs ORDER BY created DESC LIMIT %s",
                              (limit,)).fetchall()
             return [self._record(c, r, False) for r in rows]
 

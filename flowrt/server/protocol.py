@@ -258,6 +258,7 @@ class WorkflowRunRequest(_Body):
 
 class WorkflowResumeRequest(_Body):
     answer: Any = None            # what the interrupted step's fr.interrupt() call returns
+    answers: dict[str, Any] | None = None   # {step: answer}, for a run waiting at several interrupts
     stream: bool = False
     stream_tokens: bool = False
 

@@ -23,15 +23,6 @@ from support import ROOT
 
 
 # ---------------------------------------------------------------------------------------------- the store
-@pytest.fixture(params=["sqlite", "postgres"])
-def store_spec(request, tmp_path) -> str:
-    """The store tests run on both stores: an SQLite file, and a fresh database on a real PostgreSQL server
-    (tests/pg_server.py; skipped, saying why, where none can run)."""
-    if request.param == "sqlite":
-        return str(tmp_path / "runs.db")
-    return request.getfixturevalue("pg_url")
-
-
 def _execute_sql(spec: str, stmt: str) -> None:
     """Run ``stmt`` on the store's database behind its back (tables named as SQLite names them)."""
     if spec.startswith("postgresql://"):
