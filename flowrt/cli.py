@@ -424,7 +424,8 @@ class _CliEvents:
     def __call__(self, ev: Any) -> None:
         kind = ev.type
         if kind == "run_started" and ev.run_id:
-            print(f"flowrt {self.cmd}: run {ev.run_id}{' (resumed)' if ev.resumed else ''}; checkpoints in "
+            how = " (forked)" if self.cmd == "runs fork" else " (resumed)" if ev.resumed else ""
+            print(f"flowrt {self.cmd}: run {ev.run_id}{how}; checkpoints in "
                   f"{self.checkpoint}", file=sys.stderr, flush=True)
         if not self.stream:
             return
@@ -526,10 +527,10 @@ def _parse_answer(raw: str) -> Any:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from .checkpoint import CheckpointError, SQLiteStore
+    from .checkpoint import CheckpointError, open_store
 
     try:
-        store = SQLiteStore(args.checkpoint)
+        store = open_store(args.checkpoint)
         record = store.get_run(args.run_id, with_state=False)
         store.close()
     except CheckpointError as e:
@@ -563,13 +564,15 @@ def cmd_resume(args: argparse.Namespace) -> int:
 def cmd_runs(args: argparse.Namespace) -> int:
     import datetime
 
-    from .checkpoint import CheckpointError, SQLiteStore
+    from .checkpoint import CheckpointError, open_store
 
     def when(t: float) -> str:
         return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
+    if args.action == "fork":
+        return cmd_fork(args)
     try:
-        store = SQLiteStore(args.checkpoint)
+        store = open_store(args.checkpoint)
         if args.action == "list":
             runs = store.list_runs(args.limit)
             if args.json:
@@ -584,8 +587,11 @@ def cmd_runs(args: argparse.Namespace) -> int:
                       f"  {r.file or ''}")
             return EXIT_OK
         if not args.run_id:
-            print("flowrt runs show: error: which run? `flowrt runs show RUN_ID --checkpoint DB`", file=sys.stderr)
+            print(f"flowrt runs {args.action}: error: which run? `flowrt runs {args.action} RUN_ID --checkpoint DB`",
+                  file=sys.stderr)
             return EXIT_USAGE
+        if args.action == "history":
+            return _print_history(store.history(args.run_id), args.json, when)
         r = store.get_run(args.run_id)
         hist = store.history(args.run_id)
     except CheckpointError as e:
@@ -600,6 +606,73 @@ def cmd_runs(args: argparse.Namespace) -> int:
             "interrupt": r.interrupt, "steps": [{k: h[k] for k in ("seq", "step", "visit", "status")} for h in hist]}
     print(json.dumps(info, indent=2, ensure_ascii=False, default=str))
     return EXIT_OK
+
+
+def _summary(value: Any, width: int = 60) -> str:
+    """A stored result on one line, cut to ``width`` characters."""
+    if isinstance(value, dict) and ("json" in value or "placeholder" in value):
+        value = value["json"] if "json" in value else value["placeholder"]
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _print_history(hist: list[dict[str, Any]], as_json: bool, when: Callable[[float], str]) -> int:
+    """``flowrt runs history``: a run's checkpoints, oldest first (fork at any step shown)."""
+    if as_json:
+        print(json.dumps(hist, indent=2, ensure_ascii=False, default=str))
+        return EXIT_OK
+    for h in hist:
+        step = h["step"] or "(run)"
+        result = _summary(h["result"]) if h["result"] is not None else ""
+        print(f"{h['seq']:>4}  {when(h['created'])}  {step:<24}  {h['status']:<11}  {result}")
+    return EXIT_OK
+
+
+def cmd_fork(args: argparse.Namespace) -> int:
+    """``flowrt runs fork RUN_ID --at STEP [--input name=value ...]``: a new run from before STEP."""
+    from .checkpoint import CheckpointError, open_store
+
+    if not args.run_id or not args.at:
+        print("flowrt runs fork: error: which run and step? `flowrt runs fork RUN_ID --at STEP --checkpoint DB`",
+              file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        store = open_store(args.checkpoint)
+        record = store.get_run(args.run_id, with_state=False)
+        store.close()
+    except CheckpointError as e:
+        print(f"flowrt runs fork: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    file = args.file or record.file
+    if not file:
+        print(f"flowrt runs fork: error: run {record.run_id} recorded no workflow file; pass --file", file=sys.stderr)
+        return EXIT_USAGE
+    args.file, args.workflow = file, record.workflow
+    wf = _load_valid(args, "runs fork")
+    if wf is None:
+        return EXIT_USAGE
+    try:
+        inputs = parse_inputs(args.input or [], args.input_file or [], wf)
+    except UsageError as e:
+        print(f"flowrt runs fork: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    meta = record.meta or {}
+    engine_kwargs = {**(meta.get("engine") or {}), **engine_kwargs_from_args(args)}
+    model = args.model if args.model is not None else meta.get("model")
+    runtime = _make_runtime(args, "runs fork", model, engine_kwargs, args.index or meta.get("index"))
+    if runtime is None:
+        return EXIT_USAGE
+    forked: list[Any] = []
+
+    async def start(**kw: Any) -> Any:
+        forked.append(await runtime.fork(args.run_id, at=args.at, workflow=wf, **kw, **inputs))
+        return forked[-1]
+
+    code = _run_cli(args, "runs fork", wf, runtime, start)
+    if forked and not args.json:
+        print(forked[-1].run_id)   # the new run's id, alone on the last line (for scripts)
+    return code
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
@@ -696,7 +769,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no live progress display")
     p.add_argument("--traceback", action="store_true", help="print full tracebacks of failed steps")
     p.add_argument("--checkpoint", metavar="DB", help="save the run after every step to this SQLite database "
-                   "(created if missing); prints the run id; `flowrt resume RUN_ID --checkpoint DB` continues it")
+                   "(created if missing) or postgresql:// URL; prints the run id; `flowrt resume RUN_ID "
+                   "--checkpoint DB` continues it")
     p.add_argument("--stream", action="store_true", help="print generated text live as the steps produce it")
     add_engine_arguments(p)
     p.set_defaults(func=cmd_run)
@@ -718,15 +792,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(rs)
     rs.set_defaults(func=cmd_resume, workflow=None)
 
-    ru = sub.add_parser("runs", help="list or show checkpointed runs",
+    ru = sub.add_parser("runs", help="list, show or fork checkpointed runs",
                         description="`flowrt runs list --checkpoint DB` lists runs, newest first; `flowrt runs show "
-                                    "RUN_ID --checkpoint DB` prints one run's state and step history as JSON.")
-    ru.add_argument("action", choices=["list", "show"])
+                                    "RUN_ID --checkpoint DB` prints one run's state and step history as JSON; "
+                                    "`flowrt runs history RUN_ID` lists its checkpoints (step, time, result); "
+                                    "`flowrt runs fork RUN_ID --at STEP [--input NAME=VALUE ...]` starts a new run "
+                                    "from the state just before STEP with those inputs changed (STEP and the steps "
+                                    "downstream of it run again, none upstream) and prints its run id.")
+    ru.add_argument("action", choices=["list", "show", "history", "fork"])
     ru.add_argument("run_id", nargs="?", metavar="RUN_ID")
     ru.add_argument("--checkpoint", metavar="DB", required=True)
     ru.add_argument("--limit", type=int, default=50, help="list at most this many runs")
-    ru.add_argument("--json", action="store_true", help="list as JSON")
-    ru.set_defaults(func=cmd_runs)
+    ru.add_argument("--json", action="store_true", help="list as JSON (fork: print the result as JSON)")
+    fk = ru.add_argument_group("fork")
+    fk.add_argument("--at", metavar="STEP", help="fork: the step to run again (with everything downstream)")
+    fk.add_argument("--input", "-i", action="append", metavar="NAME=VALUE", help="fork: an input to change")
+    fk.add_argument("--input-file", action="append", metavar="NAME=PATH", help="fork: an input read from a file")
+    fk.add_argument("--file", metavar="FILE.py", help="fork: the workflow file (default: the one the run recorded)")
+    fk.add_argument("--stream", action="store_true", help="fork: print generated text live")
+    fk.add_argument("--trace", metavar="FILE", help="fork: write a Chrome trace")
+    fk.add_argument("--index", metavar="DIR", help="fork: retrieval index directory (default: the run's)")
+    fk.add_argument("--no-progress", action="store_true", help="fork: no live progress display")
+    fk.add_argument("--traceback", action="store_true", help="fork: print full tracebacks of failed steps")
+    add_engine_arguments(ru)
+    ru.set_defaults(func=cmd_runs, workflow=None)
 
     g = sub.add_parser("graph", help="print a workflow's DAG", description="Print the DAG of FILE's workflow.")
     g.add_argument("file", metavar="FILE.py")

@@ -259,6 +259,30 @@ class Runtime:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
 
+    async def fork(self, run_id: str, /, *, at: str, workflow: Workflow | None = None, tracer: Tracer | None = None,
+                   observer: RunObserver | None = None, events: Any = None, **inputs: Any) -> RunResult:
+        """Time travel: a new run from the state of run ``run_id`` just before step ``at``, with ``inputs``
+        replacing its inputs of those names. ``at`` and the steps downstream of it run again, the steps
+        upstream keep their results (their threads reuse the engine's cached KV where it is still there).
+        The source run is unchanged; the result's ``run_id`` is the new run's (flowrt.checkpoint.fork)."""
+        from .checkpoint import CheckpointError
+        from .checkpoint.fork import fork_run
+
+        if self.checkpointer is None:
+            raise CheckpointError("fork needs a checkpointer: fr.Runtime(checkpoint=\"runs.db\")")
+        record = self.checkpointer.get_run(run_id, with_state=False)
+        wf = workflow
+        if wf is None:
+            if not record.file:
+                raise CheckpointError(f"run {run_id} recorded no workflow file; pass workflow=")
+            from .loader import load_workflow
+
+            wf = load_workflow(record.file, record.workflow)
+        wf.validate()
+        checked = wf.check_inputs({**record.inputs, **inputs})
+        run = fork_run(self.checkpointer, run_id, wf, at, checked)
+        return await self.execute(wf, checked, tracer=tracer, observer=observer, events=events, run=run)
+
 
 def _workflow_file(wf: Workflow) -> str | None:
     """The file that defines ``wf`` (its steps' source file), for ``flowrt resume``."""

@@ -235,6 +235,9 @@ class Thread:
     def append(self, text: str) -> "Thread":
         if not isinstance(text, str):
             raise TypeError(f"can only append str to a thread, got {type(text).__name__}")
+        from .engine.tokenizer import check_text
+
+        check_text(text, "text appended to the thread")  # fails here, not at the next model call
         self._check_usable()
         self._pending += text
         return self
@@ -695,6 +698,9 @@ class ChatThread(Thread):
     def message(self, role: str, content: str) -> "ChatThread":
         if not isinstance(content, str):
             raise TypeError(f"message content must be a str, got {type(content).__name__}")
+        from .engine.tokenizer import check_text
+
+        check_text(content, f"{role} message content")
         self._check_usable()
         self.messages.append({"role": role, "content": content})
         return self

@@ -16,8 +16,9 @@ embedded through ``%json``), and the parser that gets the calls back out of gene
 - `auto_constraint(tools)`: free text, and wherever the model starts a ``<tool_call>`` block, the block
   is constrained (a lazy free-text lexeme that ends at the trigger, then a constrained call; any number of
   calls, then free text). The text outside blocks is unconstrained.
-- `parse_tool_calls(text)`: (content without the call blocks, calls). Never raises; a block whose JSON is
-  not a call stays in the content.
+- `parse_tool_calls(text)`: (content without the call blocks, calls). Never raises. Each call's JSON is
+  decoded structurally from its open tag on (a string argument may contain ``</tool_call>``); no block
+  markup stays in the content, also of a block that is not a call or was cut off by max_tokens.
 """
 
 from __future__ import annotations
@@ -168,7 +169,66 @@ def raw_arguments(body: str) -> str | None:
     return s[:-1].rstrip()
 
 
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
+_DECODER = json.JSONDecoder()
+
+
+@dataclass
+class Block:
+    """One ``<tool_call>`` block found in text: ``text[start:end]`` is the whole block (tags included),
+    ``text[body_start:body_end]`` its JSON, and `call` the call it makes (None: not a call, or cut off)."""
+    start: int
+    end: int
+    body_start: int
+    body_end: int
+    call: ToolCall | None
+    complete: bool  # the JSON is whole (a cut-off block is not)
+
+
+def skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def read_block(text: str, start: int, final: bool = True) -> Block | None:
+    """The block whose open tag starts at `start`. Its JSON is decoded structurally from the tag on (a
+    string value may hold ``</tool_call>``); the closing tag after it (or a prefix of it at the very end) is
+    part of the block. A body cut off mid-JSON runs to the end of the text; one that is not JSON, to the next
+    closing tag. With `final` False (text still streaming in), None while the block might still grow."""
+    k = skip_ws(text, start + len(OPEN))
+    try:
+        _, e = _DECODER.raw_decode(text, k)
+    except json.JSONDecodeError as err:
+        c = -1 if _cut_off(text, err) else text.find(CLOSE, k)
+        if c < 0:
+            return Block(start, len(text), k, len(text), None, False) if final else None
+        return Block(start, c + len(CLOSE), k, c, None, False)
+    except (ValueError, RecursionError):
+        return Block(start, len(text), k, len(text), None, False) if final else None
+    m = skip_ws(text, e)
+    rest = text[m:]
+    if rest.startswith(CLOSE):
+        end = m + len(CLOSE)
+    elif CLOSE.startswith(rest):  # nothing, or a cut-off closing tag, follows
+        if not final:
+            return None
+        end = len(text)
+    else:
+        end = e
+    call = _as_call(text[k:e])
+    if call is None and end == e:  # JSON that is not a call: the block runs to its closing tag
+        c = text.find(CLOSE, e)
+        end = len(text) if c < 0 else c + len(CLOSE)
+    return Block(start, end, k, e, call, True)
+
+
+def _cut_off(text: str, err: json.JSONDecodeError) -> bool:
+    """Whether the JSON failed only because the text ends (so more text could complete it), not because
+    it is malformed: an unterminated string, or nothing but the start of a literal after the error."""
+    if err.msg.startswith("Unterminated string"):
+        return True
+    tail = text[err.pos:].rstrip()
+    return tail == "-" or any(w.startswith(tail) for w in ("true", "false", "null"))
 
 
 def _as_call(body: str) -> ToolCall | None:
@@ -198,23 +258,23 @@ def _as_call(body: str) -> ToolCall | None:
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """(content, calls): the calls of every well-formed block (a missing closing tag at the very end is
-    tolerated), and the text without those blocks (stripped). Never raises."""
+    """(content, calls): the calls of every well-formed block, and the text without any block (stripped).
+    No ``<tool_call>`` markup stays in the content: a block that is not a call, or one cut off (by
+    max_tokens), is dropped. Text without blocks comes back as it is. Never raises."""
     calls: list[ToolCall] = []
     kept: list[str] = []
     pos = 0
     try:
-        for m in _BLOCK.finditer(text):
-            call = _as_call(m.group(1))
-            if call is None:
-                continue  # left in the content
-            kept.append(text[pos:m.start()])
-            pos = m.end()
-            calls.append(call)
+        while (i := text.find(OPEN, pos)) >= 0:
+            b = read_block(text, i)
+            kept.append(text[pos:i])
+            pos = b.end
+            if b.call is not None:
+                calls.append(b.call)
         kept.append(text[pos:])
     except Exception:  # noqa: BLE001 - never raise on model output
         return text, []
-    if not calls:
+    if pos == 0:
         return text, []
     return "".join(kept).strip(), calls
 

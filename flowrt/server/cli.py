@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="workflow file(s) to serve; each workflow at POST /v1/workflows/NAME/runs, NAME being "
                         "its fr.Workflow(NAME)")
     p.add_argument("--index", metavar="DIR", help="retrieval index directory for served workflows (`retriever`)")
-    p.add_argument("--checkpoint", metavar="DB", help="SQLite database where served workflow runs are checkpointed "
+    p.add_argument("--checkpoint", metavar="DB", help="SQLite database or postgresql:// URL where served workflow runs "
+                   "are checkpointed "
                    "(resumable after a restart; default: in memory, for this server's life)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body accepted; larger ones get 413 (default 16 MiB)")

@@ -26,12 +26,48 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """The path (``messages[0].content``) of the first string in a decoded JSON body that holds a lone
+    surrogate (JSON's ``"\\ud800"`` decodes to one; no tokenizer can encode it), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            name = f"{path}.{k}" if path else str(k)
+            found = lone_surrogate_at(k, name) or lone_surrogate_at(v, name)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = lone_surrogate_at(v, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+class _Body(_Request):
+    """A whole request body: a string that is not valid Unicode is a 400 naming its field (raised as an
+    OpenAIError, which pydantic lets through, before any field is read)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise bad_request(f"{where} contains a lone surrogate (a \\ud800-\\udfff escape without its pair): "
+                              "not valid Unicode text.", param=where, code="invalid_unicode")
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_Body):
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -218,13 +254,13 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class WorkflowRunRequest(_Request):
+class WorkflowRunRequest(_Body):
     inputs: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     stream_tokens: bool = False   # with stream: also a `token` event per piece of generated text
 
 
-class WorkflowResumeRequest(_Request):
+class WorkflowResumeRequest(_Body):
     answer: Any = None            # what the interrupted step's fr.interrupt() call returns
     stream: bool = False
     stream_tokens: bool = False

@@ -191,9 +191,9 @@ def message(text: str, finish_reason: str | None, tools: Tools | None) -> tuple[
     """The assistant message of a finished choice, and its finish_reason ("tool_calls" when it made calls)."""
     if tools is None or not tools.parse:
         return {"role": "assistant", "content": text}, finish_reason
-    content, calls = TC.parse_tool_calls(text)
+    content, calls = TC.parse_tool_calls(text)  # no call markup in content, even of a cut-off call
     if not calls:
-        return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": content}, finish_reason
     msg = {"role": "assistant", "content": content or None, "tool_calls": [_openai(c) for c in calls]}
     return msg, ("tool_calls" if finish_reason == "stop" else finish_reason)
 
@@ -209,8 +209,8 @@ _HEAD = TC.CALL_HEAD
 
 
 def _args_end(s: str) -> int:
-    """How much of `s` (what follows ``"arguments": `` so far) is surely arguments: without a partial
-    closing tag, whitespace and the call object's own closing brace at its end."""
+    """How much of `s` (what follows ``"arguments": `` so far, the call not yet complete) is surely
+    arguments: without a partial closing tag, whitespace and the call object's own closing brace at its end."""
     for k in range(min(len(s), len(TC.CLOSE)), 0, -1):
         if TC.CLOSE.startswith(s[-k:]):
             s = s[:-k]
@@ -249,11 +249,14 @@ class ToolStream:
                     return content, deltas
                 content += self._content(self.buf[:i], False)
                 self.pending_ws = ""
-                self.buf = self.buf[i + len(TC.OPEN):]
+                self.buf = self.buf[i:]  # from the open tag on
                 self.in_call, self.name_sent, self.args_sent = True, False, 0
                 continue
-            j = self.buf.find(TC.CLOSE)
-            body = self.buf if j < 0 else self.buf[:j]
+            block = TC.read_block(self.buf, 0, final)  # None while the call is still coming
+            if block is None:
+                body = self.buf[TC.skip_ws(self.buf, len(TC.OPEN)):]
+            else:
+                body = self.buf[block.body_start:block.body_end]
             m = _HEAD.match(body)
             if m and not self.name_sent:
                 self.index, self.calls = self.calls, self.calls + 1
@@ -267,19 +270,20 @@ class ToolStream:
                                "function": {"name": name, "arguments": ""}})
                 self.name_sent, self.made_calls = True, True
             if self.name_sent:
-                rest = body[m.end():]
-                if j >= 0 or final:  # the call is complete: exactly its arguments as written
+                rest = body[m.end():] if m else ""
+                if block is None:
+                    end = _args_end(rest)
+                elif block.complete:  # exactly its arguments as written
                     raw = TC.raw_arguments(body)
                     end = len(raw) if raw is not None else len(rest)
                 else:
-                    end = _args_end(rest)
+                    end = self.args_sent  # cut off (or not JSON): nothing more of it is sure
                 if end > self.args_sent:
                     deltas.append({"index": self.index, "function": {"arguments": rest[self.args_sent:end]}})
                     self.args_sent = end
-            if j < 0:
+            if block is None:
                 return content, deltas
-            # the block is closed
-            self.buf = self.buf[j + len(TC.CLOSE):]
+            self.buf = self.buf[block.end:]
             self.in_call = False
 
     def _content(self, s: str, final: bool) -> str:

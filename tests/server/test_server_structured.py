@@ -296,7 +296,7 @@ def test_toolcalls_constraints_and_parse():
     assert calls[0].id.startswith("call_") and calls[0].id != calls[1].id
     assert json.loads(calls[0].to_openai()["function"]["arguments"]) == {"city": "Paris", "unit": "c"}
     broken = "x <tool_call>\n{not json}\n</tool_call> y"
-    assert TC.parse_tool_calls(broken) == (broken, [])
+    assert TC.parse_tool_calls(broken) == ("x  y", [])  # no markup stays in the content
     assert TC.parse_tool_calls('<tool_call> {"name": "f", "arguments": "{\\"a\\": 1}"} ')[1][0].arguments == {"a": 1}
     assert TC.parse_tool_calls("") == ("", [])
 
