@@ -137,9 +137,16 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    # vLLM's beam search extension: `n` beams per prompt, best first
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        if self.use_beam_search:
+            for name in ("stream", "logprobs", "stop"):
+                if getattr(self, name):
+                    raise bad_request(f"{name} is not supported with use_beam_search.", param=name)
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of different from n is not supported.", param="best_of")
         if self.suffix:
