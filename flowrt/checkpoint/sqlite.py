@@ -3,11 +3,17 @@
 WAL journal (readers never block the writer; several processes can write, each transaction waits up to
 ``timeout`` seconds for the lock), one ``BEGIN IMMEDIATE`` transaction per checkpoint. A ``schema_version``
 table records the format: a file that is not SQLite, is corrupt, or was written by a newer flowrt is a
-``CheckpointError`` at open, never a silent fresh start.
+``CheckpointError`` at open, never a silent fresh start; an older format is migrated in place.
+
+Format 2 (compact, flowrt.checkpoint.compact): a checkpoint row holds its step's result and route; the run's
+row holds the latest state and live threads. Format 1 kept the whole state and threads in every checkpoint
+row, so a long loop's file grew with steps x state. Format 3 adds the run's lease (flowrt.checkpoint.lease:
+``lease_holder``, ``lease_expires``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -16,12 +22,13 @@ import time
 import urllib.parse
 from typing import Any
 
+from . import compact
 from .store import (CheckpointError, LeaseLostError, ReadOnlyStoreError, RunBusyError, RunNotResumableError,
                     RunRecord, UnknownRunError)
 
 __all__ = ["SQLiteStore", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 2   # 2: run leases (lease_holder, lease_expires)
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -35,6 +42,8 @@ CREATE TABLE IF NOT EXISTS runs (
     interrupt TEXT,
     created REAL NOT NULL,
     updated REAL NOT NULL,
+    state TEXT,
+    threads TEXT,
     lease_holder TEXT,
     lease_expires REAL
 );
@@ -46,17 +55,41 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     status TEXT NOT NULL,
     result TEXT,
     route TEXT,
-    threads TEXT NOT NULL,
-    state TEXT NOT NULL,
     created REAL NOT NULL,
     PRIMARY KEY (run_id, seq)
 );
 """
 
-# What brings a database of format N-1 to format N (run inside the transaction that records N).
-_MIGRATIONS = {
-    2: [("runs", "lease_holder", "TEXT"), ("runs", "lease_expires", "REAL")],   # (table, column, type) to add
-}
+# Format 1 -> 2: the latest state and threads move to the run's row (kept whole: unpack reads a state
+# without references as it is), the checkpoint rows keep their results and routes.
+_MIGRATE_1 = """
+ALTER TABLE runs ADD COLUMN state TEXT;
+ALTER TABLE runs ADD COLUMN threads TEXT;
+UPDATE runs SET state = (SELECT state FROM checkpoints c WHERE c.run_id = runs.run_id ORDER BY seq DESC LIMIT 1),
+    threads = (SELECT threads FROM checkpoints c WHERE c.run_id = runs.run_id ORDER BY seq DESC LIMIT 1);
+CREATE TABLE checkpoints_2 (
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    seq INTEGER NOT NULL,
+    step TEXT,
+    visit INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    result TEXT,
+    route TEXT,
+    created REAL NOT NULL,
+    PRIMARY KEY (run_id, seq)
+);
+INSERT INTO checkpoints_2 SELECT run_id, seq, step, visit, status, result, route, created FROM checkpoints;
+DROP TABLE checkpoints;
+ALTER TABLE checkpoints_2 RENAME TO checkpoints;
+UPDATE schema_version SET version = 2;
+"""
+
+# Format 2 -> 3: the run's lease.
+_MIGRATE_2 = """
+ALTER TABLE runs ADD COLUMN lease_holder TEXT;
+ALTER TABLE runs ADD COLUMN lease_expires REAL;
+UPDATE schema_version SET version = 3;
+"""
 
 RESUMABLE = ("running", "interrupted", "failed")   # claim_run takes these (running: when its lease ran out)
 
@@ -154,27 +187,27 @@ class SQLiteStore:
         self._version = SCHEMA_VERSION
         if "schema_version" in tables:
             version = self._stored_version()
-            if tables >= {"runs", "checkpoints"} and version == SCHEMA_VERSION:
-                return
-            if self.readonly:   # read as it is: an older format lacks the lease columns
-                self._version = version
+            if tables >= {"runs", "checkpoints"}:
+                if self.readonly:   # read as it is: format 2 lacks only the lease columns
+                    if version < 2:
+                        raise CheckpointError(f"{self.path} is in checkpoint format {version} (an older flowrt), "
+                                              f"which reading commands do not convert; `flowrt resume` or "
+                                              f"`flowrt run --checkpoint` on it (writable) converts it")
+                    self._version = version
+                    return
+                if version < SCHEMA_VERSION:
+                    with self._tx():
+                        if self._stored_version() == 1:   # another process may have converted it meanwhile
+                            self._script(_MIGRATE_1)
+                        if self._stored_version() == 2:
+                            self._script(_MIGRATE_2)
                 return
         elif self.readonly:
             raise CheckpointError(f"{self.path} is an empty database, not a flowrt checkpoint database")
         with self._tx():
-            version = self._stored_version() if "schema_version" in tables else None
-            for stmt in _SCHEMA.strip().split(";"):
-                if stmt.strip():
-                    self._conn.execute(stmt)
-            if version is None:
+            self._script(_SCHEMA)
+            if not self._conn.execute("SELECT 1 FROM schema_version").fetchone():
                 self._conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
-            elif version < SCHEMA_VERSION:
-                for v in range(version + 1, SCHEMA_VERSION + 1):
-                    for table, column, kind in _MIGRATIONS.get(v, []):
-                        have = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
-                        if column not in have:
-                            self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
-                self._conn.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
 
     def _stored_version(self) -> int:
         """The format version the file records (``CheckpointError`` when none, or newer than this flowrt's)."""
@@ -186,6 +219,11 @@ class SQLiteStore:
             raise CheckpointError(f"{self.path} was written by a newer flowrt (checkpoint format {version}; "
                                   f"this flowrt reads format {SCHEMA_VERSION} and older): upgrade flowrt")
         return int(version)
+
+    def _script(self, sql: str) -> None:
+        for stmt in sql.strip().split(";"):
+            if stmt.strip():
+                self._conn.execute(stmt)
 
     class _Tx:
         def __init__(self, store: "SQLiteStore") -> None:
@@ -273,11 +311,11 @@ class SQLiteStore:
 
         return self._guard("renewing a run's lease", go)
 
-    def release_run(self, run_id: str, holder: str) -> None:
+    def release_run(self, run_id: str, holder: str, *, status: str | None = None) -> None:
         def go() -> None:
             with self._tx() as c:
-                c.execute("UPDATE runs SET lease_holder = NULL, lease_expires = NULL WHERE run_id = ? AND "
-                          "lease_holder = ?", (run_id, holder))
+                c.execute("UPDATE runs SET lease_holder = NULL, lease_expires = NULL, status = COALESCE(?, status) "
+                          "WHERE run_id = ? AND lease_holder = ?", (status, run_id, holder))
 
         self._guard("releasing a run", go)
 
@@ -288,23 +326,22 @@ class SQLiteStore:
 
         def go() -> int:
             with self._tx() as c:
-                lease = "" if run_status == "running" else ", lease_holder = NULL, lease_expires = NULL"
-                fence = "" if holder is None else " AND lease_holder = ?"
-                updated = c.execute(f"UPDATE runs SET status = ?, interrupt = ?, updated = ?{lease} WHERE run_id = ?"
-                                    f"{fence}", (run_status, _dumps(interrupt) if interrupt is not None else None, now,
-                                                 run_id, *([holder] if holder is not None else []))).rowcount
-                if not updated:
-                    row = c.execute("SELECT lease_holder FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-                    if row is None:
-                        raise UnknownRunError(f"no run {run_id!r} in {self.path}")
-                    raise LeaseLostError(f"run {run_id}: {holder} no longer holds it ({row[0] or 'no one'} took it "
+                run = c.execute("SELECT state, lease_holder FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+                if run is None:
+                    raise UnknownRunError(f"no run {run_id!r} in {self.path}")
+                if holder is not None and run[1] != holder:
+                    raise LeaseLostError(f"run {run_id}: {holder} no longer holds it ({run[1] or 'no one'} took it "
                                          f"over after its lease ran out), so this checkpoint is not saved")
                 row = c.execute("SELECT COALESCE(MAX(seq), 0) FROM checkpoints WHERE run_id = ?", (run_id,)).fetchone()
                 seq = int(row[0]) + 1
-                c.execute("INSERT INTO checkpoints (run_id, seq, step, visit, status, result, route, threads, state, "
-                          "created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                          (run_id, seq, step, visit, step_status, _dumps(result), _dumps(route), _dumps(threads),
-                           _dumps(state), now))
+                packed = compact.pack(state, step, visit, seq, result, route, json.loads(run[0]) if run[0] else None)
+                c.execute("INSERT INTO checkpoints (run_id, seq, step, visit, status, result, route, created) "
+                          "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                          (run_id, seq, step, visit, step_status, _dumps(result), _dumps(route), now))
+                lease = "" if run_status == "running" else ", lease_holder = NULL, lease_expires = NULL"   # it ended
+                c.execute(f"UPDATE runs SET status = ?, interrupt = ?, updated = ?, state = ?, threads = ?{lease} "
+                          f"WHERE run_id = ?", (run_status, _dumps(interrupt) if interrupt is not None else None, now,
+                                                _dumps(packed), _dumps(threads), run_id))
                 return seq
 
         return self._guard("saving a checkpoint", go)
@@ -320,24 +357,37 @@ class SQLiteStore:
     # ------------------------------------------------------------------ reading
     @property
     def _cols(self) -> str:
-        """The runs columns ``_record`` reads (a read-only database of format 1 has no lease columns)."""
-        lease = "lease_holder, lease_expires" if self._version >= 2 else "NULL, NULL"
+        """The runs columns ``_record`` reads (a read-only database of format 2 has no lease columns)."""
+        lease = "lease_holder, lease_expires" if self._version >= 3 else "NULL, NULL"
         return f"run_id, workflow, file, status, inputs, meta, interrupt, created, updated, {lease}"
 
     def _record(self, row: tuple, with_state: bool, conn: sqlite3.Connection | None = None) -> RunRecord:
+        """The run of a row of ``_cols``; ``conn``: inside a transaction that holds the lock already."""
         run_id, workflow, file, status, inputs, meta, interrupt, created, updated, holder, expires = row
-        query = ("SELECT COUNT(*), (SELECT state FROM checkpoints WHERE run_id = ?1 ORDER BY seq DESC LIMIT 1) "
-                 "FROM checkpoints WHERE run_id = ?1")
-        if conn is not None:   # inside a transaction that holds the lock
-            n, state = conn.execute(query, (run_id,)).fetchone()
-        else:
-            with self._lock:
-                n, state = self._conn.execute(query, (run_id,)).fetchone()
+        with self._lock if conn is None else contextlib.nullcontext():
+            c = conn or self._conn
+            n = c.execute("SELECT COUNT(*) FROM checkpoints WHERE run_id = ?", (run_id,)).fetchone()[0]
+            state = self._state(c, run_id) if with_state else None
         return RunRecord(run_id=run_id, workflow=workflow, status=status, inputs=json.loads(inputs), file=file,
                          meta=json.loads(meta), created=created, updated=updated,
-                         interrupt=json.loads(interrupt) if interrupt else None, checkpoints=int(n),
-                         state=json.loads(state) if (with_state and state) else None, holder=holder,
-                         lease_expires=expires)
+                         interrupt=json.loads(interrupt) if interrupt else None, checkpoints=int(n), state=state,
+                         holder=holder, lease_expires=expires)
+
+    @staticmethod
+    def _state(c: sqlite3.Connection, run_id: str) -> dict[str, Any] | None:
+        """The run's latest state, its references to checkpoint rows resolved (flowrt.checkpoint.compact)."""
+        raw = c.execute("SELECT state FROM runs WHERE run_id = ?", (run_id,)).fetchone()[0]
+        if not raw:
+            return None
+        packed = json.loads(raw)
+        seqs = compact.refs(packed)
+        marks = ",".join("?" * len(seqs))
+        results = {s: json.loads(r) for s, r in c.execute(
+            f"SELECT seq, result FROM checkpoints WHERE run_id = ? AND seq IN ({marks})", (run_id, *seqs))}
+        rows = [(st, v, json.loads(ro)) for st, v, ro in c.execute(
+            "SELECT step, visit, route FROM checkpoints WHERE run_id = ? AND route != 'null' ORDER BY seq",
+            (run_id,))] if compact.routes_from_rows(packed) else []
+        return compact.unpack(packed, results, rows)
 
     def get_run(self, run_id: str, *, with_state: bool = True) -> RunRecord:
         def go() -> RunRecord:

@@ -88,8 +88,9 @@ class CheckpointStore(Protocol):
         """Extend ``holder``'s lease to ``ttl`` seconds from now; False when it no longer holds the run."""
         ...
 
-    def release_run(self, run_id: str, holder: str) -> None:
-        """Give the lease back (a no-op unless ``holder`` holds it); the status stays as the last save left it."""
+    def release_run(self, run_id: str, holder: str, *, status: str | None = None) -> None:
+        """Give the lease back (a no-op unless ``holder`` holds it). The status stays as the last save left
+        it, or becomes ``status`` (a resume refused after its claim puts the run back as it was)."""
         ...
 
     def save(self, run_id: str, *, step: str | None, visit: int, step_status: str, result: Any,

@@ -14,9 +14,11 @@ Every run is checkpointed (in memory, or in ``flowrt serve --checkpoint runs.db`
 ``X-Flowrt-Run-Id`` header. A step that calls ``fr.interrupt(payload)`` ends the request with
 ``{"status": "interrupted", "run_id": ..., "interrupt": {"step", "payload"}, "outputs": ...}``;
 ``POST /v1/workflows/{name}/runs/{run_id}/resume`` with ``{"answer": ...}`` continues that run (the step
-runs again from its start, its ``fr.interrupt`` call returning the answer) and answers like a run; without
-``answer`` it is a 400 (a run that crashed, with ``--checkpoint``, is resumed with ``{}``). The run is
-claimed before the response starts: a second resume while it runs is a 409 naming the holder.
+runs again from its start, its ``fr.interrupt`` call returning the answer) and answers like a run; a run
+waiting at several interrupts (parallel branches: its ``interrupts``) takes ``{"answers": {step: ...}}``.
+Without ``answer`` or ``answers`` the resume of an interrupted run is a 400 (a run that crashed, with
+``--checkpoint``, is resumed with ``{}``). The run is claimed before the response starts: a second resume
+while it runs is a 409 naming the holder.
 """
 
 from __future__ import annotations
@@ -213,12 +215,19 @@ async def resume_workflow(name: str, run_id: str, req: P.WorkflowResumeRequest, 
                           param="run_id", code="run_not_found")
     if record.status == "done":
         raise OpenAIError(f"Run {run_id} is not waiting for an answer (status done).", 409, param="run_id")
-    answered = "answer" in req.model_fields_set
-    if record.status == "interrupted" and not answered:
+    given: dict[str, Any] = {}
+    if "answer" in req.model_fields_set:
+        given["answer"] = req.answer
+    if req.answers is not None:
+        if given:
+            raise bad_request("Give either `answer` (a run waiting at one interrupt) or `answers` ({step: answer}), "
+                              "not both.", param="answers")
+        given["answers"] = req.answers
+    if record.status == "interrupted" and not given:
         raise bad_request(f"Run {run_id} is waiting for an answer (step '{(record.interrupt or {}).get('step')}'): "
-                          f"the body needs \"answer\".", param="answer")
+                          f"the body needs \"answer\" (or \"answers\": {{step: answer}}).", param="answer")
     try:   # claimed here, before any response: of two resumes one runs, the other is a 409 naming the holder
-        _, run = rt.claim(run_id, workflow=wf, **({"answer": req.answer} if answered else {}))
+        _, run = rt.claim(run_id, workflow=wf, **given)
     except CheckpointError as e:
         raise _run_error(e) from None
     return await _respond(st, request, wf, dict(run.record.inputs), req.stream, req.stream_tokens, run=run)

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from flowrt.checkpoint import SCHEMA_VERSION, ReadOnlyStoreError, SQLiteStore
+from flowrt.checkpoint import SCHEMA_VERSION, CheckpointError, ReadOnlyStoreError, SQLiteStore
 from flowrt.cli import main
 from support import ROOT
 
@@ -109,30 +109,23 @@ def test_a_store_opened_read_only_refuses_writes(tmp_path):
     store.close()
 
 
-FORMAT_1 = """
-CREATE TABLE schema_version (version INTEGER NOT NULL);
-CREATE TABLE runs (run_id TEXT PRIMARY KEY, workflow TEXT NOT NULL, file TEXT, status TEXT NOT NULL,
-                   inputs TEXT NOT NULL, meta TEXT NOT NULL, interrupt TEXT, created REAL NOT NULL,
-                   updated REAL NOT NULL);
-CREATE TABLE checkpoints (run_id TEXT NOT NULL REFERENCES runs(run_id), seq INTEGER NOT NULL, step TEXT,
-                          visit INTEGER NOT NULL, status TEXT NOT NULL, result TEXT, route TEXT, threads TEXT NOT NULL,
-                          state TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (run_id, seq));
-INSERT INTO schema_version VALUES (1);
-INSERT INTO runs VALUES ('old', 'w', NULL, 'running', '{}', '{}', NULL, 1.0, 1.0);
-"""
-
-
-def test_a_format_1_database_is_read_as_it_is_and_migrated_when_written(tmp_path):
+def test_an_older_format_is_read_as_it_is_and_converted_only_when_written(tmp_path):
     db = tmp_path / "old.db"
-    con = sqlite3.connect(db)
-    con.executescript(FORMAT_1)
+    _stored_run(db)
+    con = sqlite3.connect(db)     # back to format 2: the same file without the lease columns
+    con.executescript("ALTER TABLE runs DROP COLUMN lease_holder; ALTER TABLE runs DROP COLUMN lease_expires; "
+                      "UPDATE schema_version SET version = 2;")
     con.close()
     ro = SQLiteStore(db, readonly=True)
     (rec,) = ro.list_runs()
-    assert rec.run_id == "old" and rec.holder is None
+    assert rec.run_id == "r1" and rec.holder is None and ro.get_run("r1").state["outputs"] == {"a": {"json": 1}}
     ro.close()
-    SQLiteStore(db).claim_run("old", "h:1:a", 30)
+    SQLiteStore(db).claim_run("r1", "h:1:a", 30)
     con = sqlite3.connect(db)
-    assert con.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert con.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == SCHEMA_VERSION == 3
     assert con.execute("SELECT lease_holder FROM runs").fetchone()[0] == "h:1:a"
+    con.execute("UPDATE schema_version SET version = 1")   # format 1 has its state elsewhere: not read read-only
+    con.commit()
     con.close()
+    with pytest.raises(CheckpointError, match="checkpoint format 1 .* reading commands do not convert"):
+        SQLiteStore(db, readonly=True)

@@ -20,16 +20,19 @@ import pytest
 
 import flowrt as fr
 from flowrt.checkpoint import (LeaseLostError, RunBusyError, RunCheckpoint, RunNotResumableError, SQLiteStore,
-                               UnknownRunError)
+                               UnknownRunError, open_store)
 from flowrt.checkpoint.lease import holder_is_dead, live_holder
 from support import ROOT
 
 WAIT_S = 120   # a guard against a hang, never an ordering
 
 
-@pytest.fixture(params=["file", "memory"])
+@pytest.fixture(params=["sqlite", "memory", "postgres"])
 def store(request, tmp_path):
-    s = SQLiteStore(tmp_path / "runs.db" if request.param == "file" else ":memory:")
+    """Every store: an SQLite file, SQLite in memory, and PostgreSQL (skipped, saying why, where no server can
+    run: tests/pg_server.py)."""
+    spec = {"sqlite": str(tmp_path / "runs.db"), "memory": ":memory:"}.get(request.param)
+    s = open_store(spec or request.getfixturevalue("pg_url"))
     yield s
     s.close()
 
