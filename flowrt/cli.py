@@ -407,16 +407,44 @@ def _parse_answer(raw: str) -> Any:
         return raw
 
 
-def cmd_resume(args: argparse.Namespace) -> int:
+def _stored_run(args: argparse.Namespace, cmd: str, *, with_state: bool) -> Any:
+    """The run ``args.run_id`` of ``--checkpoint`` (never a new database), or None after printing why."""
     from .checkpoint import CheckpointError, open_store
-    from .checkpoint.lease import live_holder
 
     try:
         store = open_store(args.checkpoint, create=False)
-        record = store.get_run(args.run_id)
-        store.close()
+        try:
+            return store.get_run(args.run_id, with_state=with_state)
+        finally:
+            store.close()
     except CheckpointError as e:
-        print(f"flowrt resume: error: {e}", file=sys.stderr)
+        print(f"flowrt {cmd}: error: {e}", file=sys.stderr)
+        return None
+
+
+def _stored_run_setup(args: argparse.Namespace, cmd: str, record: Any) -> tuple[Any, Any] | None:
+    """A stored run's workflow (``--file``, else the file it recorded) and a runtime with its model and engine
+    options (the command line's on top), for ``resume`` and ``runs fork``; None after printing why."""
+    file = args.file or record.file
+    if not file:
+        print(f"flowrt {cmd}: error: run {record.run_id} recorded no workflow file; pass --file", file=sys.stderr)
+        return None
+    args.file, args.workflow = file, record.workflow
+    wf = _load_valid(args, cmd)
+    if wf is None:
+        return None
+    meta = record.meta or {}
+    engine_kwargs = {**(meta.get("engine") or {}), **engine_kwargs_from_args(args)}
+    model = args.model if args.model is not None else meta.get("model")
+    runtime = _make_runtime(args, cmd, model, engine_kwargs, args.index or meta.get("index"))
+    return None if runtime is None else (wf, runtime)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from .checkpoint.lease import live_holder
+
+    record = _stored_run(args, "resume", with_state=True)
+    if record is None:
         return EXIT_USAGE
     try:
         answer, answers = _parse_answers(args.answer or [], record.state or {})
@@ -432,20 +460,10 @@ def cmd_resume(args: argparse.Namespace) -> int:
         print(f"flowrt resume: error: run {record.run_id} is held by {holder} (running, or resumed by another "
               f"process)", file=sys.stderr)
         return EXIT_USAGE
-    file = args.file or record.file
-    if not file:
-        print(f"flowrt resume: error: run {record.run_id} recorded no workflow file; pass --file", file=sys.stderr)
+    setup = _stored_run_setup(args, "resume", record)
+    if setup is None:
         return EXIT_USAGE
-    args.file, args.workflow = file, record.workflow
-    wf = _load_valid(args, "resume")
-    if wf is None:
-        return EXIT_USAGE
-    meta = record.meta or {}
-    engine_kwargs = {**(meta.get("engine") or {}), **engine_kwargs_from_args(args)}
-    model = args.model if args.model is not None else meta.get("model")
-    runtime = _make_runtime(args, "resume", model, engine_kwargs, args.index or meta.get("index"))
-    if runtime is None:
-        return EXIT_USAGE
+    wf, runtime = setup
     return _run_cli(args, "resume", wf, runtime,
                     lambda **kw: runtime.resume(args.run_id, answer=answer, answers=answers, workflow=wf, **kw))
 
@@ -523,37 +541,19 @@ def _print_history(hist: list[dict[str, Any]], as_json: bool, when: Callable[[fl
 
 def cmd_fork(args: argparse.Namespace) -> int:
     """``flowrt runs fork RUN_ID --at STEP [--input name=value ...]``: a new run from before STEP."""
-    from .checkpoint import CheckpointError, open_store
-
     if not args.run_id or not args.at:
         print("flowrt runs fork: error: which run and step? `flowrt runs fork RUN_ID --at STEP --checkpoint DB`",
               file=sys.stderr)
         return EXIT_USAGE
-    try:
-        store = open_store(args.checkpoint, create=False)
-        record = store.get_run(args.run_id, with_state=False)
-        store.close()
-    except CheckpointError as e:
-        print(f"flowrt runs fork: error: {e}", file=sys.stderr)
+    record = _stored_run(args, "runs fork", with_state=False)
+    setup = None if record is None else _stored_run_setup(args, "runs fork", record)
+    if setup is None:
         return EXIT_USAGE
-    file = args.file or record.file
-    if not file:
-        print(f"flowrt runs fork: error: run {record.run_id} recorded no workflow file; pass --file", file=sys.stderr)
-        return EXIT_USAGE
-    args.file, args.workflow = file, record.workflow
-    wf = _load_valid(args, "runs fork")
-    if wf is None:
-        return EXIT_USAGE
+    wf, runtime = setup
     try:
         inputs = parse_inputs(args.input or [], args.input_file or [], wf)
     except UsageError as e:
         print(f"flowrt runs fork: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    meta = record.meta or {}
-    engine_kwargs = {**(meta.get("engine") or {}), **engine_kwargs_from_args(args)}
-    model = args.model if args.model is not None else meta.get("model")
-    runtime = _make_runtime(args, "runs fork", model, engine_kwargs, args.index or meta.get("index"))
-    if runtime is None:
         return EXIT_USAGE
     forked: list[Any] = []
 
@@ -640,6 +640,16 @@ def _register_external(sub: Any, module: str) -> None:
         add(sub)
 
 
+def _add_stored_run_options(g: Any, prefix: str = "") -> None:
+    """The options of the commands that run a stored run again (``resume``, ``runs fork``)."""
+    g.add_argument("--file", metavar="FILE.py", help=f"{prefix}the workflow file (default: the one the run recorded)")
+    g.add_argument("--stream", action="store_true", help=f"{prefix}print generated text live")
+    g.add_argument("--trace", metavar="FILE", help=f"{prefix}write a Chrome trace")
+    g.add_argument("--index", metavar="DIR", help=f"{prefix}retrieval index directory (default: the run's)")
+    g.add_argument("--no-progress", action="store_true", help=f"{prefix}no live progress display")
+    g.add_argument("--traceback", action="store_true", help=f"{prefix}print full tracebacks of failed steps")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -678,13 +688,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the answer to the run's interrupt (JSON, else a string); STEP=VALUE answers the interrupt "
                          "of that step, for a run waiting at several (parallel branches); repeat for each")
     _add_checkpoint_kv(rs)
-    rs.add_argument("--file", metavar="FILE.py", help="the workflow file (default: the one the run recorded)")
     rs.add_argument("--json", action="store_true", help="print the result as JSON and nothing else on stdout")
-    rs.add_argument("--stream", action="store_true", help="print generated text live")
-    rs.add_argument("--trace", metavar="FILE", help="write a Chrome trace")
-    rs.add_argument("--index", metavar="DIR", help="retrieval index directory (default: the run's)")
-    rs.add_argument("--no-progress", action="store_true", help="no live progress display")
-    rs.add_argument("--traceback", action="store_true", help="print full tracebacks of failed steps")
+    _add_stored_run_options(rs)
     add_engine_arguments(rs)
     rs.set_defaults(func=cmd_resume, workflow=None)
 
@@ -704,12 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
     fk.add_argument("--at", metavar="STEP", help="fork: the step to run again (with everything downstream)")
     fk.add_argument("--input", "-i", action="append", metavar="NAME=VALUE", help="fork: an input to change")
     fk.add_argument("--input-file", action="append", metavar="NAME=PATH", help="fork: an input read from a file")
-    fk.add_argument("--file", metavar="FILE.py", help="fork: the workflow file (default: the one the run recorded)")
-    fk.add_argument("--stream", action="store_true", help="fork: print generated text live")
-    fk.add_argument("--trace", metavar="FILE", help="fork: write a Chrome trace")
-    fk.add_argument("--index", metavar="DIR", help="fork: retrieval index directory (default: the run's)")
-    fk.add_argument("--no-progress", action="store_true", help="fork: no live progress display")
-    fk.add_argument("--traceback", action="store_true", help="fork: print full tracebacks of failed steps")
+    _add_stored_run_options(fk, "fork: ")
     add_engine_arguments(ru)
     ru.set_defaults(func=cmd_runs, workflow=None)
 

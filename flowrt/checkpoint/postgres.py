@@ -20,12 +20,11 @@ import time
 from typing import Any, Callable, TypeVar
 
 from . import compact
-from .store import CheckpointError, LeaseLostError, RunBusyError, RunNotResumableError, RunRecord, UnknownRunError
+from .store import RESUMABLE, CheckpointError, LeaseLostError, RunRecord, UnknownRunError, claim_refusal
 
 __all__ = ["PostgresStore", "is_postgres_url"]
 
 SCHEMA_VERSION = 2
-RESUMABLE = ["running", "interrupted", "failed"]   # claim_run takes these (running: when its lease ran out)
 _LOCK_KEY = 0x666C6F77   # "flow": the advisory lock that serializes schema creation
 
 _SCHEMA = [
@@ -165,18 +164,13 @@ class PostgresStore:
                 "UPDATE flowrt_runs SET status = 'running', lease_holder = %s, lease_expires = %s, updated = %s "
                 "WHERE run_id = %s AND status = ANY(%s) AND (lease_holder IS NULL OR lease_expires IS NULL "
                 "OR lease_expires <= %s OR lease_holder = %s OR lease_holder = %s)",
-                (holder, now + ttl, now, run_id, ["interrupted"] if waiting else RESUMABLE, now, holder,
+                (holder, now + ttl, now, run_id, ["interrupted"] if waiting else list(RESUMABLE), now, holder,
                  take_over)).rowcount
             row = c.execute(f"SELECT {self._COLS}, state FROM flowrt_runs WHERE run_id = %s", (run_id,)).fetchone()
             if row is None:
                 raise UnknownRunError(f"no run {run_id!r} in {self.where}")
             if not taken:
-                status, current, expires = row[3], row[9], row[10]
-                if status not in RESUMABLE:
-                    raise RunNotResumableError(f"run {run_id} already finished (status {status}); nothing to resume")
-                if current is not None and current not in (holder, take_over) and (expires or 0) > now:
-                    raise RunBusyError(run_id, current, expires)
-                raise RunNotResumableError(f"run {run_id} is not waiting for an answer (status {status})")
+                raise claim_refusal(run_id, row[3], row[9], row[10], holder, take_over, now)
             return self._record(c, row, True)
 
         return self._guard("claiming a run", go)
@@ -202,8 +196,7 @@ class PostgresStore:
             if run is None:
                 raise UnknownRunError(f"no run {run_id!r} in {self.where}")
             if holder is not None and run[1] != holder:
-                raise LeaseLostError(f"run {run_id}: {holder} no longer holds it ({run[1] or 'no one'} took it over "
-                                     f"after its lease ran out), so this checkpoint is not saved")
+                raise LeaseLostError(run_id, holder, run[1])
             seq = int(c.execute("SELECT COALESCE(MAX(seq), 0) FROM flowrt_checkpoints WHERE run_id = %s",
                                 (run_id,)).fetchone()[0]) + 1
             packed = compact.pack(state, step, visit, seq, result, route, json.loads(run[0]) if run[0] else None)

@@ -23,8 +23,8 @@ import urllib.parse
 from typing import Any
 
 from . import compact
-from .store import (CheckpointError, LeaseLostError, ReadOnlyStoreError, RunBusyError, RunNotResumableError,
-                    RunRecord, UnknownRunError)
+from .store import (RESUMABLE, CheckpointError, LeaseLostError, ReadOnlyStoreError, RunRecord, UnknownRunError,
+                    claim_refusal)
 
 __all__ = ["SQLiteStore", "SCHEMA_VERSION"]
 
@@ -90,8 +90,6 @@ ALTER TABLE runs ADD COLUMN lease_holder TEXT;
 ALTER TABLE runs ADD COLUMN lease_expires REAL;
 UPDATE schema_version SET version = 3;
 """
-
-RESUMABLE = ("running", "interrupted", "failed")   # claim_run takes these (running: when its lease ran out)
 
 
 def _dumps(v: Any) -> str:
@@ -292,13 +290,7 @@ class SQLiteStore:
                 if row is None:
                     raise UnknownRunError(f"no run {run_id!r} in {self.path}")
                 if not taken:
-                    status, current, expires = row[3], row[9], row[10]
-                    if status not in RESUMABLE:
-                        raise RunNotResumableError(f"run {run_id} already finished (status {status}); nothing to "
-                                                   f"resume")
-                    if current is not None and current not in (holder, take_over) and (expires or 0) > now:
-                        raise RunBusyError(run_id, current, expires)
-                    raise RunNotResumableError(f"run {run_id} is not waiting for an answer (status {status})")
+                    raise claim_refusal(run_id, row[3], row[9], row[10], holder, take_over, now)
                 return self._record(row, True, c)
 
         return self._guard("claiming a run", go)
@@ -330,8 +322,7 @@ class SQLiteStore:
                 if run is None:
                     raise UnknownRunError(f"no run {run_id!r} in {self.path}")
                 if holder is not None and run[1] != holder:
-                    raise LeaseLostError(f"run {run_id}: {holder} no longer holds it ({run[1] or 'no one'} took it "
-                                         f"over after its lease ran out), so this checkpoint is not saved")
+                    raise LeaseLostError(run_id, holder, run[1])
                 row = c.execute("SELECT COALESCE(MAX(seq), 0) FROM checkpoints WHERE run_id = ?", (run_id,)).fetchone()
                 seq = int(row[0]) + 1
                 packed = compact.pack(state, step, visit, seq, result, route, json.loads(run[0]) if run[0] else None)

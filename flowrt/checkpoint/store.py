@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["CheckpointStore", "CheckpointError", "RunRecord", "UnknownRunError", "RunNotResumableError",
-           "RunBusyError", "LeaseLostError", "ReadOnlyStoreError"]
+           "RunBusyError", "LeaseLostError", "ReadOnlyStoreError", "RESUMABLE", "claim_refusal"]
 
 
 class CheckpointError(RuntimeError):
@@ -38,6 +38,23 @@ class RunBusyError(RunNotResumableError):
 class LeaseLostError(CheckpointError):
     """This holder's lease on the run was taken over (it expired and another resume claimed the run): the
     checkpoint is refused, so two holders never write one run."""
+
+    def __init__(self, run_id: str, holder: str, current: str | None) -> None:
+        super().__init__(f"run {run_id}: {holder} no longer holds it ({current or 'no one'} took it over after its "
+                         f"lease ran out), so this checkpoint is not saved")
+
+
+RESUMABLE = ("running", "interrupted", "failed")   # what claim_run takes (running: when its lease ran out)
+
+
+def claim_refusal(run_id: str, status: str, current: str | None, expires: float | None, claimant: str,
+                  take_over: str | None, now: float) -> CheckpointError:
+    """Why a store's ``claim_run`` changed no row, from the run's row as it is (every store says it alike)."""
+    if status not in RESUMABLE:
+        return RunNotResumableError(f"run {run_id} already finished (status {status}); nothing to resume")
+    if current is not None and current not in (claimant, take_over) and (expires or 0) > now:
+        return RunBusyError(run_id, current, expires)
+    return RunNotResumableError(f"run {run_id} is not waiting for an answer (status {status})")
 
 
 @dataclass
