@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import anyio
 
+from .aio import _BaseExceptionGroup, _leaves
 from .executor import RunObserver, RunResult, execute
 from .model import Model
 from .resources import resource_kinds
@@ -181,13 +182,19 @@ class Runtime:
         kw: dict[str, Any] = dict(tracer=tracer, observer=observer, stats_fn=self.stats, checkpoint=run,
                                   events=events)
         with run.held() if run is not None else contextlib.nullcontext():
-            if "llm" not in wf.resources or not self._binds_runs():
-                return await execute(wf, inputs, self, **kw)
-            res = _RunResources(self)  # replicas: this run's fr.Model is bound to one replica (affinity)
             try:
-                return await execute(wf, inputs, res, **kw)
-            finally:
-                res.release()
+                if "llm" not in wf.resources or not self._binds_runs():
+                    return await execute(wf, inputs, self, **kw)
+                res = _RunResources(self)  # replicas: this run's fr.Model is bound to one replica (affinity)
+                try:
+                    return await execute(wf, inputs, res, **kw)
+                finally:
+                    res.release()
+            except _BaseExceptionGroup as group:   # a checkpoint that failed in a step's task: the error itself
+                error = _checkpoint_error(group)
+                if error is None:
+                    raise
+                raise error from None
 
     def _binds_runs(self) -> bool:
         """Replicas: each run gets its own ``fr.Model``, bound to one replica (also for a router passed in)."""
@@ -313,6 +320,15 @@ class Runtime:
         run = fork_run(self.checkpointer, run_id, wf, at, checked)
         run.kv = self.kv_checkpoint   # with KV checkpoints, the source run's saved blocks are loaded
         return await self.execute(wf, checked, tracer=tracer, observer=observer, events=events, run=run)
+
+
+def _checkpoint_error(group: BaseException) -> BaseException | None:
+    """The first of ``group``'s errors when they all are checkpoint errors (a lost lease, a store that cannot
+    be written), else None."""
+    from .checkpoint import CheckpointError
+
+    leaves = _leaves(group)
+    return leaves[0] if leaves and all(isinstance(e, CheckpointError) for e in leaves) else None
 
 
 def _workflow_file(wf: Workflow) -> str | None:

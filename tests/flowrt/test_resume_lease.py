@@ -21,7 +21,7 @@ import pytest
 import flowrt as fr
 from flowrt.checkpoint import (LeaseLostError, RunBusyError, RunCheckpoint, RunNotResumableError, SQLiteStore,
                                UnknownRunError, open_store)
-from flowrt.checkpoint.lease import holder_is_dead, live_holder
+from flowrt.checkpoint.lease import Renewer, holder_is_dead, live_holder
 from support import ROOT
 
 WAIT_S = 120   # a guard against a hang, never an ordering
@@ -103,6 +103,21 @@ def test_an_expired_lease_of_a_dead_holder_is_taken_over(store):
     assert live_holder(store.get_run("r3")) is None
     run = RunCheckpoint.resume(store, "r3")
     assert store.get_run("r3").holder == run.holder != dead_holder
+
+
+def test_the_renewer_renews_until_the_lease_is_lost():
+    calls = []
+
+    class Store:
+        def renew_lease(self, run_id: str, holder: str, ttl: float) -> bool:
+            calls.append((run_id, holder, ttl))
+            return len(calls) < 2          # the second renewal finds the run taken over
+
+    renewer = Renewer()
+    renewer.hold(Store(), "r1", "h:1:a", 0.03)
+    thread = renewer._thread
+    thread.join(WAIT_S)                    # with no lease left to renew, its thread ends
+    assert not thread.is_alive() and calls == [("r1", "h:1:a", 0.03)] * 2 and not renewer._held
 
 
 # ---------------------------------------------------------------------------------------------- Python
@@ -231,6 +246,39 @@ def test_a_running_run_holds_its_lease(tmp_path):
             assert result.ok and rt.checkpointer.get_run(rec.run_id).holder is None
 
     asyncio.run(go())
+
+
+def test_a_run_taken_over_stops_at_its_next_checkpoint(tmp_path):
+    calls: list[str] = []
+
+    async def go():
+        stolen, started = asyncio.Event(), asyncio.Event()
+        wf = fr.Workflow("stolen")
+
+        @wf.step
+        async def a() -> int:
+            started.set()
+            await asyncio.wait_for(stolen.wait(), WAIT_S)
+            return 1
+
+        @wf.step
+        def b(a: int) -> int:
+            calls.append("b")
+            return 2
+
+        async with fr.Runtime(checkpoint=str(tmp_path / "runs.db")) as rt:
+            task = asyncio.create_task(rt.run(wf))
+            await started.wait()
+            (rec,) = rt.checkpointer.list_runs()
+            rt.checkpointer.claim_run(rec.run_id, "thief:1:x", 60, take_over=rec.holder)   # as after an expiry
+            stolen.set()
+            with pytest.raises(LeaseLostError, match="thief:1:x took it over"):
+                await task
+            assert rt.checkpointer.get_run(rec.run_id).holder == "thief:1:x"
+            assert rt.checkpointer.get_run(rec.run_id).checkpoints == 0   # nothing written after the takeover
+
+    asyncio.run(go())
+    assert calls == []
 
 
 # ---------------------------------------------------------------------------------------------- CLI
