@@ -77,14 +77,16 @@ def test_a_read_only_database_is_read_and_never_called_corrupt(tmp_path):
     (ro / "wf.py").write_text(WF)
     assert sorted(os.listdir(ro)) == ["ck.db", "wf.py"]      # no -wal / -shm left: the file alone
     digest = hashlib.sha256(db.read_bytes()).hexdigest()
-    listed, shown, ran, resumed = _cli_on_read_only_folder(ro, [
+    listed, shown, history, ran, resumed = _cli_on_read_only_folder(ro, [
         ["runs", "list", "--checkpoint", str(db)],
         ["runs", "show", "r1", "--checkpoint", str(db)],
+        ["runs", "history", "r1", "--checkpoint", str(db)],
         ["run", str(ro / "wf.py"), "--checkpoint", str(db), "--no-progress"],
         ["resume", "r1", "--checkpoint", str(db), "--no-progress"],
     ])
     assert listed[0] == 0 and listed[1].startswith("r1  running"), listed
     assert shown[0] == 0 and json.loads(shown[1])["outputs"] == {"a": 1}, shown
+    assert history[0] == 0 and " a " in history[1], history
     for code, _, err in (ran, resumed):
         assert code == 2 and f"checkpoint database {db} is read-only" in err and "corrupt" not in err, err
     assert hashlib.sha256(db.read_bytes()).hexdigest() == digest

@@ -8,6 +8,7 @@ after the loser's refusal has come back."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import queue
 import socket
@@ -118,6 +119,24 @@ def test_the_renewer_renews_until_the_lease_is_lost():
     thread = renewer._thread
     thread.join(WAIT_S)                    # with no lease left to renew, its thread ends
     assert not thread.is_alive() and calls == [("r1", "h:1:a", 0.03)] * 2 and not renewer._held
+
+
+def test_runs_list_and_show_name_a_live_holder(tmp_path, capsys):
+    from flowrt.cli import main
+
+    db = str(tmp_path / "runs.db")
+    store = SQLiteStore(db)
+    alive = f"{socket.gethostname()}:{os.getppid()}:beef"
+    store.create_run("held", "wf", {}, holder=alive, ttl=60)
+    store.create_run("crashed", "wf", {}, holder="elsewhere:1:dead", ttl=-60)
+    store.close()
+    assert main(["runs", "list", "--checkpoint", db]) == 0
+    lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()}
+    assert lines["held"].endswith(f"held by {alive}") and "held by" not in lines["crashed"]
+    assert main(["runs", "show", "crashed", "--checkpoint", db]) == 0
+    assert json.loads(capsys.readouterr().out)["holder"] is None
+    assert main(["resume", "held", "--checkpoint", db]) == 2   # refused before anything loads
+    assert f"run held is held by {alive}" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------- Python
