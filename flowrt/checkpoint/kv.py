@@ -175,8 +175,8 @@ class KVCheckpoint:
             out.rejected["foreign"] = sum(len(c) for c in ref.get("threads", []))
             return out
         seen: set[str] = set()
+        blocks = []   # every chain's usable blocks in chain order, imported at once (the engine's budget)
         for chain in ref.get("threads", []):
-            blocks = []
             for x in chain:
                 if x in seen:
                     continue   # loaded with an earlier chain (a shared prefix)
@@ -187,7 +187,7 @@ class KVCheckpoint:
                     break
                 seen.add(x)
                 blocks.append((h, data))
-            out.loaded += self._engine.kv_import(blocks)
+        out.loaded = self._engine.kv_import(blocks)
         return out
 
     def collect(self, store: Any) -> int:
