@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from .store import CheckpointError
@@ -125,7 +125,7 @@ class KVLoad:
     """What a resume loaded: blocks put into the prefix cache, and those not used (and why)."""
 
     loaded: int = 0
-    rejected: dict[str, int] | None = None
+    rejected: dict[str, int] = field(default_factory=dict)
 
 
 class KVCheckpoint:
@@ -168,7 +168,7 @@ class KVCheckpoint:
 
     def load(self, ref: dict[str, Any] | None) -> KVLoad:
         """Load a checkpoint's blocks into the prefix cache, each chain up to its first unusable block."""
-        out = KVLoad(rejected={})
+        out = KVLoad()
         if not ref or not self.bound:
             return out
         if ref.get("fingerprint") != self.fingerprint:
