@@ -223,8 +223,8 @@ class Runtime:
         elif run.record is not None and wf.name != run.record.workflow:
             raise CheckpointError(f"run {run_id} is of workflow {run.record.workflow!r}, not {wf.name!r}")
         assert run.record is not None
-        return await self.execute(wf, dict(run.record.inputs), tracer=tracer, observer=observer, events=events,
-                                  run=run)
+        return _kv_stats(await self.execute(wf, dict(run.record.inputs), tracer=tracer, observer=observer,
+                                            events=events, run=run), run)
 
     async def stream(self, wf: Workflow, inputs: dict[str, Any] | None = None, /, *, tokens: bool = True,
                      **kw_inputs: Any) -> AsyncIterator[Any]:
@@ -295,7 +295,17 @@ class Runtime:
         checked = wf.check_inputs({**record.inputs, **inputs})
         run = fork_run(self.checkpointer, run_id, wf, at, checked)
         run.kv = self.kv_checkpoint   # with KV checkpoints, the source run's saved blocks are loaded
-        return await self.execute(wf, checked, tracer=tracer, observer=observer, events=events, run=run)
+        return _kv_stats(await self.execute(wf, checked, tracer=tracer, observer=observer, events=events, run=run),
+                         run)
+
+
+def _kv_stats(result: RunResult, run: Any) -> RunResult:
+    """A resume with KV checkpoints: how many saved KV blocks it loaded, and how many it could not use
+    (by reason: missing, corrupt, foreign), in ``result.stats``."""
+    if run.kv_load is not None:
+        result.stats["kv_blocks_loaded"] = run.kv_load.loaded
+        result.stats["kv_blocks_rejected"] = dict(run.kv_load.rejected)
+    return result
 
 
 def _workflow_file(wf: Workflow) -> str | None:
