@@ -6,8 +6,12 @@ waiting sequences, all under a token budget. A sequence samples in a step when t
 When blocks run out, idle open sequences give up their KV first; then the most recently admitted
 running sequence is preempted (its blocks freed; it is recomputed later, mostly from the prefix cache).
 
-That is the "fcfs" policy (vLLM's). The "program" policy (engine/program.py) uses what requests say about
-their workflow run, step and thread:
+The step is one loop over running sequences and one admission loop; the policy object (engine/
+sched_policy.py) answers what differs between policies: the queue order, the preemption victim, whether an
+unfit request blocks the queue, which idle KV goes first, whether a new thread has room.
+
+The above is the "fcfs" policy (vLLM's). The "program" policy uses what requests say about their workflow
+run, step and thread (engine/program.py):
 - ranking: a waiting sequence that has waited `max_wait_steps` steps goes before everything (and may
   preempt); the others by their run's attained service (least first, over levels growing 4x from
   SERVICE_QUANTUM tokens), then by how much of the prompt is already computed or cached (quarters; more
@@ -32,10 +36,8 @@ from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager, SlotPlan
 from .program import ProgramState, ProgramTracker
+from .sched_policy import POLICIES
 from .sequence import Sequence, SeqStatus
-
-SERVICE_QUANTUM = 2048  # tokens: attained-service level 0 is [0, Q), then [Q, 4Q), [4Q, 16Q), ...
-
 
 @dataclass
 class SchedulerOutput:
@@ -68,14 +70,15 @@ def _scoring(seq: Sequence) -> bool:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = True, policy: str = "fcfs", max_wait_steps: int = 256):
-        if policy not in ("fcfs", "program"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'program', got {policy!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {sorted(POLICIES)}, got {policy!r}")
         self.policy = policy
+        self.policy_impl = POLICIES[policy](self)
         self.program = policy == "program"
         self.max_wait_steps = max_wait_steps
         self.tracker = ProgramTracker()
         self.step_no = 0
-        self._boosted: set[int] = set()  # seq ids admitted because they starved: preempted last
+        self.boosted: set[int] = set()  # seq ids admitted because they starved: preempted last
         self.kv = kv
         self.enable_prefix_caching = enable_prefix_caching
         self.max_num_seqs = max_num_seqs
@@ -116,7 +119,7 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         self.idle.pop(seq.seq_id, None)
-        self._boosted.discard(seq.seq_id)
+        self.boosted.discard(seq.seq_id)
 
     def park(self, seq: Sequence) -> None:
         """An open sequence between requests: keeps its blocks until memory is needed. With a program
@@ -148,49 +151,26 @@ class Scheduler:
 
     # ---- memory pressure -----------------------------------------------------------------------------
     def _release_idle(self, expendable_only: bool = False) -> bool:
-        if self.program:
-            return self._release_idle_program(expendable_only)
-        while self.idle:
-            _, seq = self.idle.popitem(last=False)
-            if seq.block_table:
-                self.kv.free(seq)
-                return True
-        return False
-
-    def _release_idle_program(self, expendable_only: bool) -> bool:
-        """Release the idle sequence used again last: a finished thread (longest idle first), else the
-        waiting one whose expected next use is farthest. `expendable_only`: finished, context-less or
-        overdue ones only."""
-        now = time.monotonic()
-        best, best_key = None, None
-        for seq in self.idle.values():
-            if not seq.block_table:
-                continue
-            waited = now - seq.idle_since
-            if seq.program is not None and seq.program.state is ProgramState.FINISHED:
-                key = (2, waited)
-            elif expendable_only and seq.program is not None and not self.tracker.overdue(waited):
-                continue  # a thread between calls (no context: no promise, so it may go)
-            else:
-                key = (1, self.tracker.expected_return_s(waited))
-            if best_key is None or key > best_key:
-                best, best_key = seq, key
-        if best is None:
+        """Free the KV of the idle sequence the policy picks (see `idle_to_release`)."""
+        pick = self.policy_impl.idle_to_release(expendable_only)
+        if pick is None:
             return False
-        del self.idle[best.seq_id]
-        self.kv.free(best, low_priority=best_key[0] == 2)
+        seq, low_priority = pick
+        del self.idle[seq.seq_id]
+        self.kv.free(seq, low_priority=low_priority)
         return True
 
     def _release_waiting(self, keep: Sequence) -> bool:
-        for seq in reversed(self.waiting):  # program: the waiting queue is ranked, lowest last
-            if seq is not keep and seq.block_table:
+        """Free the KV a queued sequence holds (the lowest ranked first; never a starved one's)."""
+        for seq in reversed(self.waiting):
+            if seq is not keep and seq.block_table and not self.policy_impl.starved(seq):
                 self.kv.free(seq)
                 return True
         return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._boosted.discard(seq.seq_id)
+        self.boosted.discard(seq.seq_id)
         self.kv.free(seq)
         self.preemptions += 1
         run = self._run_id(seq)
@@ -198,46 +178,12 @@ class Scheduler:
             self.tracker.run(run).preemptions += 1
         self.add(seq, front=True)
 
-    # ---- program policy: ranking -----------------------------------------------------------------------
-    def _starved(self, seq: Sequence) -> bool:
-        return self.step_no - seq.enqueued_step >= self.max_wait_steps
-
-    def _level(self, seq: Sequence) -> tuple[int, float]:
-        """(attained-service level of seq's run, the run's age key): lower goes first."""
-        run = self._run_id(seq)
-        rec = self.tracker.runs.get(run) if run is not None else None
-        if rec is None:
-            return 0, seq.enqueued_at
-        q = rec.service_tokens // SERVICE_QUANTUM
-        return (q.bit_length() + 1) // 2, rec.first_seen
-
-    def _rank_waiting(self) -> None:
-        """Sort the waiting queue (best first) and protect the cached prefixes it will hit."""
-        protected = self.kv.pool.protected
-        protected.clear()
-        keys = {}
-        for seq in self.waiting:
-            if self._starved(seq):
-                keys[seq.seq_id] = (0, seq.enqueued_step, 0, 0.0, seq.enqueued_at)
-                if self.enable_prefix_caching:
-                    protected.update(self.kv.cached_prefix_hashes(seq))
-                continue
-            hashes = self.kv.cached_prefix_hashes(seq) if self.enable_prefix_caching else []
-            protected.update(hashes)
-            ready = seq.num_computed_tokens + len(hashes) * self.kv.block_size
-            quarter = (4 * ready) // max(1, seq.num_tokens)
-            level, age = self._level(seq)
-            keys[seq.seq_id] = (1, level, -quarter, age, seq.enqueued_at)
-        ranked = sorted(self.waiting, key=lambda s: keys[s.seq_id])
-        self.waiting.clear()
-        self.waiting.extend(ranked)
-
-    def _victim(self, candidates: list[Sequence]) -> Sequence:
-        """The running sequence to preempt: lowest ranked (most service, newest run, newest)."""
-        def key(seq: Sequence):
-            level, age = self._level(seq)
-            return (seq.seq_id not in self._boosted, level, age, seq.enqueued_at)
-        return max(candidates, key=key)
+    def _fail_unfit(self, seq: Sequence) -> None:
+        """Nothing else holds memory, so seq can never fit: hand it back to fail its request."""
+        self.kv.free(seq)
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self._unfit.append(seq)
 
     # ---- the step ----------------------------------------------------------------------------------
     def _inflight_hashes(self) -> set[bytes]:
@@ -256,20 +202,59 @@ class Scheduler:
         return batch
 
     def _schedule(self, batch: SchedulerOutput) -> None:
+        """One step: starved sequences (the program policy's bound), then running ones, then admission."""
         self.step_no += 1
-        if self.program:
-            self._schedule_program(batch)
-            return
+        self.policy_impl.rank()
         budget = self.max_num_batched_tokens
+        budget, blocked, preempted = self._schedule_starved(batch, budget)
+        budget, preempted_running = self._schedule_running(batch, budget)
+        if not (blocked or preempted or preempted_running):
+            self._admit_waiting(batch, budget)
+
+    def _schedule_starved(self, batch: SchedulerOutput, budget: int) -> tuple[int, bool, bool]:
+        """Starved sequences first: they may take any memory but other starved work's, and preempt
+        running work not admitted for starving. Returns (budget left, blocked, preempted)."""
         preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        for seq in [s for s in self.waiting if self.policy_impl.starved(s)]:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                return budget, True, preempted
+            if not _scoring(seq):
+                self.kv.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, n, batch.plan):
                 if self._release_idle() or self._release_waiting(keep=seq):
                     continue
-                victim = self.running[-1]
+                cands = [r for r in self.running if r.seq_id not in self.boosted]
+                if not cands:
+                    break
+                self._preempt(self.policy_impl.victim(cands))
+                preempted = True
+            else:
+                self._admit(seq, n, batch)
+                self.boosted.add(seq.seq_id)
+                budget -= n
+                continue
+            if not self.running and not batch.seqs:
+                self._fail_unfit(seq)
+                continue
+            return budget, True, preempted
+        return budget, False, preempted
+
+    def _schedule_running(self, batch: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Running sequences (decode, prefill chunks), taking memory from idle and queued ones first, then
+        preempting the policy's victim. Returns (budget left, preempted)."""
+        scheduled = {s.seq_id for s in batch.seqs}  # starved ones admitted this step
+        queue = [r for r in self.running if r.seq_id not in scheduled]
+        preempted = False
+        i = 0
+        while i < len(queue) and budget > 0:
+            seq = queue[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, n, batch.plan):
+                if self._release_idle() or self._release_waiting(keep=seq):
+                    continue
+                victim = self.policy_impl.victim(queue[i:])
+                queue.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -279,40 +264,43 @@ class Scheduler:
                 batch.num_new_tokens.append(n)
                 budget -= n
                 i += 1
-        if preempted:
-            return
+        return budget, preempted
+
+    def _admit_waiting(self, batch: SchedulerOutput, budget: int) -> None:
+        """Admission in the policy's order. A sequence that cannot get memory blocks the queue (fcfs: it
+        holds nothing while it waits) or is skipped, keeping the KV it holds (program)."""
+        policy = self.policy_impl
         inflight = self._inflight_hashes()
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            scoring = _scoring(seq)
+            scoring = _scoring(seq)  # scoring needs the logits of every token, so it cannot skip any
             if inflight and not scoring and self.kv.first_missing_hash(seq) in inflight:
                 continue
-            if not scoring:  # scoring needs the logits of every token, so it cannot skip any
+            if not scoring:
                 self.kv.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            alone = not self.running and not batch.seqs
+            if not alone and not policy.room_for_new_thread(seq, n):
+                continue
+            take_retained = policy.admission_may_take_retained(alone)
             while not self.kv.allocate_slots(seq, n, batch.plan):
-                if not (self._release_idle() or self._release_waiting(keep=seq)):
-                    break
+                if self._release_idle(expendable_only=not take_retained):
+                    continue
+                if take_retained and self._release_waiting(keep=seq):
+                    continue
+                break
             else:
-                self.waiting.remove(seq)
-                seq.status = SeqStatus.RUNNING
-                self.running.append(seq)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
+                self._admit(seq, n, batch)
                 budget -= n
-                self._account_admission(seq)
                 if self.enable_prefix_caching:
                     inflight.update(self.kv.uncomputed_full_hashes(seq))
                 continue
-            self.kv.free(seq)  # hold nothing while waiting; its full blocks stay in the prefix cache
-            if not self.running and not batch.seqs:
-                # Nothing else holds memory, so it can never fit: hand it back to fail its request.
-                self.waiting.remove(seq)
-                seq.status = SeqStatus.FINISHED
-                self._unfit.append(seq)
-                continue
-            break
+            if alone:
+                self._fail_unfit(seq)
+            elif not policy.skip_unfit:
+                self.kv.free(seq)  # its full blocks stay in the prefix cache
+                break
 
     def _account_admission(self, seq: Sequence) -> None:
         run = self._run_id(seq)
@@ -326,129 +314,6 @@ class Scheduler:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
         self._account_admission(seq)
-
-    def _schedule_program(self, batch: SchedulerOutput) -> None:
-        """The "program" policy's step (see the module docstring)."""
-        budget = self.max_num_batched_tokens
-        self._rank_waiting()
-        scheduled: set[int] = set()
-        preempted = False
-        # 1. Starved sequences first: they may take any memory but other starved work's.
-        blocked = False
-        for seq in [s for s in self.waiting if self._starved(s)]:
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                blocked = True
-                break
-            if not _scoring(seq):
-                self.kv.match_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(seq, n, batch.plan):
-                if self._release_idle() or self._release_waiting_unstarved(keep=seq):
-                    continue
-                cands = [r for r in self.running if r.seq_id not in self._boosted and r.seq_id not in scheduled]
-                if not cands:
-                    break
-                self._preempt(self._victim(cands))
-                preempted = True
-            else:
-                self._admit(seq, n, batch)
-                self._boosted.add(seq.seq_id)
-                scheduled.add(seq.seq_id)
-                budget -= n
-                continue
-            if not self.running and not batch.seqs:  # alone it does not fit: fail its request
-                self.kv.free(seq)
-                self.waiting.remove(seq)
-                seq.status = SeqStatus.FINISHED
-                self._unfit.append(seq)
-                continue
-            blocked = True
-            break
-        # 2. Running sequences (decode, prefill chunks), taking memory from idle and queued ones first.
-        queue = [r for r in self.running if r.seq_id not in scheduled]
-        i = 0
-        while i < len(queue) and budget > 0:
-            seq = queue[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(seq, n, batch.plan):
-                if self._release_idle() or self._release_waiting_unstarved(keep=seq):
-                    continue
-                victim = self._victim(queue[i:])
-                queue.remove(victim)
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            else:
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
-                budget -= n
-                i += 1
-        if preempted or blocked:
-            return
-        # 3. Admission in rank order: never at the cost of KV that will be used again (unless nothing runs);
-        # a sequence that cannot get memory is skipped, and keeps the KV it holds.
-        inflight = self._inflight_hashes()
-        for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                break
-            scoring = _scoring(seq)
-            if inflight and not scoring and self.kv.first_missing_hash(seq) in inflight:
-                continue
-            new = seq.max_computed_tokens == 0  # nothing of it ever computed: a new thread
-            if not scoring:
-                self.kv.match_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            alone = not self.running and not batch.seqs
-            if new and not alone and not self._room_for_new_thread(seq, n):
-                continue
-            while not self.kv.allocate_slots(seq, n, batch.plan):
-                if self._release_idle(expendable_only=not alone):
-                    continue
-                if alone and self._release_waiting(keep=seq):
-                    continue
-                break
-            else:
-                self._admit(seq, n, batch)
-                budget -= n
-                if self.enable_prefix_caching:
-                    inflight.update(self.kv.uncomputed_full_hashes(seq))
-                continue
-            if alone:  # nothing else holds memory, so it can never fit: hand it back to fail its request
-                self.kv.free(seq)
-                self.waiting.remove(seq)
-                seq.status = SeqStatus.FINISHED
-                self._unfit.append(seq)
-
-    def _room_for_new_thread(self, seq: Sequence, n: int) -> bool:
-        """A new thread (nothing of it ever computed) is admitted only if memory also leaves room for the
-        threads already resident (running, or idle and waiting) to grow to their expected final length,
-        and for its own growth: otherwise its growth would later take a waiting thread's KV (recomputed
-        when that thread returns). Expected lengths come from closed threads of the same step."""
-        if seq.program is None:
-            return True
-        tracker, bs = self.tracker, self.kv.block_size
-
-        def growth(s: Sequence) -> int:
-            est = tracker.expected_final(s.program.step) if s.program is not None else None
-            return 0 if est is None else max(0, int(est) - s.num_tokens + bs - 1) // bs
-
-        if tracker.expected_final(seq.program.step) is None:
-            return True
-        reserve = growth(seq) + self.kv.blocks_needed(seq, n)
-        for s in self.running:
-            reserve += growth(s)
-        for s in self.idle.values():
-            if s.program is not None and s.program.state is not ProgramState.FINISHED:
-                reserve += growth(s)
-        return self.kv.pool.num_free >= reserve
-
-    def _release_waiting_unstarved(self, keep: Sequence) -> bool:
-        for seq in reversed(self.waiting):
-            if seq is not keep and seq.block_table and not self._starved(seq):
-                self.kv.free(seq)
-                return True
-        return False
 
     @staticmethod
     def _plan_logit_rows(batch: SchedulerOutput) -> None:

@@ -53,8 +53,8 @@ def find_workflows(module: ModuleType) -> dict[str, Workflow]:
 
 
 def load_workflow(path: str | Path, name: str | None = None) -> Workflow:
-    """The workflow defined in ``path``: the only one, or the one whose variable or workflow name is
-    ``name``."""
+    """The workflow defined in ``path``: the only one (not counting those that are subgraphs of another),
+    or the one whose variable or workflow name is ``name``."""
     found = find_workflows(load_module(path))
     if not found:
         raise WorkflowError(f"{path} defines no flowrt Workflow at top level")
@@ -65,6 +65,8 @@ def load_workflow(path: str | Path, name: str | None = None) -> Workflow:
         raise WorkflowError(f"{path} has no workflow named {name!r}; it defines: "
                             + ", ".join(f"{v} ({w.name!r})" for v, w in found.items()))
     unique = list({id(w): w for w in found.values()}.values())
+    subs = {id(s.sub) for w in unique for s in w.steps.values() if s.sub is not None}
+    unique = [w for w in unique if id(w) not in subs] or unique
     if len(unique) > 1:
         raise WorkflowError(f"{path} defines several workflows ({', '.join(found)}); choose one with "
                             f"--workflow NAME")

@@ -39,6 +39,9 @@ class Runtime:
     ``enable_prefix_caching=False``). Other keywords go to ``AsyncLLM`` (dtype, num_kv_blocks, ...).
     ``checkpoint``: a database path (SQLite; ``":memory:"``) or a ``flowrt.checkpoint.CheckpointStore``:
     every run is saved after each step and can be resumed (``rt.resume``), and steps may ``fr.interrupt``.
+    ``checkpoint_kv``: True (a directory beside the SQLite file, ``runs.db.kv``) or a directory: the KV blocks
+    of live threads are saved with every checkpoint, so that a resume in a fresh process loads them instead of
+    computing them again (flowrt.checkpoint.kv).
     ``replicas=N``: N engine replicas as Ray actors (flowrt.replicas; ``ray_address`` joins a cluster,
     ``routing="prefix"|"round_robin"``, ``replica_options``: more ``ReplicaSet`` keywords); each run is bound
     to one replica.
@@ -48,10 +51,17 @@ class Runtime:
                  resources: dict[str, Any] | None = None, share_kv: bool = True, replicas: int | None = None,
                  ray_address: str | None = None, routing: str = "prefix",
                  replica_options: dict[str, Any] | None = None, checkpoint: Any = None,
-                 **engine_kwargs: Any) -> None:
-        from .checkpoint import open_store
+                 checkpoint_kv: bool | str | os.PathLike[str] = False, **engine_kwargs: Any) -> None:
+        from .checkpoint import CheckpointError, open_store
 
         self.checkpointer = open_store(checkpoint)   # a CheckpointStore (flowrt.checkpoint), or None
+        self.kv_checkpoint = None                    # a flowrt.checkpoint.kv.KVCheckpoint, or None
+        if checkpoint_kv:
+            if self.checkpointer is None:
+                raise CheckpointError("checkpoint_kv saves KV with checkpoints: it needs checkpoint=")
+            from .checkpoint.kv import KVCheckpoint, kv_dir_for
+
+            self.kv_checkpoint = KVCheckpoint(kv_dir_for(getattr(self.checkpointer, "path", checkpoint), checkpoint_kv))
         self._replicas = replicas if (replicas or ray_address) else None
         if self._replicas is not None:
             if not isinstance(model, (str, bytes, os.PathLike, type(None))):
@@ -164,6 +174,7 @@ class Runtime:
             wf.validate()
             checked = wf.check_inputs(inputs)   # a bad input records no run
             run = RunCheckpoint.new(self.checkpointer, wf.name, checked, file=file or _workflow_file(wf),
+                                    kv=self.kv_checkpoint,
                                     meta=self._run_meta())
         kw: dict[str, Any] = dict(tracer=tracer, observer=observer, stats_fn=self.stats, checkpoint=run,
                                   events=events)
@@ -189,17 +200,19 @@ class Runtime:
 
     async def resume(self, run_id: str, *, answer: Any = _NO_ANSWER, workflow: Workflow | None = None,
                      tracer: Tracer | None = None, observer: RunObserver | None = None,
-                     events: Any = None) -> RunResult:
+                     events: Any = None, answers: dict[str, Any] | None = None) -> RunResult:
         """Continue a checkpointed run (after a crash, or an interrupt: ``answer`` is what the interrupted
-        ``fr.interrupt`` call returns). Steps that finished are not run again. ``workflow``: the workflow
-        (default: loaded from the file the run recorded)."""
+        ``fr.interrupt`` call returns; ``answers``: ``{step: answer}`` for a run waiting at several, from
+        parallel branches, ``result.interrupts``). Steps that finished are not run again. ``workflow``: the
+        workflow (default: loaded from the file the run recorded)."""
         from .checkpoint import CheckpointError, RunCheckpoint
 
         if self.checkpointer is None:
             raise CheckpointError("resume needs a checkpointer: fr.Runtime(checkpoint=\"runs.db\")")
         from .checkpoint.run import NO_ANSWER
 
-        run = RunCheckpoint.resume(self.checkpointer, run_id, answer=NO_ANSWER if answer is _NO_ANSWER else answer)
+        run = RunCheckpoint.resume(self.checkpointer, run_id, answer=NO_ANSWER if answer is _NO_ANSWER else answer,
+                                   kv=self.kv_checkpoint, answers=answers)
         wf = workflow
         if wf is None:
             if not run.record or not run.record.file:
@@ -258,6 +271,31 @@ class Runtime:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+
+    async def fork(self, run_id: str, /, *, at: str, workflow: Workflow | None = None, tracer: Tracer | None = None,
+                   observer: RunObserver | None = None, events: Any = None, **inputs: Any) -> RunResult:
+        """Time travel: a new run from the state of run ``run_id`` just before step ``at``, with ``inputs``
+        replacing its inputs of those names. ``at`` and the steps downstream of it run again, the steps
+        upstream keep their results (their threads reuse the engine's cached KV where it is still there).
+        The source run is unchanged; the result's ``run_id`` is the new run's (flowrt.checkpoint.fork)."""
+        from .checkpoint import CheckpointError
+        from .checkpoint.fork import fork_run
+
+        if self.checkpointer is None:
+            raise CheckpointError("fork needs a checkpointer: fr.Runtime(checkpoint=\"runs.db\")")
+        record = self.checkpointer.get_run(run_id, with_state=False)
+        wf = workflow
+        if wf is None:
+            if not record.file:
+                raise CheckpointError(f"run {run_id} recorded no workflow file; pass workflow=")
+            from .loader import load_workflow
+
+            wf = load_workflow(record.file, record.workflow)
+        wf.validate()
+        checked = wf.check_inputs({**record.inputs, **inputs})
+        run = fork_run(self.checkpointer, run_id, wf, at, checked)
+        run.kv = self.kv_checkpoint   # with KV checkpoints, the source run's saved blocks are loaded
+        return await self.execute(wf, checked, tracer=tracer, observer=observer, events=events, run=run)
 
 
 def _workflow_file(wf: Workflow) -> str | None:

@@ -1,8 +1,8 @@
 """Checkpoints: a run's state saved after every step, so that it can resume after a crash or an interrupt.
 
 * ``CheckpointStore`` is the interface (a Protocol): SQLite through the standard library is the default
-  (``SQLiteStore``; ``":memory:"`` for a store that lives as long as the process); Postgres or Redis stores
-  implement the same methods.
+  (``SQLiteStore``; ``":memory:"`` for a store that lives as long as the process); ``PostgresStore``
+  (a ``postgresql://`` URL; psycopg 3) shares runs between processes on several machines.
 * ``RunCheckpoint`` binds a store to one run for the executor: it encodes the state (flowrt.checkpoint.codec)
   after every step, and restores it when the run resumes.
 
@@ -14,9 +14,10 @@ and recomputes the rest).
 """
 
 from .codec import decode, encode
+from .postgres import PostgresStore
 from .run import RunCheckpoint, open_store
 from .sqlite import SCHEMA_VERSION, SQLiteStore
 from .store import CheckpointError, CheckpointStore, RunRecord
 
-__all__ = ["CheckpointStore", "CheckpointError", "RunRecord", "SQLiteStore", "RunCheckpoint", "open_store",
-           "encode", "decode", "SCHEMA_VERSION"]
+__all__ = ["CheckpointStore", "CheckpointError", "RunRecord", "SQLiteStore", "PostgresStore", "RunCheckpoint",
+           "open_store", "encode", "decode", "SCHEMA_VERSION"]

@@ -3,7 +3,11 @@
 WAL journal (readers never block the writer; several processes can write, each transaction waits up to
 ``timeout`` seconds for the lock), one ``BEGIN IMMEDIATE`` transaction per checkpoint. A ``schema_version``
 table records the format: a file that is not SQLite, is corrupt, or was written by a newer flowrt is a
-``CheckpointError`` at open, never a silent fresh start.
+``CheckpointError`` at open, never a silent fresh start; an older format is migrated in place.
+
+Format 2 (compact, flowrt.checkpoint.compact): a checkpoint row holds its step's result and route; the run's
+row holds the latest state and live threads. Format 1 kept the whole state and threads in every checkpoint
+row, so a long loop's file grew with steps x state.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ import threading
 import time
 from typing import Any
 
+from . import compact
 from .store import CheckpointError, RunRecord
 
 __all__ = ["SQLiteStore", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -32,7 +37,9 @@ CREATE TABLE IF NOT EXISTS runs (
     meta TEXT NOT NULL,
     interrupt TEXT,
     created REAL NOT NULL,
-    updated REAL NOT NULL
+    updated REAL NOT NULL,
+    state TEXT,
+    threads TEXT
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
     run_id TEXT NOT NULL REFERENCES runs(run_id),
@@ -42,11 +49,33 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     status TEXT NOT NULL,
     result TEXT,
     route TEXT,
-    threads TEXT NOT NULL,
-    state TEXT NOT NULL,
     created REAL NOT NULL,
     PRIMARY KEY (run_id, seq)
 );
+"""
+
+# Format 1 -> 2: the latest state and threads move to the run's row (kept whole: unpack reads a state
+# without references as it is), the checkpoint rows keep their results and routes.
+_MIGRATE_1 = """
+ALTER TABLE runs ADD COLUMN state TEXT;
+ALTER TABLE runs ADD COLUMN threads TEXT;
+UPDATE runs SET state = (SELECT state FROM checkpoints c WHERE c.run_id = runs.run_id ORDER BY seq DESC LIMIT 1),
+    threads = (SELECT threads FROM checkpoints c WHERE c.run_id = runs.run_id ORDER BY seq DESC LIMIT 1);
+CREATE TABLE checkpoints_2 (
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    seq INTEGER NOT NULL,
+    step TEXT,
+    visit INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    result TEXT,
+    route TEXT,
+    created REAL NOT NULL,
+    PRIMARY KEY (run_id, seq)
+);
+INSERT INTO checkpoints_2 SELECT run_id, seq, step, visit, status, result, route, created FROM checkpoints;
+DROP TABLE checkpoints;
+ALTER TABLE checkpoints_2 RENAME TO checkpoints;
+UPDATE schema_version SET version = 2;
 """
 
 
@@ -98,13 +127,19 @@ class SQLiteStore:
                 raise CheckpointError(f"{self.path} was written by a newer flowrt (checkpoint format {version}; "
                                       f"this flowrt reads format {SCHEMA_VERSION} and older): upgrade flowrt")
             if tables >= {"runs", "checkpoints"}:
+                if version == 1:
+                    with self._tx():
+                        self._script(_MIGRATE_1)
                 return
         with self._tx():
-            for stmt in _SCHEMA.strip().split(";"):
-                if stmt.strip():
-                    self._conn.execute(stmt)
+            self._script(_SCHEMA)
             if not self._conn.execute("SELECT 1 FROM schema_version").fetchone():
                 self._conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+
+    def _script(self, sql: str) -> None:
+        for stmt in sql.strip().split(";"):
+            if stmt.strip():
+                self._conn.execute(stmt)
 
     class _Tx:
         def __init__(self, store: "SQLiteStore") -> None:
@@ -157,14 +192,18 @@ class SQLiteStore:
 
         def go() -> int:
             with self._tx() as c:
+                run = c.execute("SELECT state FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+                if run is None:
+                    raise CheckpointError(f"no run {run_id!r} in {self.path}")
                 row = c.execute("SELECT COALESCE(MAX(seq), 0) FROM checkpoints WHERE run_id = ?", (run_id,)).fetchone()
                 seq = int(row[0]) + 1
-                c.execute("INSERT INTO checkpoints (run_id, seq, step, visit, status, result, route, threads, state, "
-                          "created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                          (run_id, seq, step, visit, step_status, _dumps(result), _dumps(route), _dumps(threads),
-                           _dumps(state), now))
-                c.execute("UPDATE runs SET status = ?, interrupt = ?, updated = ? WHERE run_id = ?",
-                          (run_status, _dumps(interrupt) if interrupt is not None else None, now, run_id))
+                packed = compact.pack(state, step, visit, seq, result, route, json.loads(run[0]) if run[0] else None)
+                c.execute("INSERT INTO checkpoints (run_id, seq, step, visit, status, result, route, created) "
+                          "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                          (run_id, seq, step, visit, step_status, _dumps(result), _dumps(route), now))
+                c.execute("UPDATE runs SET status = ?, interrupt = ?, updated = ?, state = ?, threads = ? "
+                          "WHERE run_id = ?", (run_status, _dumps(interrupt) if interrupt is not None else None, now,
+                                               _dumps(packed), _dumps(threads), run_id))
                 return seq
 
         return self._guard("saving a checkpoint", go)
@@ -180,14 +219,24 @@ class SQLiteStore:
     # ------------------------------------------------------------------ reading
     def _record(self, row: tuple, with_state: bool) -> RunRecord:
         run_id, workflow, file, status, inputs, meta, interrupt, created, updated = row
+        state = None
         with self._lock:
-            n, state = self._conn.execute(
-                "SELECT COUNT(*), (SELECT state FROM checkpoints WHERE run_id = ?1 ORDER BY seq DESC LIMIT 1) "
-                "FROM checkpoints WHERE run_id = ?1", (run_id,)).fetchone()
+            n = self._conn.execute("SELECT COUNT(*) FROM checkpoints WHERE run_id = ?", (run_id,)).fetchone()[0]
+            if with_state:
+                raw = self._conn.execute("SELECT state FROM runs WHERE run_id = ?", (run_id,)).fetchone()[0]
+                if raw:
+                    packed = json.loads(raw)
+                    seqs = compact.refs(packed)
+                    marks = ",".join("?" * len(seqs))
+                    results = {s: json.loads(r) for s, r in self._conn.execute(
+                        f"SELECT seq, result FROM checkpoints WHERE run_id = ? AND seq IN ({marks})", (run_id, *seqs))}
+                    rows = [(st, v, json.loads(ro)) for st, v, ro in self._conn.execute(
+                        "SELECT step, visit, route FROM checkpoints WHERE run_id = ? AND route != 'null' ORDER BY seq",
+                        (run_id,))] if compact.routes_from_rows(packed) else []
+                    state = compact.unpack(packed, results, rows)
         return RunRecord(run_id=run_id, workflow=workflow, status=status, inputs=json.loads(inputs), file=file,
                          meta=json.loads(meta), created=created, updated=updated,
-                         interrupt=json.loads(interrupt) if interrupt else None, checkpoints=int(n),
-                         state=json.loads(state) if (with_state and state) else None)
+                         interrupt=json.loads(interrupt) if interrupt else None, checkpoints=int(n), state=state)
 
     _COLS = "run_id, workflow, file, status, inputs, meta, interrupt, created, updated"
 

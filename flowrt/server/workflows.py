@@ -14,7 +14,8 @@ Every run is checkpointed (in memory, or in ``flowrt serve --checkpoint runs.db`
 ``X-Flowrt-Run-Id`` header. A step that calls ``fr.interrupt(payload)`` ends the request with
 ``{"status": "interrupted", "run_id": ..., "interrupt": {"step", "payload"}, "outputs": ...}``;
 ``POST /v1/workflows/{name}/runs/{run_id}/resume`` with ``{"answer": ...}`` continues that run (the step
-runs again from its start, its ``fr.interrupt`` call returning the answer) and answers like a run.
+runs again from its start, its ``fr.interrupt`` call returning the answer) and answers like a run; a run
+waiting at several interrupts (parallel branches: its ``interrupts``) takes ``{"answers": {step: ...}}``.
 """
 
 from __future__ import annotations
@@ -97,11 +98,13 @@ class _Run:
     saying so, not a cut connection)."""
 
     def __init__(self, st: ServerState, wf: Any, inputs: dict[str, Any], observer: Any = None, *,
-                 events: Any = None, resume: str | None = None, answer: Any = None) -> None:
+                 events: Any = None, resume: str | None = None, answer: Any = None,
+                 answers: dict[str, Any] | None = None) -> None:
         self.st = st
         self.stopped = False
         rt = _runtime(st)
-        work = (rt.resume(resume, answer=answer, workflow=wf, observer=observer, events=events) if resume
+        work = (rt.resume(resume, answer=answer, answers=answers, workflow=wf, observer=observer, events=events)
+                if resume
                 else rt.execute(wf, inputs, observer=observer, events=events))
         self.task = asyncio.create_task(work)
         self.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
@@ -195,7 +198,16 @@ async def resume_workflow(name: str, run_id: str, req: P.WorkflowResumeRequest, 
     if record.status != "interrupted":
         raise OpenAIError(f"Run {run_id} is not waiting for an answer (status {record.status}).", 409,
                           param="run_id")
-    return await _respond(st, request, wf, {}, req.stream, req.stream_tokens, resume=run_id, answer=req.answer)
+    answer: Any = req.answer
+    if req.answers is not None:
+        if "answer" in req.model_fields_set:
+            raise bad_request("Give either `answer` (a run waiting at one interrupt) or `answers` ({step: answer}), "
+                              "not both.", param="answers")
+        from flowrt.checkpoint.run import NO_ANSWER
+
+        answer = NO_ANSWER
+    return await _respond(st, request, wf, {}, req.stream, req.stream_tokens, resume=run_id, answer=answer,
+                          answers=req.answers)
 
 
 async def _respond(st: ServerState, request: Request, wf: Any, inputs: dict[str, Any], stream: bool,

@@ -3,6 +3,7 @@ small pool: refcounts equal holders, no block is written while shared, nothing l
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -29,13 +30,17 @@ class _Fixed:
 class KVMachine(RuleBasedStateMachine):
     """Drives the scheduler and KV manager directly (no model): a 'step' schedules, checks the writes the
     runner would do, marks tokens computed and appends one pretend-sampled token to sequences that finish
-    their pending tokens."""
+    their pending tokens. Runs under each scheduling policy (a small starvation bound under "program", so
+    its starved path is driven too)."""
+
+    policy = "fcfs"
 
     @initialize()
     def setup(self):
         self.pool = BlockPool(NUM_BLOCKS, enable_prefix_caching=True)
         self.kv = KVCacheManager(self.pool, BS)
-        self.sched = Scheduler(self.kv, max_num_seqs=4, max_num_batched_tokens=10)
+        self.sched = Scheduler(self.kv, max_num_seqs=4, max_num_batched_tokens=10, policy=self.policy,
+                               max_wait_steps=3)
         self.seqs: list[Sequence] = []  # open sequences
         self.expected: dict[int, list[int]] = {}  # token ids each open sequence must hold
         self.gen_left: dict[int, int] = {}
@@ -156,9 +161,10 @@ class KVMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "pool"):
             return
-        STATS["cow"] += self.kv.stats.cow_copies
-        STATS["preemptions"] += self.sched.preemptions
-        STATS["hits"] += self.kv.stats.prefix_cache_hit_tokens
+        stats = STATS[self.policy]
+        stats["cow"] += self.kv.stats.cow_copies
+        stats["preemptions"] += self.sched.preemptions
+        stats["hits"] += self.kv.stats.prefix_cache_hit_tokens
         for s in self._live():
             self.sched.remove(s)
             self.kv.free(s)
@@ -166,25 +172,35 @@ class KVMachine(RuleBasedStateMachine):
         self.pool.check_invariants()
 
 
-STATS = {"cow": 0, "preemptions": 0, "hits": 0}
-KVMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None, derandomize=True,
-                                       suppress_health_check=[HealthCheck.too_slow])
+class ProgramKVMachine(KVMachine):
+    policy = "program"
+
+
+STATS = {p: {"cow": 0, "preemptions": 0, "hits": 0} for p in ("fcfs", "program")}
+MACHINES = {"fcfs": KVMachine, "program": ProgramKVMachine}
+for _machine in MACHINES.values():
+    _machine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
+                                          derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 TestKVMachine = KVMachine.TestCase
+TestProgramKVMachine = ProgramKVMachine.TestCase
 
 
-def test_the_machine_reaches_the_interesting_states():
+@pytest.mark.parametrize("policy", list(MACHINES))
+def test_the_machine_reaches_the_interesting_states(policy):
     """Guards the test itself: copy-on-write and prefix hits happened in the random runs above. Preemption
     is rarer and Hypothesis' generation varies with the machine's load, so it is driven deterministically
     through the same rules and invariant checks (`test_preemption_through_the_machine`)."""
-    if STATS["cow"] == 0 and STATS["hits"] == 0:
-        TestKVMachine("runTest").runTest()
-    assert STATS["cow"] > 0 and STATS["hits"] > 0, STATS
+    stats = STATS[policy]
+    if stats["cow"] == 0 and stats["hits"] == 0:
+        MACHINES[policy].TestCase("runTest").runTest()
+    assert stats["cow"] > 0 and stats["hits"] > 0, stats
 
 
-def test_preemption_through_the_machine():
+@pytest.mark.parametrize("policy", list(MACHINES))
+def test_preemption_through_the_machine(policy):
     """Three sequences that together outgrow the pool: the scheduler must preempt, and every invariant
     (refcounts, no write into a shared block, no lost token, no leak) still holds."""
-    m = KVMachine()
+    m = MACHINES[policy]()
     m.setup()
     for tokens in ([1, 2, 3, 4, 5, 0, 1, 2], [3, 3, 3, 3, 2, 2, 2, 2], [5, 4, 3, 2, 1, 0, 5, 4]):
         m.open(tokens)

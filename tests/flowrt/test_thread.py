@@ -492,7 +492,7 @@ def test_cancelled_run_releases_sequences_and_blocks_at_once(engine):
     assert st["open_sequences"] == 0 and st["kv_blocks_used"] == 0, st
 
 
-def test_aclosing_a_stream_ends_it_as_the_loop_is_left(llm):
+def test_aclosing_a_stream_ends_it_as_the_loop_is_left(llm, engine):
     import contextlib
 
     async def main():
@@ -500,13 +500,19 @@ def test_aclosing_a_stream_ends_it_as_the_loop_is_left(llm):
         async with contextlib.aclosing(t.stream(max_tokens=200, temperature=0, ignore_eos=True)) as s:
             async for _ in s:
                 break
-        await t.gen(max_tokens=2, temperature=0)  # usable at once, as the README says
+        assert engine.stats()["num_running"] == 0  # the request ended with the loop, not after 200 tokens
+        before = len(t)
+        await t.gen(max_tokens=2, temperature=0, ignore_eos=True)  # usable at once, as the README says
+        assert len(t) == before + 2
         t.close()
         c = llm.chat(system="Be brief.").user("Hi")
         async with contextlib.aclosing(c.stream(max_tokens=200, ignore_eos=True)) as s:
             async for _ in s:
                 break
+        assert engine.stats()["num_running"] == 0
         await c.assistant(max_tokens=2)
         c.close()
 
+    start = engine.stats()["generated_tokens"]
     anyio.run(main)
+    assert engine.stats()["generated_tokens"] - start < 100  # neither stream ran on to its 200 tokens
