@@ -96,18 +96,22 @@ def export_blocks(engine: "LLMEngine", token_ids: Sequence[int],
 def import_blocks(engine: "LLMEngine", blocks: Iterable[tuple[BlockHash, bytes]]) -> int:
     """Put blocks (hash, content from ``export_blocks`` of an engine with the same fingerprint) into the
     prefix cache, in chain order; a hash already cached is kept as it is. Returns how many blocks were
-    written. Stops when the pool has no block to spare; a content of the wrong size is a ValueError."""
+    written. Stops when the pool has no block to spare: at most as many as were free when it began (more
+    would evict the chain's own first blocks, and the rest is unusable without them). A content of the
+    wrong size is a ValueError."""
     if not engine.pool.enable_prefix_caching:
         return 0
     size, kv = _block_bytes(engine), engine.kv
     shape = (kv.shape[0], kv.shape[1], *kv.shape[3:])
-    n = 0
+    n, budget = 0, engine.pool.num_free
     for h, data in blocks:
         if len(data) != size:
             raise ValueError(f"a KV block of {len(data)} bytes; this engine's blocks hold {size}")
         with engine.lock:
             if engine.pool.lookup(h) is not None:
                 continue
+            if n >= budget:
+                break
             try:
                 bid = engine.pool.allocate()   # ours alone until registered: written outside the lock
             except NoFreeBlocksError:

@@ -184,10 +184,10 @@ class Runtime:
         with run.held() if run is not None else contextlib.nullcontext():
             try:
                 if "llm" not in wf.resources or not self._binds_runs():
-                    return await execute(wf, inputs, self, **kw)
+                    return _kv_stats(await execute(wf, inputs, self, **kw), run)
                 res = _RunResources(self)  # replicas: this run's fr.Model is bound to one replica (affinity)
                 try:
-                    return await execute(wf, inputs, res, **kw)
+                    return _kv_stats(await execute(wf, inputs, res, **kw), run)
                 finally:
                     res.release()
             except _BaseExceptionGroup as group:   # a checkpoint that failed in a step's task: the error itself
@@ -320,6 +320,15 @@ class Runtime:
         run = fork_run(self.checkpointer, run_id, wf, at, checked)
         run.kv = self.kv_checkpoint   # with KV checkpoints, the source run's saved blocks are loaded
         return await self.execute(wf, checked, tracer=tracer, observer=observer, events=events, run=run)
+
+
+def _kv_stats(result: RunResult, run: Any) -> RunResult:
+    """A resume with KV checkpoints: how many saved KV blocks it loaded, and how many it could not use
+    (by reason: missing, corrupt, foreign), in ``result.stats``."""
+    if getattr(run, "kv_load", None) is not None:
+        result.stats["kv_blocks_loaded"] = run.kv_load.loaded
+        result.stats["kv_blocks_rejected"] = dict(run.kv_load.rejected)
+    return result
 
 
 def _checkpoint_error(group: BaseException) -> BaseException | None:

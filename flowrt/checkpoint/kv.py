@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from .store import CheckpointError
@@ -125,7 +125,7 @@ class KVLoad:
     """What a resume loaded: blocks put into the prefix cache, and those not used (and why)."""
 
     loaded: int = 0
-    rejected: dict[str, int] | None = None
+    rejected: dict[str, int] = field(default_factory=dict)
 
 
 class KVCheckpoint:
@@ -168,15 +168,15 @@ class KVCheckpoint:
 
     def load(self, ref: dict[str, Any] | None) -> KVLoad:
         """Load a checkpoint's blocks into the prefix cache, each chain up to its first unusable block."""
-        out = KVLoad(rejected={})
+        out = KVLoad()
         if not ref or not self.bound:
             return out
         if ref.get("fingerprint") != self.fingerprint:
             out.rejected["foreign"] = sum(len(c) for c in ref.get("threads", []))
             return out
         seen: set[str] = set()
+        blocks = []   # every chain's usable blocks in chain order, imported at once (the engine's budget)
         for chain in ref.get("threads", []):
-            blocks = []
             for x in chain:
                 if x in seen:
                     continue   # loaded with an earlier chain (a shared prefix)
@@ -187,7 +187,7 @@ class KVCheckpoint:
                     break
                 seen.add(x)
                 blocks.append((h, data))
-            out.loaded += self._engine.kv_import(blocks)
+        out.loaded = self._engine.kv_import(blocks)
         return out
 
     def collect(self, store: Any) -> int:

@@ -136,6 +136,114 @@ static void decode_heads(const T* qp, const T* kc, const T* vc, const int32_t* t
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define FLOWRT_AVX512 1
+// Sixteen bf16 as sixteen floats (exact: a shift).
+static inline __m512 load16_bf16(const bf16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// decode_heads for bf16 pools on AVX-512, head size a multiple of 32: the same work order, with 16-lane vectors. The
+// scores of a token are one 16-lane accumulator over the head (with AVX512-BF16, one dpbf16 per 32 elements: the
+// bf16 products summed in float32, no widening), folded to 8 lanes, and eight tokens' sums come out of one hsum8; the
+// weighted sum of values widens sixteen values per FMA.
+template <int DD>
+static void decode_heads_bf16_512(const bf16_t* qp, const bf16_t* kc, const bf16_t* vc, const int32_t* tab, int start,
+                                  int end, int Hkv, int kh0, int nkh, int G, int Drt, int bs, float scale, bf16_t* op,
+                                  float* lse_out, std::vector<float>& s) {
+    const int D = DD > 0 ? DD : Drt;
+    const int C = D / 16;  // 16-lane vectors per head
+    const int NH = nkh * G;
+    const int L = end - start;
+    const int Ls = (L + 7) & ~7;
+    s.resize((size_t)NH * Ls + (size_t)NH * D + 8 * (size_t)NH + (size_t)NH * D);
+    float* scores = s.data();
+    float* acc_rows = scores + (size_t)NH * Ls;
+    float* run_max = acc_rows + (size_t)NH * D;
+    float* qf = run_max + 8 * (size_t)NH;  // the queries widened once (the non-BF16 path multiplies in float32)
+#if !defined(__AVX512BF16__)
+    for (int i = 0; i < NH * D; ++i) qf[i] = bf16_to_f32(qp[i]);
+#endif
+    const int64_t tok_st = (int64_t)Hkv * D;
+    const bf16_t* k0 = kc + (int64_t)kh0 * D;
+    const bf16_t* v0 = vc + (int64_t)kh0 * D;
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int h = 0; h < NH; ++h) _mm256_storeu_ps(run_max + 8 * h, _mm256_set1_ps(-INFINITY));
+    int bi = start / bs, off = start % bs;
+    const bf16_t* blk = k0 + (int64_t)tab[bi] * bs * tok_st;
+    for (int pos = start; pos < end; pos += 8) {
+        const int n = std::min(8, end - pos);
+        const bf16_t* kp[8];
+        for (int j = 0; j < n; ++j) {
+            kp[j] = blk + (int64_t)off * tok_st;
+            if (++off == bs && pos + j + 1 < end) {
+                off = 0;
+                blk = k0 + (int64_t)tab[++bi] * bs * tok_st;
+            }
+        }
+        for (int j = n; j < 8; ++j) kp[j] = kp[0];
+        for (int h = 0; h < NH; ++h) {
+            const int ko = (h / G) * D;
+            __m512 acc[8];
+            for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+            const bf16_t* qh = qp + (int64_t)h * D;
+            for (int c = 0; c < D; c += 32) {
+                const __m512bh qv = (__m512bh)_mm512_loadu_si512(qh + c);
+                for (int j = 0; j < 8; ++j)
+                    acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_loadu_si512(kp[j] + ko + c));
+            }
+#else
+            const float* qh = qf + (int64_t)h * D;
+            for (int c = 0; c < C; ++c) {
+                const __m512 qv = _mm512_loadu_ps(qh + 16 * c);
+                for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(qv, load16_bf16(kp[j] + ko + 16 * c), acc[j]);
+            }
+#endif
+            __m256 half[8];
+            for (int j = 0; j < 8; ++j)
+                half[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]), _mm512_extractf32x8_ps(acc[j], 1));
+            const __m256 sc = _mm256_mul_ps(hsum8(half), vscale);
+            _mm256_storeu_ps(scores + (size_t)h * Ls + (pos - start), sc);
+            _mm256_storeu_ps(run_max + 8 * h, _mm256_max_ps(_mm256_loadu_ps(run_max + 8 * h), sc));
+        }
+    }
+    for (int h = 0; h < NH; ++h) {
+        const float m = row_max(run_max + 8 * h, 8);
+        const float sum = exp_sum(scores + (size_t)h * Ls, L, m);
+        run_max[8 * h] = 1.f / sum;
+        if (lse_out) lse_out[h] = m + std::log(sum);
+    }
+    for (int i = 0; i < NH * D; ++i) acc_rows[i] = 0.f;
+    for (int pos = start; pos < end;) {
+        const int n = std::min(bs - pos % bs, end - pos);
+        const bf16_t* vrow = v0 + ((int64_t)tab[pos / bs] * bs + pos % bs) * tok_st;
+        for (int h = 0; h < NH; ++h) {
+            const float* ph = scores + (size_t)h * Ls + (pos - start);
+            for (int c0 = 0; c0 < C; c0 += 8) {
+                const int cn = std::min(8, C - c0);
+                float* ah = acc_rows + (int64_t)h * D + 16 * c0;
+                __m512 acc[8];
+                for (int c = 0; c < cn; ++c) acc[c] = _mm512_loadu_ps(ah + 16 * c);
+                const bf16_t* vp = vrow + (h / G) * D + 16 * c0;
+                for (int i = 0; i < n; ++i, vp += tok_st) {
+                    const __m512 pr = _mm512_set1_ps(ph[i]);
+                    for (int c = 0; c < cn; ++c) acc[c] = _mm512_fmadd_ps(pr, load16_bf16(vp + 16 * c), acc[c]);
+                }
+                for (int c = 0; c < cn; ++c) _mm512_storeu_ps(ah + 16 * c, acc[c]);
+            }
+        }
+        pos += n;
+    }
+    for (int h = 0; h < NH; ++h) {
+        const __m256 vinv = _mm256_set1_ps(run_max[8 * h]);
+        for (int c = 0; c < D / 8; ++c)
+            store8(op + (int64_t)h * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc_rows + (int64_t)h * D + 8 * c), vinv));
+    }
+}
+#endif
+
 namespace {
 // Decode attention (one query token per sequence) over a paged pool [N, bs, Hkv, D], in place.
 // Sequence b's query row is rows[b] (or b when rows is null); it attends tokens start .. seq_lens[b]-1 of its
@@ -173,6 +281,17 @@ int paged_decode(const T* q, int64_t q_st, const T* kc, const T* vc, const int32
                 continue;
             }
             const int32_t* tab = tables + (int64_t)b * tab_st;
+#ifdef FLOWRT_AVX512
+            if constexpr (sizeof(T) == 2) {
+                if (D % 32 == 0) {
+                    auto run = D == 64    ? decode_heads_bf16_512<64>
+                               : D == 128 ? decode_heads_bf16_512<128>
+                                          : decode_heads_bf16_512<0>;
+                    run(qp, kc, vc, tab, start, end, Hkv, kh0, per_item, G, D, bs, scale, op, lp, s);
+                    continue;
+                }
+            }
+#endif
 #ifdef FLOWRT_AVX2
             if (D % 8 == 0) {
                 auto run = D == 64 ? decode_heads<64, T> : D == 128 ? decode_heads<128, T> : decode_heads<0, T>;

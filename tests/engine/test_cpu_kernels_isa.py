@@ -86,7 +86,7 @@ def _check_kernels(dtype):
     cpu_ops.kv_write(k, v, kc, vc, slots)
     assert torch.equal(kc.view(-1, 2, 16)[slots], k) and torch.equal(vc.view(-1, 2, 16)[slots], v)
     # paged decode: a vectorized head size, a scalar one; shared-prefix order; suffix with its log-sum-exp
-    for Hkv, G, D, bs in [(3, 3, 64, 16), (2, 2, 12, 4)]:
+    for Hkv, G, D, bs in [(3, 3, 64, 16), (2, 2, 96, 8), (2, 2, 12, 4)]:  # 64: fixed-size code; 96: any 32k; 12: scalar
         lens = [1, 17, 150, 33]
         q, kc, vc, tables, seq_lens = _paged(4, Hkv, G, D, bs, lens, dtype, D)
         ref = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), tables, seq_lens, 0.17)

@@ -65,3 +65,13 @@ def test_async_engine_is_a_kv_transfer():
         assert isinstance(eng, KVTransfer)
     finally:
         eng.shutdown()
+
+
+def test_import_into_a_small_pool_keeps_the_chains_first_blocks():
+    a = _llm()
+    _gen(a)
+    blocks = a.engine.kv_export(PROMPT)
+    small = LLM(str(STORIES), dtype="float32", num_kv_blocks=4, seed=0)
+    assert small.engine.kv_import(blocks) == 4
+    assert [small.engine.pool.lookup(h) is not None for h, _ in blocks] == [True] * 4 + [False] * 2
+    small.engine.pool.check_invariants()

@@ -144,6 +144,8 @@ def test_cold_resume_loads_blocks_and_old_blocks_are_collected(tmp_path, wf_file
     print(f"\ncold resume prefill: {computed_with} tokens with KV blocks, {computed_without} without "
           f"(threads of {a.outputs['s2']['tokens']} and {b.outputs['s2']['tokens']} tokens after s2)")
     assert computed_with <= BLOCK * 2                 # each thread's last (partial) block
+    assert a.stats["kv_blocks_loaded"] > 0 and a.stats["kv_blocks_rejected"] == {}
+    assert "kv_blocks_loaded" not in b.stats
     assert computed_without >= sum(b.outputs["s2"]["tokens"]) - 2 * 16   # both threads' whole context
     monkeypatch.delenv("KV_INTERRUPT")
     ref = anyio.run(_plain_run, stories_path, wf, "Once upon a time")
@@ -213,3 +215,6 @@ def test_sigkill_then_cold_resume_with_kv_computes_one_block_per_thread(tmp_path
           f"corrupt block (threads of {expected['tokens']} tokens)")
     assert computed <= BLOCK * 2
     assert recomputed > computed      # the corrupt block and the rest of its chain were computed again
+    assert clean["stats"]["kv_blocks_rejected"] == {} and clean["stats"]["kv_blocks_loaded"] == len(blocks)
+    assert bad["stats"]["kv_blocks_rejected"] == {"corrupt": 1}
+    assert bad["stats"]["kv_blocks_loaded"] < len(blocks)
