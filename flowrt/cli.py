@@ -457,8 +457,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     holder = live_holder(record)
     if holder is not None:   # before loading anything; the claim when the run starts is what decides
-        print(f"flowrt resume: error: run {record.run_id} is held by {holder} (running, or resumed by another "
-              f"process)", file=sys.stderr)
+        print(f"flowrt resume: error: run {record.run_id} is held by {holder}, which is running it (a run or a "
+              f"resume that came first)", file=sys.stderr)
         return EXIT_USAGE
     setup = _stored_run_setup(args, "resume", record)
     if setup is None:

@@ -31,7 +31,8 @@ class RunBusyError(RunNotResumableError):
 
     def __init__(self, run_id: str, holder: str, expires: float | None) -> None:
         left = f"; its lease runs out in {max(0.0, expires - time.time()):.0f} s unless renewed" if expires else ""
-        super().__init__(f"run {run_id} is held by {holder} (running, or resumed by another process){left}")
+        super().__init__(f"run {run_id} is held by {holder}, which is running it (a run or a resume that came "
+                         f"first){left}")
         self.run_id, self.holder, self.expires = run_id, holder, expires
 
 
