@@ -20,8 +20,9 @@ from support import ROOT
 MODEL = str(ROOT / "tests" / "models" / "stories260K")
 
 # What the engine / kernels must not load: the runtime, its third-party dependencies, the server's.
-RUNTIME_MODULES = ["flowrt.executor", "flowrt.thread", "flowrt.workflow", "flowrt.model", "flowrt.runtime",
-                   "flowrt.trace", "flowrt.aio", "flowrt.cli", "flowrt.server", "networkx", "anyio", "fastapi"]
+RUNTIME_MODULES = ["flowrt.runner.executor", "flowrt.llm.thread", "flowrt.graph.workflow", "flowrt.llm.model",
+                   "flowrt.runner.runtime", "flowrt.runner.trace", "flowrt.aio", "flowrt.cli.commands", "flowrt.server",
+                   "networkx", "anyio", "fastapi"]
 
 
 def _loaded_after(code: str) -> list[str]:
@@ -45,8 +46,8 @@ def test_import_flowrt_is_lazy_and_every_public_name_resolves():
     assert _loaded_after("import flowrt") == []
     import flowrt as fr
 
-    assert fr.Workflow.__module__ == "flowrt.workflow"
-    assert fr.Model.__module__ == "flowrt.model"
+    assert fr.Workflow.__module__ == "flowrt.graph.workflow"
+    assert fr.Model.__module__ == "flowrt.llm.model"
     for name in fr.__all__:
         if name in ("Retriever", "rag"):  # flowrt.retrieval needs the optional retrieval extra
             continue
@@ -98,20 +99,20 @@ def test_lower_layers_never_import_the_runtime(folder, allowed):
 
 
 def test_import_check_sees_relative_imports():
-    # The static check above resolves relative imports (a `from ... import thread` in engine/models
-    # would be flowrt.thread).
+    # The static check above resolves relative imports (a `from ...llm import thread` in engine/models
+    # would be flowrt.llm.thread).
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "m.py"
-        p.write_text("from ... import thread\nfrom .. import cpu_ops\nfrom flowrt import kernels\n")
+        p.write_text("from ...llm import thread\nfrom .. import cpu_ops\nfrom flowrt import kernels\n")
         mods = {m for _, m in _imports(p, "flowrt.engine.models")}
-    assert {"flowrt.thread", "flowrt.engine.cpu_ops", "flowrt.kernels"} <= mods
+    assert {"flowrt.llm.thread", "flowrt.engine.cpu_ops", "flowrt.kernels"} <= mods
 
 
 def test_thread_uses_only_models_public_surface():
     """Thread / ChatThread call ``Model``'s public methods, never its private ones or the engine behind it."""
-    tree = ast.parse((ROOT / "flowrt" / "thread.py").read_text(encoding="utf-8"))
+    tree = ast.parse((ROOT / "flowrt" / "llm" / "thread.py").read_text(encoding="utf-8"))
     bad = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "model":

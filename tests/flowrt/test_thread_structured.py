@@ -1,4 +1,4 @@
-"""Constrained generation on threads (flowrt/structured.py): gen/stream/assistant with json= (pydantic model,
+"""Constrained generation on threads (flowrt/llm/structured.py): gen/stream/assistant with json= (pydantic model,
 type, dict schema), regex=, choice=, grammar=; forks; cut-off and bad-constraint errors. On stories260K (a
 tiny story model that never writes JSON by itself: only the constraint makes its output valid)."""
 
