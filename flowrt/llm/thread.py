@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Iterator
 import anyio
 
 from ..aio import gather
-from ..events import Token, token_sink
-from ..runner.runscope import track
+from ..context import current_step, token_sink, track
+from ..events import Token
 from .structured import split_constraint
 
 if TYPE_CHECKING:
@@ -419,8 +419,6 @@ class Thread:
             final = None
             sink, step, n_ids = token_sink(), None, 0
             if sink is not None:
-                from ..runner.trace import current_step
-
                 step = current_step.get()
             self._live = (seq, n_before, n_before)
             # aclosing: when this stream is closed, the engine request is aborted then, not at finalization

@@ -184,7 +184,8 @@ def test_bad_constraints_raise_value_error_naming_the_keyword(llm):
 
 
 def test_gen_json_under_a_token_sink_streams_and_still_validates(llm):
-    from flowrt.events import EventSink, Token, current_sink
+    from flowrt.context import current_sink
+    from flowrt.events import EventSink, Token
 
     events = []
 
