@@ -138,7 +138,7 @@ class Model:
         step = current_step.get()
         if run is None and step is None:
             return None
-        from ..engine.program import ProgramContext
+        from ..engine import ProgramContext
 
         return ProgramContext(run_id=getattr(run, "run_id", None), step=step, thread_id=thread_id)
 

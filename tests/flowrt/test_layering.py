@@ -259,6 +259,18 @@ def test_flowrt_folders_are_layers():
 
 
 
+def test_replicas_use_the_engines_public_api_only():
+    """flowrt/replicas import names flowrt.engine exports (``__all__``), never its modules."""
+    import flowrt.engine
+
+    bad = []
+    for path in sorted((ROOT / "flowrt" / "replicas").glob("*.py")):
+        for line, mod in _imports(path, "flowrt.replicas"):
+            if mod.startswith("flowrt.engine.") and mod.removeprefix("flowrt.engine.") not in flowrt.engine.__all__:
+                bad.append(f"replicas/{path.name}:{line}: {mod}")
+    assert not bad, bad
+
+
 # ---------------------------------------------------------------------------------------------- the contract
 def test_engine_client_protocol_members():
     from flowrt.engine import EngineClient, SequenceHandle
