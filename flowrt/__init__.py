@@ -36,7 +36,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "Model": ("flowrt.llm.model", "Model"),
     "Runtime": ("flowrt.runner.runtime", "Runtime"),
     "Thread": ("flowrt.llm.thread", "Thread"),
-    "ChatThread": ("flowrt.llm.thread", "ChatThread"),
+    "ChatThread": ("flowrt.llm.chat", "ChatThread"),
     "gather": ("flowrt.aio", "gather"),
     "RunResult": ("flowrt.runner.executor", "RunResult"),
     "StepError": ("flowrt.runner.executor", "StepError"),
@@ -77,7 +77,8 @@ if TYPE_CHECKING:
     from .graph.routing import Goto, goto
     from .retrieval import Retriever, rag
     from .runner.runtime import Runtime
-    from .llm.thread import ChatThread, Thread
+    from .llm.chat import ChatThread
+    from .llm.thread import Thread
     from .llm.structured import IncompleteOutputError
     from .llm.tools import AssistantReply, Tool, tool
     from .runner.trace import Tracer

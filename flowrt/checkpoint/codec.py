@@ -29,7 +29,7 @@ class _NotJSON(Exception):
 
 
 def encode_thread(t: Any) -> dict[str, Any]:
-    from ..llm.thread import ChatThread
+    from ..llm.chat import ChatThread
 
     d: dict[str, Any] = {TAG: "thread", "token_ids": list(t.token_ids), "text": t.text}
     if isinstance(t, ChatThread):
@@ -89,7 +89,8 @@ def _dec(v: Any, model: Any) -> Any:
         if tag == "thread":
             if model is None:
                 raise NotRestorable("a thread, and the run has no model")
-            from ..llm.thread import ChatThread, Thread
+            from ..llm.chat import ChatThread
+            from ..llm.thread import Thread
 
             if v.get("chat"):
                 return ChatThread.from_tokens(model, v["token_ids"], v["text"], messages=v.get("messages", []),

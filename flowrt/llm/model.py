@@ -24,7 +24,8 @@ from ..context import current_run_threads, current_step, current_tracer
 if TYPE_CHECKING:
     from ..engine import CompletionOutput, EngineClient, RequestOutput, SamplingParams, SequenceHandle
     from ..runner.trace import Tracer
-    from .thread import ChatThread, Thread
+    from .chat import ChatThread
+    from .thread import Thread
 
 __all__ = ["Model"]
 
@@ -75,7 +76,7 @@ class Model:
              chat_template: str | None = None) -> "ChatThread":
         """A chat thread rendered through the tokenizer's chat template (a plain ChatML template when the
         tokenizer has none)."""
-        from .thread import ChatThread
+        from .chat import ChatThread
 
         return ChatThread(self, system=system, messages=messages, chat_template=chat_template)
 

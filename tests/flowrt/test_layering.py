@@ -110,14 +110,15 @@ def test_import_check_sees_relative_imports():
     assert {"flowrt.llm.thread", "flowrt.engine.cpu_ops", "flowrt.kernels"} <= mods
 
 
-def test_thread_uses_only_models_public_surface():
+@pytest.mark.parametrize("name", ["thread.py", "chat.py"])
+def test_thread_uses_only_models_public_surface(name):
     """Thread / ChatThread call ``Model``'s public methods, never its private ones or the engine behind it."""
-    tree = ast.parse((ROOT / "flowrt" / "llm" / "thread.py").read_text(encoding="utf-8"))
+    tree = ast.parse((ROOT / "flowrt" / "llm" / name).read_text(encoding="utf-8"))
     bad = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "model":
             if node.attr.startswith("_") or node.attr == "engine":
-                bad.append(f"thread.py:{node.lineno}: .model.{node.attr}")
+                bad.append(f"{name}:{node.lineno}: .model.{node.attr}")
     assert not bad, bad
 
 
