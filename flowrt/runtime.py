@@ -9,11 +9,13 @@ every run on the runtime, so concurrent runs are batched together by the one eng
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import anyio
 
+from .aio import _BaseExceptionGroup, _leaves
 from .executor import RunObserver, RunResult, execute
 from .model import Model
 from .resources import resource_kinds
@@ -164,8 +166,9 @@ class Runtime:
     async def execute(self, wf: Workflow, inputs: dict[str, Any], *, tracer: Tracer | None = None,
                       observer: RunObserver | None = None, events: Any = None, run: Any = None,
                       file: str | None = None) -> RunResult:
-        """Run ``wf``. With a checkpointer the run is recorded (``result.run_id``); ``run``: a
-        ``RunCheckpoint`` to continue (``resume`` makes it); ``events``: an ``flowrt.events.EventSink``."""
+        """Run ``wf``. With a checkpointer the run is recorded (``result.run_id``) and held by this process
+        while it runs (a lease, renewed in the background); ``run``: a ``RunCheckpoint`` to continue
+        (``resume`` makes it); ``events``: an ``flowrt.events.EventSink``."""
         if not isinstance(wf, Workflow):
             raise TypeError(f"expected a flowrt Workflow, got {type(wf).__name__}")
         if run is None and self.checkpointer is not None:
@@ -178,13 +181,20 @@ class Runtime:
                                     meta=self._run_meta())
         kw: dict[str, Any] = dict(tracer=tracer, observer=observer, stats_fn=self.stats, checkpoint=run,
                                   events=events)
-        if "llm" not in wf.resources or not self._binds_runs():
-            return await execute(wf, inputs, self, **kw)
-        res = _RunResources(self)  # replicas: this run's fr.Model is bound to one replica (affinity)
-        try:
-            return await execute(wf, inputs, res, **kw)
-        finally:
-            res.release()
+        with run.held() if run is not None else contextlib.nullcontext():
+            try:
+                if "llm" not in wf.resources or not self._binds_runs():
+                    return _kv_stats(await execute(wf, inputs, self, **kw), run)
+                res = _RunResources(self)  # replicas: this run's fr.Model is bound to one replica (affinity)
+                try:
+                    return _kv_stats(await execute(wf, inputs, res, **kw), run)
+                finally:
+                    res.release()
+            except _BaseExceptionGroup as group:   # a checkpoint that failed in a step's task: the error itself
+                error = _checkpoint_error(group)
+                if error is None:
+                    raise
+                raise error from None
 
     def _binds_runs(self) -> bool:
         """Replicas: each run gets its own ``fr.Model``, bound to one replica (also for a router passed in)."""
@@ -203,28 +213,42 @@ class Runtime:
                      events: Any = None, answers: dict[str, Any] | None = None) -> RunResult:
         """Continue a checkpointed run (after a crash, or an interrupt: ``answer`` is what the interrupted
         ``fr.interrupt`` call returns; ``answers``: ``{step: answer}`` for a run waiting at several, from
-        parallel branches, ``result.interrupts``). Steps that finished are not run again. ``workflow``: the
-        workflow (default: loaded from the file the run recorded)."""
-        from .checkpoint import CheckpointError, RunCheckpoint
+        parallel branches, ``result.interrupts``). Steps that finished are not run again.
+
+        ``workflow``: the workflow; by default the one of the file the run recorded, taken as it is when that
+        file is already imported (the running script, a module), imported only when it is not. The run is
+        claimed first (``claim``): while another process or task executes it, this raises
+        ``flowrt.checkpoint.RunBusyError`` naming that holder."""
+        wf, run = self.claim(run_id, answer=answer, answers=answers, workflow=workflow)
+        return await self.execute(wf, dict(run.record.inputs), tracer=tracer, observer=observer, events=events,
+                                  run=run)
+
+    def claim(self, run_id: str, *, answer: Any = _NO_ANSWER, answers: dict[str, Any] | None = None,
+              workflow: Workflow | None = None) -> tuple[Workflow, Any]:
+        """What ``resume`` does before it runs: the run's workflow, and the run claimed for this process in one
+        atomic transition of the store (a ``RunCheckpoint``; ``execute(wf, inputs, run=...)`` runs it and
+        gives it back). Refusals are ``CheckpointError`` s: ``UnknownRunError``, ``RunNotResumableError``
+        (finished; an answer for a run not waiting for one), ``RunBusyError`` (held by another, named)."""
+        from .checkpoint import CheckpointError, RunCheckpoint, RunNotResumableError
+        from .checkpoint.run import NO_ANSWER
 
         if self.checkpointer is None:
             raise CheckpointError("resume needs a checkpointer: fr.Runtime(checkpoint=\"runs.db\")")
-        from .checkpoint.run import NO_ANSWER
-
-        run = RunCheckpoint.resume(self.checkpointer, run_id, answer=NO_ANSWER if answer is _NO_ANSWER else answer,
-                                   kv=self.kv_checkpoint, answers=answers)
+        record = self.checkpointer.get_run(run_id, with_state=False)
+        if record.status == "done":
+            raise RunNotResumableError(f"run {run_id} already finished (status done); nothing to resume")
         wf = workflow
         if wf is None:
-            if not run.record or not run.record.file:
+            if not record.file:
                 raise CheckpointError(f"run {run_id} recorded no workflow file; pass workflow=")
-            from .loader import load_workflow
+            from .loader import load_workflow, loaded_workflow
 
-            wf = load_workflow(run.record.file, run.record.workflow)
-        elif run.record is not None and wf.name != run.record.workflow:
-            raise CheckpointError(f"run {run_id} is of workflow {run.record.workflow!r}, not {wf.name!r}")
-        assert run.record is not None
-        return _kv_stats(await self.execute(wf, dict(run.record.inputs), tracer=tracer, observer=observer,
-                                            events=events, run=run), run)
+            wf = loaded_workflow(record.file, record.workflow) or load_workflow(record.file, record.workflow)
+        elif wf.name != record.workflow:
+            raise CheckpointError(f"run {run_id} is of workflow {record.workflow!r}, not {wf.name!r}")
+        run = RunCheckpoint.resume(self.checkpointer, run_id, answer=NO_ANSWER if answer is _NO_ANSWER else answer,
+                                   kv=self.kv_checkpoint, answers=answers)
+        return wf, run
 
     async def stream(self, wf: Workflow, inputs: dict[str, Any] | None = None, /, *, tokens: bool = True,
                      **kw_inputs: Any) -> AsyncIterator[Any]:
@@ -288,24 +312,32 @@ class Runtime:
         if wf is None:
             if not record.file:
                 raise CheckpointError(f"run {run_id} recorded no workflow file; pass workflow=")
-            from .loader import load_workflow
+            from .loader import load_workflow, loaded_workflow
 
-            wf = load_workflow(record.file, record.workflow)
+            wf = loaded_workflow(record.file, record.workflow) or load_workflow(record.file, record.workflow)
         wf.validate()
         checked = wf.check_inputs({**record.inputs, **inputs})
         run = fork_run(self.checkpointer, run_id, wf, at, checked)
         run.kv = self.kv_checkpoint   # with KV checkpoints, the source run's saved blocks are loaded
-        return _kv_stats(await self.execute(wf, checked, tracer=tracer, observer=observer, events=events, run=run),
-                         run)
+        return await self.execute(wf, checked, tracer=tracer, observer=observer, events=events, run=run)
 
 
 def _kv_stats(result: RunResult, run: Any) -> RunResult:
     """A resume with KV checkpoints: how many saved KV blocks it loaded, and how many it could not use
     (by reason: missing, corrupt, foreign), in ``result.stats``."""
-    if run.kv_load is not None:
+    if getattr(run, "kv_load", None) is not None:
         result.stats["kv_blocks_loaded"] = run.kv_load.loaded
         result.stats["kv_blocks_rejected"] = dict(run.kv_load.rejected)
     return result
+
+
+def _checkpoint_error(group: BaseException) -> BaseException | None:
+    """The first of ``group``'s errors when they all are checkpoint errors (a lost lease, a store that cannot
+    be written), else None."""
+    from .checkpoint import CheckpointError
+
+    leaves = _leaves(group)
+    return leaves[0] if leaves and all(isinstance(e, CheckpointError) for e in leaves) else None
 
 
 def _workflow_file(wf: Workflow) -> str | None:

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 from ..render import to_jsonable
 from .codec import NotRestorable, decode, encode, encode_thread
 from .kv import KVCheckpoint, KVLoad
-from .store import CheckpointError, CheckpointStore, RunRecord
+from .lease import LEASE_TTL_S, holder_is_dead, new_holder, renewer
+from .store import CheckpointError, CheckpointStore, RunBusyError, RunRecord
 
 __all__ = ["RunCheckpoint", "open_store", "NO_ANSWER"]
 
 NO_ANSWER: Any = object()
 
 
-def open_store(spec: Any) -> CheckpointStore | None:
+def open_store(spec: Any, *, readonly: bool = False, create: bool = True) -> CheckpointStore | None:
     """A store from ``None``, a path (SQLite file; ``":memory:"``), a ``postgresql://`` URL (PostgreSQL) or a
-    store object."""
+    store object. For an SQLite file, ``readonly`` (reading commands) and ``create=False`` (a missing file is
+    an error, not a new database): see ``SQLiteStore``."""
     if spec is None:
         return None
     if isinstance(spec, (str, bytes, os.PathLike)):
@@ -29,7 +32,7 @@ def open_store(spec: Any) -> CheckpointStore | None:
             return PostgresStore(spec)
         from .sqlite import SQLiteStore
 
-        return SQLiteStore(spec)
+        return SQLiteStore(spec, readonly=readonly, create=create)
     if isinstance(spec, CheckpointStore):
         return spec
     raise TypeError(f"checkpoint must be a database path, a postgresql:// URL or a CheckpointStore, "
@@ -37,15 +40,21 @@ def open_store(spec: Any) -> CheckpointStore | None:
 
 
 class RunCheckpoint:
-    """Saves a run's state to ``store`` after every step; ``resume`` continues a stored run."""
+    """Saves a run's state to ``store`` after every step; ``resume`` continues a stored run.
+
+    The run is held by ``holder`` (flowrt.checkpoint.lease) while it executes: ``held()`` renews the lease
+    and gives it back at the end, and every save is refused once another holder has taken the run over."""
 
     def __init__(self, store: CheckpointStore, run_id: str, *, record: RunRecord | None = None,
                  answer: Any = NO_ANSWER, kv: KVCheckpoint | None = None,
-                 answers: dict[str, Any] | None = None) -> None:
+                 answers: dict[str, Any] | None = None, holder: str | None = None,
+                 ttl: float = LEASE_TTL_S) -> None:
         self.store = store
         self.run_id = run_id
         self.record = record
         self.answer = answer
+        self.holder = holder
+        self.ttl = ttl
         self.answers = answers or {}          # by step, for a run waiting at several interrupts
         self.kv = kv                          # KV saved with the checkpoints (flowrt.checkpoint.kv)
         self.kv_load: KVLoad | None = None    # what a resume loaded
@@ -58,16 +67,49 @@ class RunCheckpoint:
             meta: dict[str, Any] | None = None, run_id: str | None = None,
             kv: KVCheckpoint | None = None) -> "RunCheckpoint":
         run_id = run_id or uuid.uuid4().hex[:16]
-        store.create_run(run_id, workflow, to_jsonable(inputs), file=file, meta=meta)
-        return cls(store, run_id, kv=kv)
+        holder = new_holder()
+        store.create_run(run_id, workflow, to_jsonable(inputs), file=file, meta=meta, holder=holder, ttl=LEASE_TTL_S)
+        return cls(store, run_id, kv=kv, holder=holder)
 
     @classmethod
     def resume(cls, store: CheckpointStore, run_id: str, *, answer: Any = NO_ANSWER,
                kv: KVCheckpoint | None = None, answers: dict[str, Any] | None = None) -> "RunCheckpoint":
-        record = store.get_run(run_id)
-        if record.status == "done":
-            raise CheckpointError(f"run {run_id} already finished (status done); nothing to resume")
-        return cls(store, run_id, record=record, answer=answer, kv=kv, answers=answers)
+        """Claim the stored run (``claim_run``: one atomic transition, so of two resumes one wins and the
+        other gets ``RunBusyError`` naming the winner); a holder of this host whose process died is taken
+        over at once, others when their lease runs out."""
+        holder = new_holder()
+        waiting = answer is not NO_ANSWER or bool(answers)
+        try:
+            record = store.claim_run(run_id, holder, LEASE_TTL_S, waiting=waiting)
+        except RunBusyError as e:
+            if not holder_is_dead(e.holder):
+                raise
+            record = store.claim_run(run_id, holder, LEASE_TTL_S, take_over=e.holder, waiting=waiting)
+        run = cls(store, run_id, record=record, answer=answer, kv=kv, answers=answers, holder=holder)
+        if waiting:
+            try:
+                run._given_answers(record.state or {})
+            except CheckpointError:   # answers that do not fit: the run stays interrupted, unclaimed
+                store.release_run(run_id, holder, status="interrupted")
+                raise
+        return run
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Keep the run's lease renewed while the block runs; give it back after (a run that ended gave
+        it back with its last save already)."""
+        if self.holder is None:
+            yield
+            return
+        renewer().hold(self.store, self.run_id, self.holder, self.ttl)
+        try:
+            yield
+        finally:
+            renewer().drop(self.store, self.run_id, self.holder)
+            try:
+                self.store.release_run(self.run_id, self.holder)
+            except CheckpointError:
+                pass   # the store cannot be written now: the lease runs out by itself
 
     # ------------------------------------------------------------------ executor hooks
     def start(self, st: Any, scope: Any, model: Any) -> bool:
@@ -201,7 +243,8 @@ class RunCheckpoint:
         self.store.save(self.run_id, step=step, visit=own.visits.get(name, 0) if name else 0, step_status=status,
                         result=self._enc.get(step) if step and name in own.outputs else None,
                         route=route, threads=live, state=state,
-                        run_status=run_status if step is None else "running", interrupt=st.interrupt)
+                        run_status=run_status if step is None else "running", interrupt=st.interrupt,
+                        holder=self.holder)
 
     def finish(self, st: Any, status: str, threads: Any) -> None:
         self.save(st, None, threads, run_status=status)

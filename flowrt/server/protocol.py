@@ -36,7 +36,8 @@ def lone_surrogate_at(value: Any, path: str = "") -> str | None:
             return path or "body"
     elif isinstance(value, dict):
         for k, v in value.items():
-            name = f"{path}.{k}" if path else str(k)
+            shown = str(k).encode("utf-8", "backslashreplace").decode("utf-8")  # a key may be the bad string
+            name = f"{path}.{shown}" if path else shown
             found = lone_surrogate_at(k, name) or lone_surrogate_at(v, name)
             if found:
                 return found
@@ -97,6 +98,7 @@ class _SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    bound_numbers: bool | None = None  # False: JSON numbers as long as the schema allows (default: bounded)
 
     def check_unsupported(self) -> None:
         if self.logit_bias:
@@ -135,9 +137,16 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    # vLLM's beam search extension: `n` beams per prompt, best first
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        if self.use_beam_search:
+            for name in ("stream", "logprobs", "stop"):
+                if getattr(self, name):
+                    raise bad_request(f"{name} is not supported with use_beam_search.", param=name)
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of different from n is not supported.", param="best_of")
         if self.suffix:
@@ -224,6 +233,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(None, ge=1)  # calls in one response (default toolcalls.MAX_CALLS)
     # Extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False

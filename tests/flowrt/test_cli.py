@@ -331,7 +331,7 @@ def _sample_flag_values():
     """One command-line value per EngineArgs field (but model), and what EngineArgs makes of it."""
     import typing
 
-    from flowrt.cli import _unwrap_optional
+    from flowrt.engine.cli_args import _unwrap_optional
     from flowrt.engine import EngineArgs
 
     argv, expected = [], {}
