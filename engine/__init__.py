@@ -1,13 +1,14 @@
 """flowrt.engine: the in-process continuous-batching LLM engine (vLLM-style API). See engine/API.md."""
 
 from .async_llm import AsyncLLM, EngineSequence
+from .beam_search import BeamSearchOutput, BeamSearchSequence
 from .config import EngineArgs, default_model_path
 from .llm import LLM
 from .llm_engine import LLMEngine
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .program import ProgramContext, ProgramState
-from .protocol import EngineClient, SequenceHandle  # the typed contract the runtime and server use
-from .sampling_params import SamplingParams
+from .protocol import EngineClient, KVTransfer, SequenceHandle  # the typed contract the runtime and server use
+from .sampling_params import BeamSearchParams, SamplingParams
 from .structured_output import StructuredOutputsParams
 
 __all__ = [
@@ -18,7 +19,11 @@ __all__ = [
     "EngineSequence",
     "EngineClient",
     "SequenceHandle",
+    "KVTransfer",
     "SamplingParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",

@@ -14,6 +14,7 @@ import weakref
 from dataclasses import replace
 from typing import Any, AsyncIterator
 
+from .beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from .config import EngineArgs
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
@@ -105,6 +106,16 @@ class AsyncLLM:
     def run_stats(self, run_id: str | None = None) -> dict | None:
         return self.engine.run_stats(run_id)
 
+    # ---- KV blocks in and out (protocol.KVTransfer; engine/kv_transfer.py) -------------------------
+    def kv_fingerprint(self) -> str:
+        return self.engine.kv_fingerprint()
+
+    def kv_export(self, token_ids, skip=None) -> list[tuple[bytes, bytes | None]]:
+        return self.engine.kv_export(token_ids, skip)
+
+    def kv_import(self, blocks) -> int:
+        return self.engine.kv_import(blocks)
+
     # ---- the loop ----------------------------------------------------------------------------------
     def _loop(self) -> None:
         eng = self.engine
@@ -163,7 +174,41 @@ class AsyncLLM:
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
 
-    def _submit(self, prompt, params, request_id, stream: bool, program=None) -> AsyncIterator[RequestOutput]:
+    async def beam_search(self, prompt, params: BeamSearchParams, keep: bool = False) -> BeamSearchOutput:
+        """Beam search (engine/beam_search.py) for one prompt: the beams, best first. `prompt` may be an
+        EngineSequence: the beams continue it (forks of it; it is left as it was, its pending tokens computed).
+        `keep`: each beam's open sequence is returned in `.sequence` (the caller closes it)."""
+        eng = self.engine
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        check = SamplingParams(max_tokens=params.max_tokens, structured_outputs=params.structured_outputs)
+        if isinstance(prompt, EngineSequence):
+            if prompt._engine is not eng:
+                raise ValueError("the sequence was opened on another engine (sequences cannot move between engines)")
+            eng.open_seqs.check_can_generate(prompt._seq, check)
+            if prompt.num_computed_tokens < len(prompt) - 1:  # compute the shared prefix once, then fork
+                await self.generate(prompt, SamplingParams(max_tokens=0))
+            root = eng.fork(prompt._seq, 1)[0]
+        else:
+            root = eng.open(eng.validate(prompt, check)[1])
+        search = BeamSearch(eng, root, params, keep=keep)
+        try:
+            while not search.done:
+                outs = await asyncio.gather(*(self._beam_round(seq, search.step_params, m)
+                                              for seq, m in search.pending()))
+                search.advance(list(outs))
+            return search.result(wrap=lambda seq: EngineSequence(eng, seq))
+        finally:
+            search.close()
+
+    async def _beam_round(self, seq: Sequence, params: SamplingParams, matcher) -> RequestOutput:
+        out = None
+        async for out in self._submit(seq, params, None, stream=False, matcher=matcher):  # noqa: B007
+            pass
+        return out
+
+    def _submit(self, prompt, params, request_id, stream: bool, program=None,
+                matcher=None) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         eng = self.engine
@@ -185,7 +230,7 @@ class AsyncLLM:
                 raise ValueError("the sequence was opened on another engine (sequences cannot move between engines)")
             prompt = prompt._seq
         req = eng.add_request(prompt, params, request_id, on_output=on_output, on_error=deliver, stream=stream,
-                              program=program)
+                              program=program, _matcher=matcher)
         self._wakeup.set()
         return self._results(req, queue)
 

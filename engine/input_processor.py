@@ -11,6 +11,7 @@ import numbers
 import numpy as np
 
 from .sampling_params import SamplingParams
+from .tokenizer import check_text
 
 
 def token_id_list(ids, what: str, vocab_size: int) -> list[int]:
@@ -46,7 +47,8 @@ class InputProcessor:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
 
-    def tokenize(self, prompt: str) -> list[int]:
+    def tokenize(self, prompt: str, what: str = "prompt") -> list[int]:
+        check_text(prompt, what)  # any tokenizer (transformers' too) would fail on it with a bare TypeError
         return list(self.tokenizer(prompt).input_ids)
 
     def token_ids(self, ids, what: str) -> list[int]:
@@ -73,7 +75,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"{what} is empty")
-            ids, text = self.tokenize(prompt), prompt
+            ids, text = self.tokenize(prompt, what), prompt
         elif isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids, text = self.token_ids(prompt["prompt_token_ids"], what), prompt.get("prompt")

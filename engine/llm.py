@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence as Seq
 
+from .beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from .config import EngineArgs
 from .input_processor import is_token_ids
 from .llm_engine import LLMEngine
@@ -90,6 +91,33 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [eng.make_output(r) for r in reqs]
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search (engine/beam_search.py): per prompt, the `params.beam_width` best beams, best first.
+        Every prompt is validated first; the prompts' searches run side by side, each round one engine batch."""
+        eng = self.engine
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)) or is_token_ids(prompts):
+            prompts = [prompts]
+        check = SamplingParams(max_tokens=params.max_tokens, structured_outputs=params.structured_outputs)
+        resolved = [eng.validate(p, check, f"prompt {i}") for i, p in enumerate(prompts)]
+        with self._generate_lock:
+            searches: list[BeamSearch] = []
+            try:
+                for _, ids in resolved:
+                    searches.append(BeamSearch(eng, eng.open(ids), params))
+                while active := [s for s in searches if not s.done]:
+                    rounds = [(s, [eng.add_request(seq, s.step_params, _matcher=m) for seq, m in s.pending()])
+                              for s in active]
+                    while any(not r.finished for _, reqs in rounds for r in reqs):
+                        eng.step()
+                    for s, reqs in rounds:
+                        s.advance([eng.make_output(r) for r in reqs])
+                return [s.result() for s in searches]
+            finally:
+                for s in searches:
+                    s.close()
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -20,6 +20,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from . import kv_transfer
 from .block_pool import BlockPool
 from .config import EngineArgs
 from .cpu_memory import tune_malloc
@@ -93,6 +94,8 @@ class LLMEngine:
         self._step_lock = threading.Lock()  # one step at a time, whoever calls it
         self.open_seqs = OpenSequences(self.lock, self.kv_manager, self.scheduler, self.inputs, self.abort)
         self._req_ids = itertools.count()
+        self._kv_fingerprint: str | None = None
+        self.beam_peak_blocks = 0  # the most KV blocks one beam search has held at once (engine/beam_search.py)
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -128,16 +131,18 @@ class LLMEngine:
         _resolved: tuple[str | None, list[int]] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
         program: ProgramContext | dict | str | None = None,
+        _matcher=None,
     ) -> Request:
         """Queues a request. `prompt` may be an open Sequence: it generates onto it (its KV is kept).
-        `program`: the workflow run / step / thread it belongs to (engine/program.py); a sequence keeps it."""
+        `program`: the workflow run / step / thread it belongs to (engine/program.py); a sequence keeps it.
+        `_matcher`: the grammar state to continue from (beam search), instead of a fresh matcher."""
         program = as_program_context(program)
         params = params if params is not None else SamplingParams()
         if isinstance(params, dict):
             params = SamplingParams(**params)
         if not isinstance(prompt, Sequence) and _resolved is None:
             _resolved = self.validate(prompt, params)  # tokenize outside the lock
-        matcher = self.inputs.constraint_matcher(params)  # outside the lock (validate left it in the cache)
+        matcher = _matcher if _matcher is not None else self.inputs.constraint_matcher(params)  # outside the lock
         with self.lock:
             self.open_seqs.drain()
             rid = request_id or f"req-{next(self._req_ids)}"
@@ -261,6 +266,9 @@ class LLMEngine:
             rows.append(r)
         return live, rows
 
+    def note_beam_peak(self, blocks: int) -> None:
+        self.beam_peak_blocks = max(self.beam_peak_blocks, blocks)
+
     # ---- outputs and stats --------------------------------------------------------------------------
     def make_output(self, req: Request) -> RequestOutput:
         return self.outputs.make_output(req)
@@ -289,8 +297,22 @@ class LLMEngine:
                 "prefill_tokens_recomputed": kvs.prefill_tokens_recomputed,
                 "kv_evicted_in_use_later": kvs.kv_evicted_in_use_later,
                 "program_runs": len(self.scheduler.tracker.runs),
+                "beam_peak_blocks": self.beam_peak_blocks,
             }
 
     def reset_prefix_cache(self) -> int:
         with self.lock:
             return self.pool.evict_all_cached()
+
+    # ---- KV blocks in and out (kv_transfer.py) ---------------------------------------------------------
+    def kv_fingerprint(self) -> str:
+        """What exported KV bytes depend on (weights, dtypes, block size, backend, version), hashed."""
+        if self._kv_fingerprint is None:
+            self._kv_fingerprint = kv_transfer.fingerprint(self)
+        return self._kv_fingerprint
+
+    def kv_export(self, token_ids, skip=None) -> list[tuple[bytes, bytes | None]]:
+        return kv_transfer.export_blocks(self, list(token_ids), skip)
+
+    def kv_import(self, blocks) -> int:
+        return kv_transfer.import_blocks(self, blocks)

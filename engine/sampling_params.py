@@ -57,3 +57,27 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+MAX_BEAM_WIDTH = 10  # a beam's 2W candidates come from its top-k logprobs, which stop at 20
+
+
+class BeamSearchParams(BaseModel):
+    """vLLM's BeamSearchParams. The score of a beam is cum_logprob / generated_len ** length_penalty (as in
+    transformers, a final EOS counts in the length). At most MAX_BEAM_WIDTH beams."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    beam_width: int = Field(4, ge=1, le=MAX_BEAM_WIDTH)
+    max_tokens: int = Field(16, ge=1)
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None  # every beam follows the constraint
+
+    @field_validator("temperature")
+    @classmethod
+    def _deterministic(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("beam search scores the model's log-probabilities: temperature must be 0.0")
+        return v

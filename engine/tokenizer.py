@@ -24,7 +24,7 @@ import tokenizers
 
 from .chat_template import render_chat_template
 
-__all__ = ["Tokenizer", "Encoding", "load_tokenizer", "uses_own_tokenizer", "render_chat_template"]
+__all__ = ["Tokenizer", "Encoding", "load_tokenizer", "uses_own_tokenizer", "render_chat_template", "check_text"]
 
 #: tokenizer_config.json ``tokenizer_class`` values whose transformers class loads tokenizer.json unchanged
 GENERIC_CLASSES = frozenset({None, "PreTrainedTokenizerFast", "TokenizersBackend"})
@@ -40,6 +40,17 @@ class Encoding(dict):
             return self[name]
         except KeyError:
             raise AttributeError(name) from None
+
+
+def check_text(text: str, what: str = "text") -> None:
+    """ValueError naming `what` when `text` is not valid Unicode (a lone surrogate such as the JSON escape
+    ``"\\ud800"`` decodes to), which no tokenizer can encode (tokenizers raises a bare TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} contains a lone surrogate {text[e.start]!r} at character {e.start}: not valid "
+                         f"Unicode text (a surrogate escape such as \\ud83d must be followed by its low half)"
+                         ) from None
 
 
 def _token_str(value: Any) -> str | None:
@@ -220,10 +231,22 @@ class Tokenizer:
 
     # ---------------------------------------------------------------- encode / decode
     def encode(self, text: str, add_special_tokens: bool = True, **_ignored: Any) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            _check_texts(text)
+            raise
 
     def __call__(self, text: str | list[str], add_special_tokens: bool = True, return_tensors: str | None = None,
                  return_offsets_mapping: bool = False, **_ignored: Any) -> Encoding:
+        try:
+            return self._call(text, add_special_tokens, return_tensors, return_offsets_mapping)
+        except TypeError:
+            _check_texts(text)
+            raise
+
+    def _call(self, text: str | list[str], add_special_tokens: bool, return_tensors: str | None,
+              return_offsets_mapping: bool) -> Encoding:
         batched = not isinstance(text, str)
         encs = self._tokenizer.encode_batch(list(text), add_special_tokens=add_special_tokens) if batched \
             else [self._tokenizer.encode(text, add_special_tokens=add_special_tokens)]
@@ -303,6 +326,16 @@ class Tokenizer:
             return texts if batched else texts[0]
         enc = self(texts if batched else texts[0], add_special_tokens=False, return_tensors=return_tensors)
         return enc if return_dict else enc["input_ids"]
+
+
+def _check_texts(text: Any) -> None:
+    """After the backend refused `text` (TypeError): ValueError when the cause is a lone surrogate."""
+    if isinstance(text, str):
+        check_text(text)
+    elif isinstance(text, (list, tuple)):
+        for i, t in enumerate(text):
+            if isinstance(t, str):
+                check_text(t, f"text[{i}]")
 
 
 def _tensors(enc: Encoding, kind: str) -> Encoding:

@@ -47,6 +47,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "goto": ("flowrt.routing", "goto"),
     "Goto": ("flowrt.routing", "Goto"),
     "interrupt": ("flowrt.interrupts", "interrupt"),
+    "subflow": ("flowrt.executor", "subflow"),
     "Interrupt": ("flowrt.interrupts", "Interrupt"),
     "events": ("flowrt.events", None),
     "tool": ("flowrt.tools", "tool"),
@@ -61,14 +62,14 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 __all__ = [
     "Workflow", "WorkflowError", "Model", "Runtime", "Thread", "ChatThread", "gather",
     "RunResult", "StepError", "StepFailed", "RunObserver", "Tracer", "register_resource",
-    "Retriever", "rag", "goto", "Goto", "interrupt", "Interrupt", "events", "tool", "Tool", "AssistantReply",
+    "Retriever", "rag", "goto", "Goto", "interrupt", "Interrupt", "subflow", "events", "tool", "Tool", "AssistantReply",
     "IncompleteOutputError",
     "__version__",
 ]
 
 if TYPE_CHECKING:
     from .aio import gather
-    from .executor import RunObserver, RunResult, StepError, StepFailed
+    from .executor import RunObserver, RunResult, StepError, StepFailed, subflow
     from .model import Model
     from . import events
     from .interrupts import Interrupt, interrupt

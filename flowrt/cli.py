@@ -12,7 +12,9 @@
 
 Exit status of ``run``: 0 when every step succeeded, 1 when a step failed (its dependents are skipped;
 every other result is still printed), 2 for a bad command line, workflow file, input, model or checkpoint
-database, 3 when a step called ``fr.interrupt`` (the payload is printed; ``flowrt resume`` continues).
+database (and for ``resume``, a run that another process holds: it is named), 3 when a step called
+``fr.interrupt`` (the payload is printed; ``flowrt resume`` continues). ``flowrt runs`` only reads: it opens
+the database read-only and never creates one.
 
 The engine options (``run`` and ``serve``) are generated from ``flowrt.engine.EngineArgs``: one
 ``--kebab-case`` option per field, its help the field's description (``flowrt.engine.cli_args``;
@@ -245,6 +247,7 @@ def _make_runtime(args: argparse.Namespace, cmd: str, model: Any, engine_kwargs:
 
     try:
         return Runtime(model, index=index, checkpoint=getattr(args, "checkpoint", None),
+                       checkpoint_kv=getattr(args, "checkpoint_kv", False),
                        **replica_kwargs_from_args(args), **engine_kwargs)
     except Exception as e:  # a checkpoint database that cannot be used: corrupt, newer format, ...
         from .checkpoint import CheckpointError
@@ -267,7 +270,8 @@ class _CliEvents:
     def __call__(self, ev: Any) -> None:
         kind = ev.type
         if kind == "run_started" and ev.run_id:
-            print(f"flowrt {self.cmd}: run {ev.run_id}{' (resumed)' if ev.resumed else ''}; checkpoints in "
+            how = " (forked)" if self.cmd == "runs fork" else " (resumed)" if ev.resumed else ""
+            print(f"flowrt {self.cmd}: run {ev.run_id}{how}; checkpoints in "
                   f"{self.checkpoint}", file=sys.stderr, flush=True)
         if not self.stream:
             return
@@ -353,12 +357,47 @@ def _run_cli(args: argparse.Namespace, cmd: str, wf: Any, runtime: Any, start: C
         if not args.json:
             from .render import to_jsonable
 
-            print(json.dumps(to_jsonable(it.get("payload")), ensure_ascii=False, indent=2))
-        print(f"flowrt {cmd}: run {result.run_id} is waiting for an answer (step {it.get('step')!r}); continue "
-              f"it with: flowrt resume {result.run_id} --checkpoint {args.checkpoint} --answer '...'",
-              file=sys.stderr)
+            shown = {i["step"]: i.get("payload") for i in result.interrupts} if len(result.interrupts) > 1 \
+                else it.get("payload")
+            print(json.dumps(to_jsonable(shown), ensure_ascii=False, indent=2))
+        steps = [i["step"] for i in result.interrupts] if len(result.interrupts) > 1 else []
+        if steps:
+            print(f"flowrt {cmd}: run {result.run_id} is waiting for {len(steps)} answers (steps "
+                  f"{', '.join(map(repr, steps))}); continue it with: flowrt resume {result.run_id} --checkpoint "
+                  f"{args.checkpoint} " + " ".join(f"--answer '{s}=...'" for s in steps), file=sys.stderr)
+        else:
+            print(f"flowrt {cmd}: run {result.run_id} is waiting for an answer (step {it.get('step')!r}); continue "
+                  f"it with: flowrt resume {result.run_id} --checkpoint {args.checkpoint} --answer '...'",
+                  file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_OK if result.ok else EXIT_STEP_FAILED
+
+
+def _add_checkpoint_kv(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint-kv", nargs="?", const=True, default=False, metavar="DIR",
+                   help="save the KV blocks of live threads with every checkpoint (in DIR; default: beside the "
+                        "SQLite database, DB.kv), so that a resume in a fresh process does not compute them again")
+
+
+def _parse_answers(raws: list[str], state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``--answer VALUE`` (the run's one pending interrupt) or ``--answer STEP=VALUE`` for each of several
+    (STEP a pending interrupt's step; anything else with a '=' is a plain value)."""
+    from .checkpoint.run import NO_ANSWER
+
+    pending = [p["step"] for p in (state.get("interrupts") or ([state["interrupt"]] if state.get("interrupt") else []))]
+    answer, answers = NO_ANSWER, {}
+    for raw in raws:
+        step, sep, value = raw.partition("=")
+        if sep and step in pending:
+            answers[step] = _parse_answer(value)
+        elif answer is NO_ANSWER:
+            answer = _parse_answer(raw)
+        else:
+            raise UsageError(f"--answer VALUE given twice; a run waiting at several steps takes --answer STEP=VALUE "
+                             f"for each (it waits at: {', '.join(pending) or 'none'})")
+    if answer is not NO_ANSWER and answers:
+        raise UsageError("give either one --answer VALUE or --answer STEP=VALUE for each step, not both")
+    return answer, answers
 
 
 def _parse_answer(raw: str) -> Any:
@@ -368,67 +407,100 @@ def _parse_answer(raw: str) -> Any:
         return raw
 
 
-def cmd_resume(args: argparse.Namespace) -> int:
-    from .checkpoint import CheckpointError, SQLiteStore
+def _stored_run(args: argparse.Namespace, cmd: str, *, with_state: bool) -> Any:
+    """The run ``args.run_id`` of ``--checkpoint`` (never a new database), or None after printing why."""
+    from .checkpoint import CheckpointError, open_store
 
     try:
-        store = SQLiteStore(args.checkpoint)
-        record = store.get_run(args.run_id, with_state=False)
-        store.close()
+        store = open_store(args.checkpoint, create=False)
+        try:
+            return store.get_run(args.run_id, with_state=with_state)
+        finally:
+            store.close()
     except CheckpointError as e:
+        print(f"flowrt {cmd}: error: {e}", file=sys.stderr)
+        return None
+
+
+def _stored_run_setup(args: argparse.Namespace, cmd: str, record: Any) -> tuple[Any, Any] | None:
+    """A stored run's workflow (``--file``, else the file it recorded) and a runtime with its model and engine
+    options (the command line's on top), for ``resume`` and ``runs fork``; None after printing why."""
+    file = args.file or record.file
+    if not file:
+        print(f"flowrt {cmd}: error: run {record.run_id} recorded no workflow file; pass --file", file=sys.stderr)
+        return None
+    args.file, args.workflow = file, record.workflow
+    wf = _load_valid(args, cmd)
+    if wf is None:
+        return None
+    meta = record.meta or {}
+    engine_kwargs = {**(meta.get("engine") or {}), **engine_kwargs_from_args(args)}
+    model = args.model if args.model is not None else meta.get("model")
+    runtime = _make_runtime(args, cmd, model, engine_kwargs, args.index or meta.get("index"))
+    return None if runtime is None else (wf, runtime)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from .checkpoint.lease import live_holder
+
+    record = _stored_run(args, "resume", with_state=True)
+    if record is None:
+        return EXIT_USAGE
+    try:
+        answer, answers = _parse_answers(args.answer or [], record.state or {})
+    except UsageError as e:
         print(f"flowrt resume: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if record.status == "done":
         print(f"flowrt resume: run {record.run_id} already finished; `flowrt runs show {record.run_id} --checkpoint "
               f"{args.checkpoint}` shows its results", file=sys.stderr)
         return EXIT_USAGE
-    file = args.file or record.file
-    if not file:
-        print(f"flowrt resume: error: run {record.run_id} recorded no workflow file; pass --file", file=sys.stderr)
+    holder = live_holder(record)
+    if holder is not None:   # before loading anything; the claim when the run starts is what decides
+        print(f"flowrt resume: error: run {record.run_id} is held by {holder}, which is running it (a run or a "
+              f"resume that came first)", file=sys.stderr)
         return EXIT_USAGE
-    args.file, args.workflow = file, record.workflow
-    wf = _load_valid(args, "resume")
-    if wf is None:
+    setup = _stored_run_setup(args, "resume", record)
+    if setup is None:
         return EXIT_USAGE
-    meta = record.meta or {}
-    engine_kwargs = {**(meta.get("engine") or {}), **engine_kwargs_from_args(args)}
-    model = args.model if args.model is not None else meta.get("model")
-    runtime = _make_runtime(args, "resume", model, engine_kwargs, args.index or meta.get("index"))
-    if runtime is None:
-        return EXIT_USAGE
-    from .checkpoint.run import NO_ANSWER
-
-    answer = _parse_answer(args.answer) if args.answer is not None else NO_ANSWER
+    wf, runtime = setup
     return _run_cli(args, "resume", wf, runtime,
-                    lambda **kw: runtime.resume(args.run_id, answer=answer, workflow=wf, **kw))
+                    lambda **kw: runtime.resume(args.run_id, answer=answer, answers=answers, workflow=wf, **kw))
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
     import datetime
 
-    from .checkpoint import CheckpointError, SQLiteStore
+    from .checkpoint import CheckpointError, open_store
+    from .checkpoint.lease import live_holder
 
     def when(t: float) -> str:
         return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
+    if args.action == "fork":
+        return cmd_fork(args)
     try:
-        store = SQLiteStore(args.checkpoint)
+        store = open_store(args.checkpoint, readonly=True)   # reading: never creates or changes the file
         if args.action == "list":
             runs = store.list_runs(args.limit)
             if args.json:
                 print(json.dumps([{"run_id": r.run_id, "workflow": r.workflow, "status": r.status, "file": r.file,
-                                   "created": r.created, "updated": r.updated, "checkpoints": r.checkpoints}
-                                  for r in runs], indent=2))
+                                   "created": r.created, "updated": r.updated, "checkpoints": r.checkpoints,
+                                   "holder": live_holder(r)} for r in runs], indent=2))
                 return EXIT_OK
             if not runs:
                 print(f"no runs in {args.checkpoint}", file=sys.stderr)
             for r in runs:
+                held = live_holder(r)
                 print(f"{r.run_id}  {r.status:<11}  {r.workflow:<20}  {when(r.created)}  {r.checkpoints} checkpoints"
-                      f"  {r.file or ''}")
+                      f"  {r.file or ''}{f'  held by {held}' if held else ''}")
             return EXIT_OK
         if not args.run_id:
-            print("flowrt runs show: error: which run? `flowrt runs show RUN_ID --checkpoint DB`", file=sys.stderr)
+            print(f"flowrt runs {args.action}: error: which run? `flowrt runs {args.action} RUN_ID --checkpoint DB`",
+                  file=sys.stderr)
             return EXIT_USAGE
+        if args.action == "history":
+            return _print_history(store.history(args.run_id), args.json, when)
         r = store.get_run(args.run_id)
         hist = store.history(args.run_id)
     except CheckpointError as e:
@@ -440,9 +512,59 @@ def cmd_runs(args: argparse.Namespace) -> int:
             "created": when(r.created), "updated": when(r.updated), "outputs": outputs,
             "errors": {k: e["message"] for k, e in state.get("errors", {}).items()},
             "skipped": state.get("not_routed", {}), "routes": state.get("routes", []),
-            "interrupt": r.interrupt, "steps": [{k: h[k] for k in ("seq", "step", "visit", "status")} for h in hist]}
+            "interrupt": r.interrupt, "holder": live_holder(r),
+            "steps": [{k: h[k] for k in ("seq", "step", "visit", "status")} for h in hist]}
     print(json.dumps(info, indent=2, ensure_ascii=False, default=str))
     return EXIT_OK
+
+
+def _summary(value: Any, width: int = 60) -> str:
+    """A stored result on one line, cut to ``width`` characters."""
+    if isinstance(value, dict) and ("json" in value or "placeholder" in value):
+        value = value["json"] if "json" in value else value["placeholder"]
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _print_history(hist: list[dict[str, Any]], as_json: bool, when: Callable[[float], str]) -> int:
+    """``flowrt runs history``: a run's checkpoints, oldest first (fork at any step shown)."""
+    if as_json:
+        print(json.dumps(hist, indent=2, ensure_ascii=False, default=str))
+        return EXIT_OK
+    for h in hist:
+        step = h["step"] or "(run)"
+        result = _summary(h["result"]) if h["result"] is not None else ""
+        print(f"{h['seq']:>4}  {when(h['created'])}  {step:<24}  {h['status']:<11}  {result}")
+    return EXIT_OK
+
+
+def cmd_fork(args: argparse.Namespace) -> int:
+    """``flowrt runs fork RUN_ID --at STEP [--input name=value ...]``: a new run from before STEP."""
+    if not args.run_id or not args.at:
+        print("flowrt runs fork: error: which run and step? `flowrt runs fork RUN_ID --at STEP --checkpoint DB`",
+              file=sys.stderr)
+        return EXIT_USAGE
+    record = _stored_run(args, "runs fork", with_state=False)
+    setup = None if record is None else _stored_run_setup(args, "runs fork", record)
+    if setup is None:
+        return EXIT_USAGE
+    wf, runtime = setup
+    try:
+        inputs = parse_inputs(args.input or [], args.input_file or [], wf)
+    except UsageError as e:
+        print(f"flowrt runs fork: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    forked: list[Any] = []
+
+    async def start(**kw: Any) -> Any:
+        forked.append(await runtime.fork(args.run_id, at=args.at, workflow=wf, **kw, **inputs))
+        return forked[-1]
+
+    code = _run_cli(args, "runs fork", wf, runtime, start)
+    if forked and not args.json:
+        print(forked[-1].run_id)   # the new run's id, alone on the last line (for scripts)
+    return code
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
@@ -518,6 +640,16 @@ def _register_external(sub: Any, module: str) -> None:
         add(sub)
 
 
+def _add_stored_run_options(g: Any, prefix: str = "") -> None:
+    """The options of the commands that run a stored run again (``resume``, ``runs fork``)."""
+    g.add_argument("--file", metavar="FILE.py", help=f"{prefix}the workflow file (default: the one the run recorded)")
+    g.add_argument("--stream", action="store_true", help=f"{prefix}print generated text live")
+    g.add_argument("--trace", metavar="FILE", help=f"{prefix}write a Chrome trace")
+    g.add_argument("--index", metavar="DIR", help=f"{prefix}retrieval index directory (default: the run's)")
+    g.add_argument("--no-progress", action="store_true", help=f"{prefix}no live progress display")
+    g.add_argument("--traceback", action="store_true", help=f"{prefix}print full tracebacks of failed steps")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -539,8 +671,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no live progress display")
     p.add_argument("--traceback", action="store_true", help="print full tracebacks of failed steps")
     p.add_argument("--checkpoint", metavar="DB", help="save the run after every step to this SQLite database "
-                   "(created if missing); prints the run id; `flowrt resume RUN_ID --checkpoint DB` continues it")
+                   "(created if missing) or postgresql:// URL; prints the run id; `flowrt resume RUN_ID "
+                   "--checkpoint DB` continues it")
     p.add_argument("--stream", action="store_true", help="print generated text live as the steps produce it")
+    _add_checkpoint_kv(p)
     add_engine_arguments(p)
     p.set_defaults(func=cmd_run)
 
@@ -550,26 +684,34 @@ def build_parser() -> argparse.ArgumentParser:
                                     "call returning --answer.")
     rs.add_argument("run_id", metavar="RUN_ID")
     rs.add_argument("--checkpoint", metavar="DB", required=True, help="the run's checkpoint database")
-    rs.add_argument("--answer", metavar="VALUE", help="the answer to the run's interrupt (JSON, else a string)")
-    rs.add_argument("--file", metavar="FILE.py", help="the workflow file (default: the one the run recorded)")
+    rs.add_argument("--answer", metavar="[STEP=]VALUE", action="append",
+                    help="the answer to the run's interrupt (JSON, else a string); STEP=VALUE answers the interrupt "
+                         "of that step, for a run waiting at several (parallel branches); repeat for each")
+    _add_checkpoint_kv(rs)
     rs.add_argument("--json", action="store_true", help="print the result as JSON and nothing else on stdout")
-    rs.add_argument("--stream", action="store_true", help="print generated text live")
-    rs.add_argument("--trace", metavar="FILE", help="write a Chrome trace")
-    rs.add_argument("--index", metavar="DIR", help="retrieval index directory (default: the run's)")
-    rs.add_argument("--no-progress", action="store_true", help="no live progress display")
-    rs.add_argument("--traceback", action="store_true", help="print full tracebacks of failed steps")
+    _add_stored_run_options(rs)
     add_engine_arguments(rs)
     rs.set_defaults(func=cmd_resume, workflow=None)
 
-    ru = sub.add_parser("runs", help="list or show checkpointed runs",
+    ru = sub.add_parser("runs", help="list, show or fork checkpointed runs",
                         description="`flowrt runs list --checkpoint DB` lists runs, newest first; `flowrt runs show "
-                                    "RUN_ID --checkpoint DB` prints one run's state and step history as JSON.")
-    ru.add_argument("action", choices=["list", "show"])
+                                    "RUN_ID --checkpoint DB` prints one run's state and step history as JSON; "
+                                    "`flowrt runs history RUN_ID` lists its checkpoints (step, time, result); "
+                                    "`flowrt runs fork RUN_ID --at STEP [--input NAME=VALUE ...]` starts a new run "
+                                    "from the state just before STEP with those inputs changed (STEP and the steps "
+                                    "downstream of it run again, none upstream) and prints its run id.")
+    ru.add_argument("action", choices=["list", "show", "history", "fork"])
     ru.add_argument("run_id", nargs="?", metavar="RUN_ID")
     ru.add_argument("--checkpoint", metavar="DB", required=True)
     ru.add_argument("--limit", type=int, default=50, help="list at most this many runs")
-    ru.add_argument("--json", action="store_true", help="list as JSON")
-    ru.set_defaults(func=cmd_runs)
+    ru.add_argument("--json", action="store_true", help="list as JSON (fork: print the result as JSON)")
+    fk = ru.add_argument_group("fork")
+    fk.add_argument("--at", metavar="STEP", help="fork: the step to run again (with everything downstream)")
+    fk.add_argument("--input", "-i", action="append", metavar="NAME=VALUE", help="fork: an input to change")
+    fk.add_argument("--input-file", action="append", metavar="NAME=PATH", help="fork: an input read from a file")
+    _add_stored_run_options(fk, "fork: ")
+    add_engine_arguments(ru)
+    ru.set_defaults(func=cmd_runs, workflow=None)
 
     g = sub.add_parser("graph", help="print a workflow's DAG", description="Print the DAG of FILE's workflow.")
     g.add_argument("file", metavar="FILE.py")

@@ -7,7 +7,9 @@ engine sees every LLM call that can happen at a given moment and batches them.
   abandoned: Python cannot stop a thread, so it runs on in the background, its result is dropped, and
   being a daemon thread it never keeps the process from exiting);
 * a failing step fails alone: steps that depend on it are skipped (with the reason), every other branch
-  runs to completion, and the result keeps all that completed next to the error and its traceback.
+  runs to completion, and the result keeps all that completed next to the error and its traceback;
+* a subgraph step (``wf.step(sub)``) or ``fr.subflow`` runs a child ``WorkflowRun`` inside the step: the
+  run's tracer, events, interrupts and checkpoint are shared, its step names are prefixed by its path.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 import traceback as tb_mod
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -33,7 +36,8 @@ from .trace import Tracer, current_step, current_tracer
 from .worker import run_sync_abandonable
 from .workflow import Step, Workflow
 
-__all__ = ["RunResult", "StepError", "StepFailed", "RunObserver", "execute", "ResourceProvider", "to_jsonable"]
+__all__ = ["RunResult", "StepError", "StepFailed", "RunObserver", "WorkflowRun", "execute", "load_resources",
+           "ResourceProvider", "to_jsonable", "subflow", "run_subgraph", "SubgraphFailed"]
 
 
 @dataclass
@@ -73,7 +77,8 @@ class RunResult:
     visits: dict[str, int] = field(default_factory=dict)           # steps that ran more than once
     status: str = "done"                # "done", "failed" or "interrupted"
     run_id: str | None = None           # with a checkpointer
-    interrupt: dict[str, Any] | None = None   # {"step", "payload"} of an interrupted run
+    interrupt: dict[str, Any] | None = None   # {"step", "payload"} of an interrupted run (its first)
+    interrupts: list[dict[str, Any]] = field(default_factory=list)   # every pending one (parallel branches)
 
     @property
     def ok(self) -> bool:
@@ -119,7 +124,8 @@ class RunResult:
         if self.routes:
             out["routes"] = to_jsonable(self.routes)
         if self.interrupted:
-            out.update(status=self.status, run_id=self.run_id, interrupt=to_jsonable(self.interrupt))
+            out.update(status=self.status, run_id=self.run_id, interrupt=to_jsonable(self.interrupt),
+                       interrupts=to_jsonable(self.interrupts))
         return out
 
     def to_json(self, indent: int | None = None) -> str:
@@ -181,43 +187,6 @@ async def _call_once(step: Step, kwargs: dict[str, Any]) -> Any:
     return await run_sync_abandonable(lambda: step.fn(**kwargs), name=f"flowrt step {step.name}")
 
 
-async def _attempts(step: Step, kwargs: dict[str, Any], label: str, observer: RunObserver | None,
-                    tracer: Tracer, interrupts: InterruptScope | None = None) -> tuple[Any, int]:
-    """Run one invocation with retries and a per-attempt timeout; returns (value, attempts)."""
-    attempts = step.retries + 1
-    for attempt in range(1, attempts + 1):
-        if interrupts is not None:
-            interrupts.calls[label] = 0   # each attempt asks its interrupts from the first again
-        if observer is not None:
-            observer.attempts[step.name] = max(observer.attempts.get(step.name, 0), attempt)
-        span = tracer.start(label, "step", step=step.name, attempt=attempt)
-        try:
-            if step.timeout is not None:
-                with anyio.move_on_after(step.timeout) as scope:
-                    value = await _call_once(step, kwargs)
-                if scope.cancelled_caught:
-                    raise _StepTimeout(f"step {step.name!r} timed out after {step.timeout:g}s")
-            else:
-                value = await _call_once(step, kwargs)
-        except anyio.get_cancelled_exc_class():
-            tracer.end(span, status="cancelled")
-            raise
-        except Interrupt:
-            tracer.end(span, status="interrupted")
-            raise
-        except Exception as e:
-            tracer.end(span, status="error", error=_message(e))
-            if attempt >= attempts:
-                e.__flowrt_attempts__ = attempt  # type: ignore[attr-defined]
-                raise
-            if step.retry_delay:
-                await anyio.sleep(step.retry_delay * (2 ** (attempt - 1)))
-            continue
-        tracer.end(span, status="ok")
-        return value, attempt
-    raise AssertionError("unreachable")
-
-
 class _RunState:
     """What the scheduler knows about a run; a checkpoint is this, serialized (see ``snapshot``).
 
@@ -235,7 +204,12 @@ class _RunState:
         self.loop_values: dict[str, dict[str, Any]] = {}   # target -> {router: value}
         self.route_log: list[dict[str, Any]] = []
         self.timings: dict[str, float] = {}
-        self.interrupt: dict[str, Any] | None = None
+        self.interrupt: dict[str, Any] | None = None        # the first pending interrupt
+        self.interrupts: list[dict[str, Any]] = []          # all of them (branches running in parallel)
+        # the root run's: the states of subgraphs in flight, by path (saved nested in its checkpoints), and
+        # those a resume found, which the subgraph takes when it starts again
+        self.children: dict[str, _RunState] = {}
+        self.restoring: dict[str, Any] = {}
 
 
 def _as_gotos(step: Step, value: Any) -> list[Goto]:
@@ -253,63 +227,102 @@ def _as_gotos(step: Step, value: Any) -> list[Goto]:
     return list(gotos)
 
 
-async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvider | None = None, *,
-                  tracer: Tracer | None = None, observer: RunObserver | None = None,
-                  stats_fn: Callable[[], dict[str, Any]] | None = None, checkpoint: Any = None,
-                  events: EventSink | None = None) -> RunResult:
-    """Run ``wf`` once. Invalid inputs raise ``WorkflowError`` before any step starts; step failures are
-    reported in the result, never raised.
+def _failure(step: Step, e: BaseException) -> StepError:
+    """The StepError of a step whose (last) attempt raised ``e``."""
+    msg, tb = _format_exc(e)
+    n = getattr(e, "__flowrt_attempts__", 1)
+    item = getattr(e, "__flowrt_item__", None)
+    if item is not None:
+        msg += f" (item {item})"
+    if n > 1:
+        msg += f" (after {n} attempts)"
+    return StepError(step.name, msg, tb, kind="timeout" if isinstance(e, _StepTimeout) else "failed", attempts=n)
 
-    ``checkpoint``: a ``flowrt.checkpoint.RunCheckpoint`` (the run's state is saved after every step, and
-    a resumed run starts from its last state); ``events``: where run events go (flowrt.events)."""
-    wf.validate()
-    inputs = wf.check_inputs(inputs)
-    tracer = tracer or Tracer(stats_fn=stats_fn)
-    if tracer.stats_fn is None:
-        tracer.stats_fn = stats_fn
-    t_start = time.perf_counter()
-    st = _RunState(wf)
-    emit = events if events is not None else (lambda ev: None)
-    scope = InterruptScope(enabled=checkpoint is not None)
-    graph = wf.graph
 
-    def set_status(name: str, status: str) -> None:
-        if observer is not None:
-            observer.on_status(name, status)
+class WorkflowRun:
+    """One run of a workflow: its state and the scheduler's decisions, one method each.
 
-    # Resources first: a workflow that needs the model loads it once, before any step starts.
-    resources: dict[str, Any] = {}
-    resource_errors: dict[str, str] = {}
-    for rname in wf.resources:
-        if observer is not None:
-            observer.phase = f"loading {rname}"
-        if provider is None:
-            resource_errors[rname] = f"no runtime provides the resource {rname!r}"
-            continue
-        try:
-            resources[rname] = await provider.get_resource(rname)
-        except Exception as e:  # noqa: BLE001 - reported per resource, run continues
-            resource_errors[rname] = f"{type(e).__name__}: {e}"
+    ``execute`` builds one and calls ``run``; the methods also work alone (tests drive ``readiness``,
+    ``kwargs_for``, ``take_routes``, ``run_step`` ... with plain Python steps, no engine). ``resources``:
+    the loaded resources by name; ``resource_errors``: why the others could not be loaded."""
 
-    restored = checkpoint.start(st, scope, resources.get("llm")) if checkpoint is not None else False
-    if restored:
-        for name in st.status:
-            if name in st.outputs:
-                set_status(name, "done")
-    emit(ev.RunStarted(wf.name, getattr(checkpoint, "run_id", None), list(wf.steps), resumed=restored))
+    def __init__(self, wf: Workflow, inputs: dict[str, Any], *, resources: dict[str, Any] | None = None,
+                 resource_errors: dict[str, str] | None = None, tracer: Tracer | None = None,
+                 observer: RunObserver | None = None, checkpoint: Any = None,
+                 events: EventSink | None = None, provider: ResourceProvider | None = None,
+                 parent: WorkflowRun | None = None, path: str = "") -> None:
+        self.wf = wf
+        self.inputs = inputs
+        self.resources = dict(resources or {})
+        self.resource_errors = dict(resource_errors or {})
+        self.provider = provider
+        self.st = _RunState(wf)
+        self.parent = parent
+        self.path = path                      # a subgraph's: "research" (its steps are "research/...")
+        if parent is None:
+            self.root: WorkflowRun = self
+            self.tracer = tracer or Tracer()
+            self.observer = observer
+            self.checkpoint = checkpoint
+            self.events = events
+            self.scope = InterruptScope(enabled=checkpoint is not None)
+            self.threads = RunThreads(getattr(checkpoint, "run_id", None))   # a checkpointed run: its durable id
+            self.subflow_calls: dict[str, int] = {}   # "label/sub" -> subflow calls in the current attempt
+        else:   # a subgraph: its steps are the parent run's (one tracer, event sink, checkpoint, interrupts)
+            self.root = parent.root
+            self.tracer, self.observer, self.checkpoint = parent.tracer, None, parent.checkpoint
+            self.events, self.scope, self.threads = parent.events, parent.scope, parent.threads
+        self.running: set[str] = set()
+        self.halted = False          # an interrupt: start no new steps
+        self.changed = anyio.Event()
+        self.order = wf.order()
+        self.loop_edges = set(wf.loop_edges)
+        self._graph = wf.graph
 
-    changed = anyio.Event()
-    halted = False          # an interrupt: start no new steps
+    # ------------------------------------------------------------------ bookkeeping
+    def label(self, name: str) -> str:
+        """A step's name as events, traces and checkpoints show it: its path (``research/search``)."""
+        return f"{self.path}/{name}" if self.path else name
 
-    def poke() -> None:
-        nonlocal changed
-        changed.set()
+    def emit(self, event: ev.Event) -> None:
+        if self.events is not None:
+            self.events(event)
 
-    def save(step: str | None) -> None:
-        if checkpoint is not None:
-            checkpoint.save(st, step, threads)
+    def set_status(self, name: str, status: str) -> None:
+        if self.observer is not None:
+            self.observer.on_status(name, status)
 
-    def resolve(name: str, status: str, err: StepError | None = None) -> None:
+    def save(self, step: str | None) -> None:
+        """Checkpoint the run's state (after ``step``; None: the run's end)."""
+        if self.checkpoint is None:
+            return
+        if self.parent is None:
+            self.checkpoint.save(self.st, step, self.threads)
+        elif step is not None:   # the whole run's state, saved at this subgraph step
+            self.checkpoint.save(self.root.st, self.label(step), self.threads, at=self.st)
+
+    def restore(self) -> bool:
+        """Fill the state from the checkpoint (a resume; for a subgraph, the state its last run left);
+        False for a new run."""
+        if self.checkpoint is None:
+            return False
+        if self.parent is not None:
+            saved = self.root.st.restoring.pop(self.path, None)
+            self.root.st.children[self.path] = self.st
+            if saved is None:
+                return False
+            self.checkpoint.restore_into(self.st, saved, self.resources.get("llm"), prefix=self.path + "/")
+            return True
+        restored = self.checkpoint.start(self.st, self.scope, self.resources.get("llm"))
+        if restored:
+            for name in self.st.status:
+                if name in self.st.outputs:
+                    self.set_status(name, "done")
+        return bool(restored)
+
+    def resolve(self, name: str, status: str, err: StepError | None = None) -> None:
+        """Record that ``name`` ended as ``status`` without a new output of its own (or ``done``)."""
+        st = self.st
         st.status[name] = status
         if status == "done":
             st.errors.pop(name, None)
@@ -318,31 +331,33 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
             assert err is not None
             if name not in st.outputs:
                 st.not_routed[name] = err
-            set_status(name, "skipped" if name not in st.outputs else "done")
-            emit(ev.StepSkipped(name, err.message))
+            self.set_status(name, "skipped" if name not in st.outputs else "done")
+            self.emit(ev.StepSkipped(self.label(name), err.message))
         elif status in ("failed", "skipped"):
             assert err is not None
             st.outputs.pop(name, None)
             st.not_routed.pop(name, None)
             st.errors[name] = err
-            set_status(name, status)
+            self.set_status(name, status)
             if status == "skipped":
-                emit(ev.StepSkipped(name, err.message))
+                self.emit(ev.StepSkipped(self.label(name), err.message))
 
-    def readiness(step: Step) -> str:
+    # ------------------------------------------------------------------ decisions
+    def readiness(self, step: Step) -> str:
         """"wait", "run", or "resolved" (skipped / not routed here and now)."""
+        st = self.st
         for d in step.deps + step.gates:
             if st.status[d] in ("pending", "running", "interrupted"):
                 return "wait"
         failed = [d for d in step.deps + step.gates if st.status[d] in ("failed", "skipped")]
         if failed:
-            resolve(step.name, "skipped", StepError(step.name, f"skipped: depends on failed step {failed[0]!r}",
-                                                    kind="skipped"))
+            self.resolve(step.name, "skipped", StepError(
+                step.name, f"skipped: depends on failed step {failed[0]!r}", kind="skipped"))
             return "resolved"
         if step.gates and not any(step.name in st.chosen.get(g, {}) for g in step.gates):
             by = ", ".join(step.gates)
-            resolve(step.name, "not_routed", StepError(step.name, f"not routed: {by} chose another route",
-                                                       kind="not_routed"))
+            self.resolve(step.name, "not_routed", StepError(
+                step.name, f"not routed: {by} chose another route", kind="not_routed"))
             return "resolved"
         params = {p.name: p for p in step.params}
         for d in step.deps:
@@ -350,43 +365,49 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
                 p = params.get(d)
                 if p is None or p.has_default:   # ordering only, or a join: the default stands in
                     continue
-                resolve(step.name, "not_routed", StepError(
+                self.resolve(step.name, "not_routed", StepError(
                     step.name, f"not routed: depends on {d!r}, which was not routed", kind="not_routed"))
                 return "resolved"
-        missing = [r for r in step.resources if r in resource_errors]
+        missing = [r for r in step.resources if r in self.resource_errors]
         if missing:
-            resolve(step.name, "skipped", StepError(step.name, f"skipped: resource {missing[0]!r} is unavailable: "
-                                                    f"{resource_errors[missing[0]]}", kind="skipped"))
+            self.resolve(step.name, "skipped", StepError(
+                step.name, f"skipped: resource {missing[0]!r} is unavailable: "
+                f"{self.resource_errors[missing[0]]}", kind="skipped"))
             return "resolved"
         return "run"
 
-    def kwargs_for(step: Step) -> dict[str, Any]:
+    def kwargs_for(self, step: Step) -> dict[str, Any]:
+        """The step's arguments: resources, route values, upstream results, inputs, defaults."""
+        st = self.st
         kwargs: dict[str, Any] = {}
         for p in step.params:
             if p.resource:
-                kwargs[p.name] = resources[p.resource]
+                kwargs[p.name] = self.resources[p.resource]
             elif p.name in step.loop_sources:
                 kwargs[p.name] = st.loop_values.get(step.name, {}).get(p.name, p.default)
             elif p.name in step.gates:
                 kwargs[p.name] = st.chosen.get(p.name, {}).get(step.name, p.default)
-            elif p.name in wf.steps:
+            elif p.name in self.wf.steps:
                 kwargs[p.name] = st.outputs[p.name] if p.name in st.outputs else p.default
-            elif p.name in inputs:
-                kwargs[p.name] = inputs[p.name]
+            elif p.name in self.inputs:
+                kwargs[p.name] = self.inputs[p.name]
             elif p.has_default:
                 kwargs[p.name] = p.default
             else:  # check_inputs guarantees this does not happen
                 raise AssertionError(f"input {p.name!r} missing")
         return kwargs
 
-    def take_routes(step: Step, value: Any) -> Any:
+    def take_routes(self, step: Step, value: Any) -> Any:
+        """Apply the routes a routing step returned; returns the value the step's result keeps."""
+        st = self.st
         gotos = _as_gotos(step, value)
-        loops = [g for g in gotos if (step.name, g.step) in loop_edges]
-        forward = [g for g in gotos if (step.name, g.step) not in loop_edges]
+        loops = [g for g in gotos if (step.name, g.step) in self.loop_edges]
+        forward = [g for g in gotos if (step.name, g.step) not in self.loop_edges]
         st.route_log.append({"step": step.name, "visit": st.visits[step.name], "to": [g.step for g in gotos]})
-        emit(ev.Routed(step.name, [g.step for g in gotos], [g.step for g in loops]))
+        self.emit(ev.Routed(self.label(step.name), [self.label(g.step) for g in gotos],
+                            [self.label(g.step) for g in loops]))
         for g in loops:
-            again = {g.step} | (set(nx.descendants(graph, g.step)) & set(wf.steps))
+            again = {g.step} | (set(nx.descendants(self._graph, g.step)) & set(self.wf.steps))
             for x in again:
                 if st.status[x] != "running":
                     st.status[x] = "pending"
@@ -401,99 +422,71 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
             return value.value
         return [g.value for g in gotos]
 
-    async def run_step(step: Step) -> None:
-        nonlocal halted
-        token = current_step.set(step.name)
-        try:
-            st.visits[step.name] += 1
-            visit = st.visits[step.name]
-            if visit > step.max_visits:
-                msg = (f"step {step.name!r} would run a {visit}th time, past max_visits={step.max_visits} (a loop "
-                       f"that does not end?); end the loop or raise @wf.step(max_visits=...)")
-                st.visits[step.name] -= 1
-                resolve(step.name, "failed", StepError(step.name, msg, kind="failed"))
-                emit(ev.StepFailed(step.name, visit, msg))
-                return
-            kwargs = kwargs_for(step)
-            set_status(step.name, "running")
-            emit(ev.StepStarted(step.name, visit))
-            t0 = time.perf_counter()
+    # ------------------------------------------------------------------ running steps
+    async def attempts(self, step: Step, kwargs: dict[str, Any], label: str) -> tuple[Any, int]:
+        """Run one invocation with retries and a per-attempt timeout; returns (value, attempts)."""
+        total = step.retries + 1
+        for attempt in range(1, total + 1):
+            self.scope.calls[label] = 0   # each attempt asks its interrupts (and subflows) from the first again
+            for k in [k for k in self.root.subflow_calls if k.startswith(label + "/")]:
+                del self.root.subflow_calls[k]
+            if self.observer is not None:
+                self.observer.attempts[step.name] = max(self.observer.attempts.get(step.name, 0), attempt)
+            span = self.tracer.start(label, "step", step=self.label(step.name), attempt=attempt)
             try:
-                if step.map is None:
-                    value, _ = await _attempts(step, kwargs, step.name, observer, tracer, scope)
-                else:
-                    value = await run_mapped(step, kwargs)
-                if step.routes:
-                    st.status[step.name] = "done"   # a loop route may set it pending again
-                    value = take_routes(step, value)
+                value = await self._attempt(step, kwargs)
             except anyio.get_cancelled_exc_class():
+                self.tracer.end(span, status="cancelled")
                 raise
-            except Interrupt as e:
-                st.status[step.name] = "interrupted"
-                st.not_routed.pop(step.name, None)
-                st.interrupt = {"step": e.step, "index": e.index, "payload": to_jsonable(e.payload)}
-                halted = True
-                set_status(step.name, "interrupted")
-                emit(ev.Interrupted(e.step, e.payload, getattr(checkpoint, "run_id", None)))
-            except Exception as e:  # noqa: BLE001 - step failure is recorded, other steps go on
-                msg, tb = _format_exc(e)
-                n = getattr(e, "__flowrt_attempts__", 1)
-                item = getattr(e, "__flowrt_item__", None)
-                if item is not None:
-                    msg += f" (item {item})"
-                if n > 1:
-                    msg += f" (after {n} attempts)"
-                resolve(step.name, "failed", StepError(step.name, msg, tb,
-                                                       kind="timeout" if isinstance(e, _StepTimeout) else "failed",
-                                                       attempts=n))
-                emit(ev.StepFailed(step.name, visit, msg, st.errors[step.name].kind))
-            else:
-                st.outputs[step.name] = value
-                if checkpoint is not None:
-                    checkpoint.record_output(step.name, value)
-                st.errors.pop(step.name, None)
-                st.not_routed.pop(step.name, None)
-                if st.status[step.name] in ("running", "done"):
-                    st.status[step.name] = "done"
-                set_status(step.name, "done")
-                emit(ev.StepFinished(step.name, visit, round(time.perf_counter() - t0, 6)))
-            finally:
-                st.timings[step.name] = time.perf_counter() - t0
-            save(step.name)
-        finally:
-            threads.step_done(step.name)  # the step's open threads: "finished" hints to the engine
-            current_step.reset(token)
-            running.discard(step.name)
-            poke()
+            except Interrupt:
+                self.tracer.end(span, status="interrupted")
+                raise
+            except Exception as e:
+                self.tracer.end(span, status="error", error=_message(e))
+                if attempt >= total:
+                    e.__flowrt_attempts__ = attempt  # type: ignore[attr-defined]
+                    raise
+                if step.retry_delay:
+                    await anyio.sleep(step.retry_delay * (2 ** (attempt - 1)))
+                continue
+            self.tracer.end(span, status="ok")
+            return value, attempt
+        raise AssertionError("unreachable")
 
-    async def run_mapped(step: Step, kwargs: dict[str, Any]) -> list[Any]:
+    async def _attempt(self, step: Step, kwargs: dict[str, Any]) -> Any:
+        if step.timeout is None:
+            return await _call_once(step, kwargs)
+        with anyio.move_on_after(step.timeout):
+            return await _call_once(step, kwargs)
+        raise _StepTimeout(f"step {step.name!r} timed out after {step.timeout:g}s")
+
+    async def run_mapped(self, step: Step, kwargs: dict[str, Any]) -> list[Any]:
+        """Run ``step`` once per item of its ``map`` parameter, concurrently; the first failure fails it."""
         items = kwargs[step.map]  # type: ignore[index]
         if isinstance(items, (str, bytes, dict)) or not hasattr(items, "__iter__"):
             raise TypeError(f"step {step.name!r} maps over {step.map!r}, which must be a list "
                             f"(got {type(items).__name__})")
         items = list(items)
         results: list[Any] = [None] * len(items)
-        if observer is not None:
-            observer.items[step.name] = (0, len(items))
+        if self.observer is not None:
+            self.observer.items[step.name] = (0, len(items))
         limiter = anyio.CapacityLimiter(step.max_concurrency) if step.max_concurrency else None
         first_error: list[BaseException] = []
         finished = 0
 
         async def one(i: int, item: Any) -> None:
             nonlocal finished
-            token = current_step.set(f"{step.name}[{i}]")
+            label = f"{self.label(step.name)}[{i}]"
+            token = current_step.set(label)
             try:
                 if limiter is not None:
-                    await limiter.acquire()
-                try:
-                    results[i], _ = await _attempts(step, {**kwargs, step.map: item}, f"{step.name}[{i}]",
-                                                    observer, tracer, scope)
-                finally:
-                    if limiter is not None:
-                        limiter.release()
+                    async with limiter:
+                        results[i], _ = await self.attempts(step, {**kwargs, step.map: item}, label)
+                else:
+                    results[i], _ = await self.attempts(step, {**kwargs, step.map: item}, label)
                 finished += 1
-                if observer is not None:
-                    observer.items[step.name] = (finished, len(items))
+                if self.observer is not None:
+                    self.observer.items[step.name] = (finished, len(items))
             except anyio.get_cancelled_exc_class():
                 raise
             except Exception as e:  # noqa: BLE001 - first item error kept, re-raised after
@@ -513,65 +506,208 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
             raise first_error[0]
         return results
 
+    async def run_step(self, step: Step) -> None:
+        """Run one visit of ``step`` and record how it ended (result, failure, interrupt); checkpoint."""
+        label = self.label(step.name)
+        token = current_step.set(label)
+        try:
+            visit = self._next_visit(step)
+            if visit is None:
+                return
+            kwargs = self.kwargs_for(step)
+            self.set_status(step.name, "running")
+            self.emit(ev.StepStarted(label, visit))
+            t0 = time.perf_counter()
+            try:
+                value = await self._invoke(step, kwargs)
+            except anyio.get_cancelled_exc_class():
+                raise
+            except Interrupt as e:
+                self.on_interrupt(step, e)
+            except Exception as e:  # noqa: BLE001 - step failure is recorded, other steps go on
+                self.resolve(step.name, "failed", _failure(step, e))
+                self.emit(ev.StepFailed(label, visit, self.st.errors[step.name].message,
+                                        self.st.errors[step.name].kind))
+            else:
+                self.on_result(step, value, visit, time.perf_counter() - t0)
+            finally:
+                self.st.timings[step.name] = time.perf_counter() - t0
+            if self.st.status[step.name] != "interrupted":
+                self.root.drop_children(label)
+            self.save(step.name)
+        finally:
+            self.threads.step_done(label)  # the step's open threads: "finished" hints to the engine
+            current_step.reset(token)
+            self.running.discard(step.name)
+            self.changed.set()
+
+    def _next_visit(self, step: Step) -> int | None:
+        """Count a visit; None (and the step failed) past ``max_visits``."""
+        self.st.visits[step.name] += 1
+        visit = self.st.visits[step.name]
+        if visit <= step.max_visits:
+            return visit
+        msg = (f"step {step.name!r} would run a {visit}th time, past max_visits={step.max_visits} (a loop "
+               f"that does not end?); end the loop or raise @wf.step(max_visits=...)")
+        self.st.visits[step.name] -= 1
+        self.resolve(step.name, "failed", StepError(step.name, msg, kind="failed"))
+        self.emit(ev.StepFailed(self.label(step.name), visit, msg))
+        return None
+
+    async def _invoke(self, step: Step, kwargs: dict[str, Any]) -> Any:
+        if step.map is None:
+            value, _ = await self.attempts(step, kwargs, self.label(step.name))
+        else:
+            value = await self.run_mapped(step, kwargs)
+        if step.routes:
+            self.st.status[step.name] = "done"   # a loop route may set it pending again
+            value = self.take_routes(step, value)
+        return value
+
+    def on_interrupt(self, step: Step, e: Interrupt) -> None:
+        """The step asked for an answer: the run starts no new steps and ends interrupted."""
+        st = self.st
+        st.status[step.name] = "interrupted"
+        st.not_routed.pop(step.name, None)
+        info = {"step": e.step, "index": e.index, "payload": to_jsonable(e.payload)}
+        st.interrupts.append(info)
+        st.interrupt = st.interrupt or info
+        self.halted = True
+        self.set_status(step.name, "interrupted")
+        if self.parent is None:   # a subgraph's interrupt reaches the parent's step, which reports it
+            self.emit(ev.Interrupted(e.step, e.payload, getattr(self.checkpoint, "run_id", None)))
+
+    def on_result(self, step: Step, value: Any, visit: int, seconds: float) -> None:
+        st = self.st
+        st.outputs[step.name] = value
+        if self.checkpoint is not None:
+            self.checkpoint.record_output(self.label(step.name), value)
+        st.errors.pop(step.name, None)
+        st.not_routed.pop(step.name, None)
+        if st.status[step.name] in ("running", "done"):
+            st.status[step.name] = "done"
+        self.set_status(step.name, "done")
+        self.emit(ev.StepFinished(self.label(step.name), visit, round(seconds, 6)))
+
+    def drop_children(self, label: str) -> None:
+        """A step at ``label`` ended (not interrupted): the subgraph states it kept are no longer needed
+        (a later visit starts them afresh)."""
+        for k in [k for k in self.st.children if k == label or k.startswith((label + "/", label + "["))]:
+            del self.st.children[k]
+
+    # ------------------------------------------------------------------ the loop
+    def start_ready(self, tg: Any) -> bool:
+        """One pass over the pending steps: resolve those that cannot run, start those that can (unless
+        halted). True when something was resolved (which may unblock others)."""
+        progressed = False
+        for name in self.order:
+            if self.st.status[name] != "pending" or name in self.running:
+                continue
+            r = self.readiness(self.wf.steps[name])
+            if r == "resolved":
+                progressed = True
+            elif r == "run" and not self.halted:
+                self.st.status[name] = "running"
+                self.running.add(name)
+                tg.start_soon(self.run_step, self.wf.steps[name], name=f"flowrt step {name}")
+        return progressed
+
+    async def run(self) -> None:
+        """Run the steps until none can start and none is running (in the run's context variables)."""
+        tokens = [(current_tracer, current_tracer.set(self.tracer)),
+                  (current_run_threads, current_run_threads.set(self.threads)),
+                  (current_sink, current_sink.set(self.events)),
+                  (current_interrupts, current_interrupts.set(self.scope)),
+                  (current_run, current_run.set(self))]
+        try:
+            async with anyio.create_task_group() as tg:
+                while True:
+                    while self.start_ready(tg):   # skips resolve at once and may unblock others
+                        pass
+                    if not self.running:
+                        break
+                    self.changed = anyio.Event()
+                    await self.changed.wait()
+        except BaseException:  # cancelled (or interrupted): release the run's KV now, not at garbage collection
+            if self.parent is None:
+                self.threads.close_all()
+            raise
+        finally:
+            for var, tok in reversed(tokens):
+                var.reset(tok)
+
+    def status(self) -> str:
+        st = self.st
+        if st.interrupt is not None:
+            return "interrupted"
+        return "failed" if any(e.kind != "skipped" for e in st.errors.values()) else "done"
+
+    def result(self, elapsed: float, stats_fn: Callable[[], dict[str, Any]] | None) -> RunResult:
+        st, wf, order = self.st, self.wf, self.order
+        run_stats = {
+            "elapsed_s": round(elapsed, 6),
+            "steps_completed": len(st.outputs),
+            "steps_failed": sum(1 for e in st.errors.values() if e.kind != "skipped"),
+            "steps_skipped": sum(1 for e in st.errors.values() if e.kind == "skipped"),
+            **self.tracer.llm_totals,
+        }
+        if wf.has_routes:
+            run_stats["steps_not_routed"] = len(st.not_routed)
+        stats = _stats(stats_fn if "llm" in self.resources else None, run_stats)
+        return RunResult(wf.name, {n: st.outputs[n] for n in order if n in st.outputs},
+                         {n: st.errors[n] for n in order if n in st.errors and n not in st.outputs},
+                         stats, dict(st.timings), wf.sinks(), self.tracer,
+                         skipped={n: st.not_routed[n] for n in order if n in st.not_routed},
+                         routes=list(st.route_log), visits={n: v for n, v in st.visits.items() if v > 1},
+                         status=self.status(), run_id=getattr(self.checkpoint, "run_id", None),
+                         interrupt=st.interrupt, interrupts=list(st.interrupts))
+
+
+async def load_resources(wf: Workflow, provider: ResourceProvider | None, observer: RunObserver | None = None,
+                         only: list[str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The resources ``wf`` needs (or ``only`` these), loaded once before any step starts: (loaded, why
+    not for the others)."""
+    resources: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    for rname in only if only is not None else wf.resources:
+        if observer is not None:
+            observer.phase = f"loading {rname}"
+        if provider is None:
+            errors[rname] = f"no runtime provides the resource {rname!r}"
+            continue
+        try:
+            resources[rname] = await provider.get_resource(rname)
+        except Exception as e:  # noqa: BLE001 - reported per resource, run continues
+            errors[rname] = f"{type(e).__name__}: {e}"
     if observer is not None:
         observer.phase = ""
-    loop_edges = set(wf.loop_edges)
-    order = wf.order()
-    running: set[str] = set()
-    tok = current_tracer.set(tracer)
-    threads = RunThreads(getattr(checkpoint, "run_id", None))   # a checkpointed run: its durable id
-    threads_tok = current_run_threads.set(threads)
-    sink_tok = current_sink.set(events)
-    int_tok = current_interrupts.set(scope)
-    try:
-        async with anyio.create_task_group() as tg:
-            while True:
-                progressed = True
-                while progressed:   # skips resolve at once and may unblock others
-                    progressed = False
-                    for name in order:
-                        if st.status[name] != "pending" or name in running:
-                            continue
-                        r = readiness(wf.steps[name])
-                        if r == "resolved":
-                            progressed = True
-                        elif r == "run" and not halted:
-                            st.status[name] = "running"
-                            running.add(name)
-                            tg.start_soon(run_step, wf.steps[name], name=f"flowrt step {name}")
-                if not running:
-                    break
-                changed = anyio.Event()
-                await changed.wait()
-    except BaseException:  # cancelled (or interrupted): release the run's KV now, not at garbage collection
-        threads.close_all()
-        raise
-    finally:
-        current_interrupts.reset(int_tok)
-        current_sink.reset(sink_tok)
-        current_run_threads.reset(threads_tok)
-        current_tracer.reset(tok)
+    return resources, errors
 
-    status = "interrupted" if st.interrupt is not None else (
-        "failed" if any(e.kind != "skipped" for e in st.errors.values()) else "done")
-    run_stats = {
-        "elapsed_s": round(time.perf_counter() - t_start, 6),
-        "steps_completed": len(st.outputs),
-        "steps_failed": sum(1 for e in st.errors.values() if e.kind != "skipped"),
-        "steps_skipped": sum(1 for e in st.errors.values() if e.kind == "skipped"),
-        **tracer.llm_totals,
-    }
-    if wf.has_routes:
-        run_stats["steps_not_routed"] = len(st.not_routed)
-    stats = _stats(stats_fn if "llm" in resources else None, run_stats)
-    ordered_outputs = {n: st.outputs[n] for n in order if n in st.outputs}
-    ordered_errors = {n: st.errors[n] for n in order if n in st.errors and n not in st.outputs}
-    result = RunResult(wf.name, ordered_outputs, ordered_errors, stats, dict(st.timings), wf.sinks(), tracer,
-                       skipped={n: st.not_routed[n] for n in order if n in st.not_routed},
-                       routes=list(st.route_log), visits={n: v for n, v in st.visits.items() if v > 1},
-                       status=status, run_id=getattr(checkpoint, "run_id", None), interrupt=st.interrupt)
+
+async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvider | None = None, *,
+                  tracer: Tracer | None = None, observer: RunObserver | None = None,
+                  stats_fn: Callable[[], dict[str, Any]] | None = None, checkpoint: Any = None,
+                  events: EventSink | None = None) -> RunResult:
+    """Run ``wf`` once. Invalid inputs raise ``WorkflowError`` before any step starts; step failures are
+    reported in the result, never raised.
+
+    ``checkpoint``: a ``flowrt.checkpoint.RunCheckpoint`` (the run's state is saved after every step, and
+    a resumed run starts from its last state); ``events``: where run events go (flowrt.events)."""
+    wf.validate()
+    inputs = wf.check_inputs(inputs)
+    tracer = tracer or Tracer(stats_fn=stats_fn)
+    if tracer.stats_fn is None:
+        tracer.stats_fn = stats_fn
+    t_start = time.perf_counter()
+    resources, resource_errors = await load_resources(wf, provider, observer)
+    run = WorkflowRun(wf, inputs, resources=resources, resource_errors=resource_errors, tracer=tracer,
+                      observer=observer, checkpoint=checkpoint, events=events, provider=provider)
+    restored = run.restore()
+    run.emit(ev.RunStarted(wf.name, getattr(checkpoint, "run_id", None), list(wf.steps), resumed=restored))
+    await run.run()
+    result = run.result(time.perf_counter() - t_start, stats_fn)
     if checkpoint is not None:
-        checkpoint.finish(st, status, threads)
+        checkpoint.finish(run.st, result.status, run.threads)
     return result
 
 
@@ -590,3 +726,54 @@ def _stats(engine_fn: Callable[[], dict[str, Any]] | None, run: dict[str, Any]) 
             engine = {}
     flat_run = {k if k.startswith(("elapsed", "steps_")) else f"run_{k}": v for k, v in run.items()}
     return {**engine, **flat_run, "engine": engine, "run": run}
+
+
+current_run: ContextVar[WorkflowRun | None] = ContextVar("flowrt_run", default=None)
+
+
+class SubgraphFailed(RuntimeError):
+    """A subgraph's run failed: the first failing step's path and message."""
+
+
+async def run_subgraph(sub: Workflow, inputs: dict[str, Any], *, output: str | None = None,
+                       path: str | None = None) -> Any:
+    """Run ``sub`` inside the current run under ``path`` (default: the current step's label) and return
+    its result (its last step's, or ``output``'s). An interrupt inside pauses the whole run; a failure
+    raises ``SubgraphFailed``."""
+    parent = current_run.get()
+    label = current_step.get()
+    if parent is None or label is None:
+        raise RuntimeError("a subgraph runs inside a workflow step (fr.subflow, wf.step(sub))")
+    sub.validate()
+    inputs = sub.check_inputs(inputs)
+    resources = {r: parent.resources[r] for r in sub.resources if r in parent.resources}
+    missing = [r for r in sub.resources if r not in resources]
+    loaded, errors = await load_resources(sub, parent.provider, only=missing) if missing else ({}, {})
+    child = WorkflowRun(sub, inputs, resources={**resources, **loaded}, resource_errors=errors,
+                        provider=parent.provider, parent=parent, path=path or label)
+    child.restore()
+    await child.run()
+    if child.st.interrupt is not None:
+        i = child.st.interrupt
+        raise Interrupt(i["payload"], i["step"], i["index"])
+    result = child.result(0.0, None)
+    bad = next((e for e in result.errors.values() if e.kind != "skipped"), None)
+    if bad is not None:
+        raise SubgraphFailed(f"subgraph step {child.label(bad.step)!r} {bad.kind}: {bad.message}")
+    return result[output] if output is not None else result.output
+
+
+async def subflow(sub: Workflow, /, **inputs: Any) -> Any:
+    """Run the workflow ``sub`` from inside a step, as part of this run: ``await fr.subflow(agent, q=q)``.
+
+    Its steps' events, traces and checkpoints carry the path ``step/sub`` (``step/sub#2`` for the second
+    call in the same step), a resume continues inside it, and an interrupt inside it pauses the run.
+    Returns its last step's result."""
+    label = current_step.get()
+    run = current_run.get()
+    if run is None or label is None:
+        raise RuntimeError("fr.subflow() can only be called inside a workflow step")
+    key = f"{label}/{sub.name}"
+    n = run.root.subflow_calls.get(key, 0) + 1
+    run.root.subflow_calls[key] = n
+    return await run_subgraph(sub, inputs, path=key if n == 1 else f"{key}#{n}")

@@ -11,7 +11,7 @@ from types import ModuleType
 
 from .workflow import Workflow, WorkflowError
 
-__all__ = ["load_module", "find_workflows", "load_workflow", "format_load_error"]
+__all__ = ["load_module", "find_workflows", "load_workflow", "loaded_workflow", "format_load_error"]
 
 
 def load_module(path: str | Path) -> ModuleType:
@@ -53,8 +53,8 @@ def find_workflows(module: ModuleType) -> dict[str, Workflow]:
 
 
 def load_workflow(path: str | Path, name: str | None = None) -> Workflow:
-    """The workflow defined in ``path``: the only one, or the one whose variable or workflow name is
-    ``name``."""
+    """The workflow defined in ``path``: the only one (not counting those that are subgraphs of another),
+    or the one whose variable or workflow name is ``name``."""
     found = find_workflows(load_module(path))
     if not found:
         raise WorkflowError(f"{path} defines no flowrt Workflow at top level")
@@ -65,10 +65,32 @@ def load_workflow(path: str | Path, name: str | None = None) -> Workflow:
         raise WorkflowError(f"{path} has no workflow named {name!r}; it defines: "
                             + ", ".join(f"{v} ({w.name!r})" for v, w in found.items()))
     unique = list({id(w): w for w in found.values()}.values())
+    subs = {id(s.sub) for w in unique for s in w.steps.values() if s.sub is not None}
+    unique = [w for w in unique if id(w) not in subs] or unique
     if len(unique) > 1:
         raise WorkflowError(f"{path} defines several workflows ({', '.join(found)}); choose one with "
                             f"--workflow NAME")
     return unique[0]
+
+
+def loaded_workflow(path: str | Path, name: str) -> Workflow | None:
+    """The workflow named ``name`` (variable or ``Workflow.name``) of ``path`` when that file is already
+    imported (``sys.modules``: the running script's ``__main__``, a module, or one ``load_module`` loaded),
+    by identity; None when it is not. Importing a script again would run its top level a second time."""
+    target = Path(path).resolve()
+    for module in list(sys.modules.values()):
+        f = getattr(module, "__file__", None)
+        if not isinstance(f, str) or Path(f).name != target.name:
+            continue
+        try:
+            if Path(f).resolve() != target:
+                continue
+        except OSError:
+            continue
+        for var, wf in find_workflows(module).items():
+            if name in (var, wf.name):
+                return wf
+    return None
 
 
 def format_load_error(e: BaseException, path: str | Path) -> str:

@@ -150,6 +150,8 @@ class Thread:
         self._busy = False
         self._closed = False
         self.last_output: RequestOutput | None = None  # the engine's output of the last gen/stream
+        self.score: float | None = None  # a beam from beam(): its beam score and cumulative log-probability
+        self.cum_logprob: float | None = None
         # a stream in progress: (sequence, start, end) of its tokens
         self._live: tuple[SequenceHandle, int, int] | None = None
         track(self)                     # a cancelled run closes the threads it opened
@@ -233,6 +235,9 @@ class Thread:
     def append(self, text: str) -> "Thread":
         if not isinstance(text, str):
             raise TypeError(f"can only append str to a thread, got {type(text).__name__}")
+        from .engine.tokenizer import check_text
+
+        check_text(text, "text appended to the thread")  # fails here, not at the next model call
         self._check_usable()
         self._pending += text
         return self
@@ -456,6 +461,42 @@ class Thread:
             self._text += self._decode_tail(ids, n_before)
             self._uncomputed = 1
 
+    async def beam(self, *, width: int = 4, max_tokens: int = 16, length_penalty: float = 1.0,
+                   ignore_eos: bool = False, **constraint: Any) -> list["Thread"]:
+        """Beam search from the thread (flowrt.engine's beam search): the ``width`` best continuations of
+        ``max_tokens`` tokens at most, best first, as threads forked from this one (sharing its KV
+        copy-on-write) with ``score`` (cum_logprob / generated length ** length_penalty) and ``cum_logprob``
+        set. The thread itself is unchanged. ``json=`` / ``regex=`` / ``choice=`` / ``grammar=`` constrain every
+        beam (each beam forks its grammar state); the beams' text is then the constrained output."""
+        from .engine import BeamSearchParams
+
+        con, rest = split_constraint(constraint)
+        if rest:
+            raise TypeError(f"beam() got unexpected keywords: {', '.join(rest)}")
+        search = getattr(self.model.engine, "beam_search", None)
+        if search is None:
+            raise NotImplementedError(f"{type(self.model.engine).__name__} has no beam search")
+        params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty,
+                                  ignore_eos=ignore_eos, structured_outputs=con.params if con is not None else None)
+        with self._op():
+            seq = await self._materialize()
+            n_before = len(seq)
+            if con is not None:
+                with con.translating("beam"):
+                    out = await search(seq, params, keep=True)
+            else:
+                out = await search(seq, params, keep=True)
+            self._uncomputed = min(self._uncomputed, 1)
+            beams = []
+            for i, b in enumerate(out.sequences):
+                child = self._new_like()
+                self._copy_extra_state(child)
+                child._seq, child._uncomputed, child.fork_index = b.sequence, 1, i
+                child._text = self._text + self._decode_tail(b.tokens, n_before)
+                child.score, child.cum_logprob = b.score, b.cum_logprob
+                beams.append(child)
+            return beams
+
     async def scores(self, options: Iterable[str], *, by: str = "total") -> dict[str, float]:
         """Log-probability of each option as a continuation of the thread (``by="total"``: sum over the
         option's tokens; ``"mean"``: per-token mean). The thread is unchanged."""
@@ -657,6 +698,9 @@ class ChatThread(Thread):
     def message(self, role: str, content: str) -> "ChatThread":
         if not isinstance(content, str):
             raise TypeError(f"message content must be a str, got {type(content).__name__}")
+        from .engine.tokenizer import check_text
+
+        check_text(content, f"{role} message content")
         self._check_usable()
         self.messages.append({"role": role, "content": content})
         return self
@@ -706,7 +750,8 @@ class ChatThread(Thread):
         return sampling
 
     async def assistant(self, *, tools: Iterable[Any] | None = None, tool_choice: str | None = None,
-                        parallel_tool_calls: bool = True, **sampling: Any) -> Any:
+                        parallel_tool_calls: bool = True, max_tool_calls: int | None = None,
+                        **sampling: Any) -> Any:
         """Generate the assistant's reply to the conversation so far and record it.
 
         ``json=`` / ``regex=`` / ``choice=`` / ``grammar=`` constrain the reply as in ``Thread.gen`` (``json=``
@@ -715,7 +760,8 @@ class ChatThread(Thread):
         (``c.tools``; ``tools=[]`` removes them). With tools the reply is an ``AssistantReply`` (a str, plus
         ``.content`` and ``.tool_calls``); ``tool_choice``: "auto" (default: the model may call; a call it
         starts is constrained to the tools' schemas), "required" (at least one call, constrained),
-        a tool's name (a call of that tool), "none" (no calls: generation stops at a ``<tool_call>``)."""
+        a tool's name (a call of that tool), "none" (no calls: generation stops at a ``<tool_call>``).
+        A reply makes at most ``max_tool_calls`` calls (default ``toolcalls.MAX_CALLS``), so it always ends."""
         from . import toolcalls
         from .tools import TOOL_CHOICES, AssistantReply, as_tools, assistant_message
 
@@ -753,8 +799,8 @@ class ChatThread(Thread):
         elif "sampling_params" in sampling:
             raise ValueError("tool calls need sampling keywords, not sampling_params=")
         else:
-            constraint = (toolcalls.call_constraint(tool_specs, choice, parallel=parallel_tool_calls)
-                          if choice != "auto" else toolcalls.auto_constraint(tool_specs))
+            constraint = (toolcalls.call_constraint(tool_specs, choice, parallel_tool_calls, max_tool_calls)
+                          if choice != "auto" else toolcalls.auto_constraint(tool_specs, max_tool_calls))
             if constraint is not None:
                 sampling["structured_outputs"] = constraint
                 sampling.setdefault("max_tokens", 256)
@@ -820,6 +866,42 @@ class ChatThread(Thread):
         if append:
             self.messages.append({"role": "assistant", "content": choice})
         return choice
+
+    async def beam(self, *, width: int = 4, max_tokens: int = 16, length_penalty: float = 1.0,
+                   ignore_eos: bool = False, **constraint: Any) -> list["Thread"]:
+        """Beam search from the thread (flowrt.engine's beam search): the ``width`` best continuations of
+        ``max_tokens`` tokens at most, best first, as threads forked from this one (sharing its KV
+        copy-on-write) with ``score`` (cum_logprob / generated length ** length_penalty) and ``cum_logprob``
+        set. The thread itself is unchanged. ``json=`` / ``regex=`` / ``choice=`` / ``grammar=`` constrain every
+        beam (each beam forks its grammar state); the beams' text is then the constrained output."""
+        from .engine import BeamSearchParams
+
+        con, rest = split_constraint(constraint)
+        if rest:
+            raise TypeError(f"beam() got unexpected keywords: {', '.join(rest)}")
+        search = getattr(self.model.engine, "beam_search", None)
+        if search is None:
+            raise NotImplementedError(f"{type(self.model.engine).__name__} has no beam search")
+        params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty,
+                                  ignore_eos=ignore_eos, structured_outputs=con.params if con is not None else None)
+        with self._op():
+            seq = await self._materialize()
+            n_before = len(seq)
+            if con is not None:
+                with con.translating("beam"):
+                    out = await search(seq, params, keep=True)
+            else:
+                out = await search(seq, params, keep=True)
+            self._uncomputed = min(self._uncomputed, 1)
+            beams = []
+            for i, b in enumerate(out.sequences):
+                child = self._new_like()
+                self._copy_extra_state(child)
+                child._seq, child._uncomputed, child.fork_index = b.sequence, 1, i
+                child._text = self._text + self._decode_tail(b.tokens, n_before)
+                child.score, child.cum_logprob = b.score, b.cum_logprob
+                beams.append(child)
+            return beams
 
     async def scores(self, options: Iterable[str], *, by: str = "total") -> dict[str, float]:
         self._check_usable()

@@ -16,8 +16,9 @@ embedded through ``%json``), and the parser that gets the calls back out of gene
 - `auto_constraint(tools)`: free text, and wherever the model starts a ``<tool_call>`` block, the block
   is constrained (a lazy free-text lexeme that ends at the trigger, then a constrained call; any number of
   calls, then free text). The text outside blocks is unconstrained.
-- `parse_tool_calls(text)`: (content without the call blocks, calls). Never raises; a block whose JSON is
-  not a call stays in the content.
+- `parse_tool_calls(text)`: (content without the call blocks, calls). Never raises. Each call's JSON is
+  decoded structurally from its open tag on (a string argument may contain ``</tool_call>``); no block
+  markup stays in the content, also of a block that is not a call or was cut off by max_tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MAX_CALLS = 8  # calls in one response unless the caller says otherwise (max_tool_calls): a response ends
 # Compact JSON inside the blocks (", " and ": " separators, no free whitespace): small models otherwise pad.
 _JSON_OPTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -39,10 +41,13 @@ class ToolSpec:
     name: str
     description: str = ""
     parameters: dict = field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None  # OpenAI's function.strict: False lets objects take keys their schema omits
 
     def to_openai(self) -> dict:
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
+        fn = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        if self.strict is not None:
+            fn["strict"] = self.strict
+        return {"type": "function", "function": fn}
 
     @classmethod
     def from_openai(cls, d: dict) -> "ToolSpec":
@@ -66,7 +71,10 @@ class ToolSpec:
         desc = fn.get("description") or ""
         if not isinstance(desc, str):
             raise ValueError(f"tool {name!r}: description must be a string")
-        return cls(name=name, description=desc, parameters=params)
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ValueError(f"tool {name!r}: strict must be true or false")
+        return cls(name=name, description=desc, parameters=params, strict=strict)
 
 
 @dataclass
@@ -101,31 +109,60 @@ def _specs(tools: Iterable[Any]) -> list[ToolSpec]:
     return out
 
 
-def _args_schema(spec: ToolSpec) -> dict:
+def _args_schema(spec: ToolSpec, bound_numbers: bool = True) -> dict:
+    """The arguments' schema as generated: objects take only the keys they name (unless the tool says
+    ``strict: false``) and numbers are bounded (engine/json_bounds.py), as for response_format schemas."""
+    from flowrt.engine import json_bounds
+
     s = dict(spec.parameters) if spec.parameters else {}
     if not s or ("type" not in s and not any(k in s for k in ("anyOf", "oneOf", "allOf", "$ref", "enum", "const"))):
         s.setdefault("type", "object")
-    s["x-guidance"] = dict(_JSON_OPTS)
+    if spec.strict is not False:
+        s = json_bounds.close_objects(s)
+    if bound_numbers:
+        s = json_bounds.bound_integers(s)
     return s
+
+
+def _args_rule(spec: ToolSpec, i: int, bound_numbers: bool) -> tuple[str, str]:
+    """(the Lark expression for one tool's arguments, rules it needs)."""
+    from flowrt.engine import json_bounds
+
+    s = _args_schema(spec, bound_numbers)
+    if bound_numbers and json_bounds.needs_lark(s):
+        return json_bounds.to_lark(s, compact=True, prefix=f"args{i}")
+    return f"%json {json.dumps({**s, 'x-guidance': dict(_JSON_OPTS)})}", ""
 
 
 def _lark_str(s: str) -> str:
     return json.dumps(s)  # a JSON string literal is a valid Lark string literal
 
 
-def _call_rules(specs: list[ToolSpec]) -> str:
+def _call_rules(specs: list[ToolSpec], bound_numbers: bool = True) -> str:
     """Rules `call` (one JSON call object for any of `specs`) and `block` (it wrapped in the tags)."""
     lines = ["block: " + _lark_str(OPEN + "\n") + " call " + _lark_str("\n" + CLOSE),
              "call: " + " | ".join(f"call_{i}" for i in range(len(specs)))]
+    extra = ""
     for i, spec in enumerate(specs):
         head = '{"name": ' + json.dumps(spec.name) + ', "arguments": '
-        lines.append(f"call_{i}: {_lark_str(head)} %json {json.dumps(_args_schema(spec))} " + _lark_str("}"))
-    return "\n".join(lines) + "\n"
+        args, rules = _args_rule(spec, i, bound_numbers)
+        lines.append(f"call_{i}: {_lark_str(head)} {args} " + _lark_str("}"))
+        extra += rules
+    return "\n".join(lines) + "\n" + extra
 
 
-def call_constraint(tools: list, choice: str = "required", parallel: bool = True):
-    """A StructuredOutputsParams making the output exactly one call block (parallel: one or more, newline
-    separated) of any tool ("required") or of the tool named `choice`. ValueError for an unknown name."""
+def _max_calls(max_calls: int | None) -> int:
+    n = MAX_CALLS if max_calls is None else max_calls
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"max_tool_calls must be a positive integer, got {max_calls!r}")
+    return n
+
+
+def call_constraint(tools: list, choice: str = "required", parallel: bool = True, max_calls: int | None = None,
+                    bound_numbers: bool = True):
+    """A StructuredOutputsParams making the output exactly one call block (parallel: one to `max_calls`
+    (default MAX_CALLS), newline separated, so the response ends) of any tool ("required") or of the tool
+    named `choice`. ValueError for an unknown name."""
     from flowrt.engine import StructuredOutputsParams
 
     specs = _specs(tools)
@@ -133,23 +170,25 @@ def call_constraint(tools: list, choice: str = "required", parallel: bool = True
         specs = [s for s in specs if s.name == choice]
         if not specs:
             raise ValueError(f"tool_choice names {choice!r}, which is not one of the tools")
-    start = 'start: block ("\\n" block)*' if parallel else "start: block"
-    grammar = "%llguidance {}\n" + start + "\n" + _call_rules(specs)
+    n = _max_calls(max_calls) if parallel else 1
+    start = "start: block" + (f' ("\\n" block){{0,{n - 1}}}' if n > 1 else "")
+    grammar = "%llguidance {}\n" + start + "\n" + _call_rules(specs, bound_numbers)
     return StructuredOutputsParams(grammar=grammar)
 
 
-def auto_constraint(tools: list):
+def auto_constraint(tools: list, max_calls: int | None = None, bound_numbers: bool = True):
     """tool_choice "auto": free text; once the model writes ``<tool_call>``, the block that follows is a
-    valid call of one of the tools (then free text again; any number of blocks). Built on llguidance's lazy
-    lexemes (the free text ends at the first ``<tool_call>``), as its own StructTag helper does."""
+    valid call of one of the tools (then free text again; up to `max_calls` blocks). Built on llguidance's
+    lazy lexemes (the free text ends at the first ``<tool_call>``), as its own StructTag helper does."""
     from flowrt.engine import StructuredOutputsParams
 
     specs = _specs(tools)
+    n = _max_calls(max_calls)
     grammar = ("%llguidance {}\n"
-               "start: (trigger tail)* TEXT\n"
+               f"start: (trigger tail){{0,{n}}} TEXT\n"
                f"trigger[lazy]: TEXT {_lark_str(OPEN)}\n"
                f"tail: {_lark_str(chr(10))} call {_lark_str(chr(10) + CLOSE)}\n"
-               "TEXT: /(.|\\n)*/\n" + _call_rules(specs))
+               "TEXT: /(.|\\n)*/\n" + _call_rules(specs, bound_numbers))
     return StructuredOutputsParams(grammar=grammar)
 
 
@@ -168,7 +207,66 @@ def raw_arguments(body: str) -> str | None:
     return s[:-1].rstrip()
 
 
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
+_DECODER = json.JSONDecoder()
+
+
+@dataclass
+class Block:
+    """One ``<tool_call>`` block found in text: ``text[start:end]`` is the whole block (tags included),
+    ``text[body_start:body_end]`` its JSON, and `call` the call it makes (None: not a call, or cut off)."""
+    start: int
+    end: int
+    body_start: int
+    body_end: int
+    call: ToolCall | None
+    complete: bool  # the JSON is whole (a cut-off block is not)
+
+
+def skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def read_block(text: str, start: int, final: bool = True) -> Block | None:
+    """The block whose open tag starts at `start`. Its JSON is decoded structurally from the tag on (a
+    string value may hold ``</tool_call>``); the closing tag after it (or a prefix of it at the very end) is
+    part of the block. A body cut off mid-JSON runs to the end of the text; one that is not JSON, to the next
+    closing tag. With `final` False (text still streaming in), None while the block might still grow."""
+    k = skip_ws(text, start + len(OPEN))
+    try:
+        _, e = _DECODER.raw_decode(text, k)
+    except json.JSONDecodeError as err:
+        c = -1 if _cut_off(text, err) else text.find(CLOSE, k)
+        if c < 0:
+            return Block(start, len(text), k, len(text), None, False) if final else None
+        return Block(start, c + len(CLOSE), k, c, None, False)
+    except (ValueError, RecursionError):
+        return Block(start, len(text), k, len(text), None, False) if final else None
+    m = skip_ws(text, e)
+    rest = text[m:]
+    if rest.startswith(CLOSE):
+        end = m + len(CLOSE)
+    elif CLOSE.startswith(rest):  # nothing, or a cut-off closing tag, follows
+        if not final:
+            return None
+        end = len(text)
+    else:
+        end = e
+    call = _as_call(text[k:e])
+    if call is None and end == e:  # JSON that is not a call: the block runs to its closing tag
+        c = text.find(CLOSE, e)
+        end = len(text) if c < 0 else c + len(CLOSE)
+    return Block(start, end, k, e, call, True)
+
+
+def _cut_off(text: str, err: json.JSONDecodeError) -> bool:
+    """Whether the JSON failed only because the text ends (so more text could complete it), not because
+    it is malformed: an unterminated string, or nothing but the start of a literal after the error."""
+    if err.msg.startswith("Unterminated string"):
+        return True
+    tail = text[err.pos:].rstrip()
+    return tail == "-" or any(w.startswith(tail) for w in ("true", "false", "null"))
 
 
 def _as_call(body: str) -> ToolCall | None:
@@ -198,23 +296,23 @@ def _as_call(body: str) -> ToolCall | None:
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """(content, calls): the calls of every well-formed block (a missing closing tag at the very end is
-    tolerated), and the text without those blocks (stripped). Never raises."""
+    """(content, calls): the calls of every well-formed block, and the text without any block (stripped).
+    No ``<tool_call>`` markup stays in the content: a block that is not a call, or one cut off (by
+    max_tokens), is dropped. Text without blocks comes back as it is. Never raises."""
     calls: list[ToolCall] = []
     kept: list[str] = []
     pos = 0
     try:
-        for m in _BLOCK.finditer(text):
-            call = _as_call(m.group(1))
-            if call is None:
-                continue  # left in the content
-            kept.append(text[pos:m.start()])
-            pos = m.end()
-            calls.append(call)
+        while (i := text.find(OPEN, pos)) >= 0:
+            b = read_block(text, i)
+            kept.append(text[pos:i])
+            pos = b.end
+            if b.call is not None:
+                calls.append(b.call)
         kept.append(text[pos:])
     except Exception:  # noqa: BLE001 - never raise on model output
         return text, []
-    if not calls:
+    if pos == 0:
         return text, []
     return "".join(kept).strip(), calls
 

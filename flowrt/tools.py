@@ -34,9 +34,10 @@ from typing import Any, Callable, Iterable
 
 import anyio
 
+from .worker import run_sync_abandonable
 from .toolcalls import ToolCall, ToolSpec, format_call, template_supports_tools, tools_system_prompt
 
-__all__ = ["Tool", "tool", "AssistantReply", "as_tools", "run_tool_calls", "messages_for_template"]
+__all__ = ["Tool", "tool", "ToolTimeoutError", "AssistantReply", "as_tools", "run_tool_calls", "messages_for_template"]
 
 TOOL_CHOICES = ("auto", "required", "none")
 
@@ -44,15 +45,22 @@ TOOL_CHOICES = ("auto", "required", "none")
 class Tool:
     """A callable tool: ``name``, ``description``, ``parameters`` (JSON schema), ``spec`` (ToolSpec),
     ``to_openai()``; calling it calls the function; ``await t.invoke(arguments)`` validates a dict of
-    arguments and runs it (sync functions in a worker thread)."""
+    arguments and runs it (sync functions in a daemon thread that a cancelled caller abandons, as sync steps
+    do, so a hung tool never holds up a step timeout or a cancelled run; ``timeout``: seconds a run may take
+    before ``ToolTimeoutError``)."""
 
-    def __init__(self, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None) -> None:
+    def __init__(self, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None,
+                 timeout: float | None = None) -> None:
         from pydantic import ConfigDict, create_model
 
         if not callable(fn):
             raise TypeError(f"@fr.tool needs a function, got {type(fn).__name__}")
         self.fn = fn
         self.name = name or fn.__name__
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise ValueError(f"tool {self.name!r}: timeout must be a positive number of seconds, got {timeout!r}")
+        self.timeout = timeout
         if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", self.name):
             raise ValueError(f"tool name must be 1-64 characters of a-z, A-Z, 0-9, _, . or -, got {self.name!r}")
         doc = inspect.getdoc(fn) or ""
@@ -122,22 +130,42 @@ class Tool:
         return out
 
     async def invoke(self, arguments: dict[str, Any]) -> Any:
-        """Validate ``arguments`` and run the tool (a sync function in a worker thread)."""
+        """Validate ``arguments`` and run the tool (a sync function in an abandonable daemon thread), within
+        its ``timeout`` (ToolTimeoutError naming the tool)."""
         kwargs = self.validate(arguments)
         args = [kwargs.pop(k) for k in self._positional_only]
+        if self.timeout is None:
+            return await self._run(args, kwargs)
+        with anyio.move_on_after(self.timeout) as scope:
+            return await self._run(args, kwargs)
+        assert scope.cancelled_caught
+        raise ToolTimeoutError(f"tool {self.name!r} timed out after {self.timeout:g}s", self.name)
+
+    async def _run(self, args: list[Any], kwargs: dict[str, Any]) -> Any:
         if self.is_async:
             return await self.fn(*args, **kwargs)
-        result = await anyio.to_thread.run_sync(functools.partial(self.fn, *args, **kwargs))
+        # Not anyio.to_thread: its worker threads are joined at exit, so a hung tool would outlive its caller.
+        result = await run_sync_abandonable(functools.partial(self.fn, *args, **kwargs),
+                                            name=f"flowrt tool {self.name}")
         if inspect.isawaitable(result):
             result = await result
         return result
 
 
-def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, description: str | None = None) -> Any:
-    """Decorator: ``@fr.tool`` or ``@fr.tool(name=..., description=...)`` -> a ``Tool``."""
+class ToolTimeoutError(TimeoutError):
+    """A tool ran past its ``@fr.tool(timeout=...)`` (a sync tool's thread is abandoned, still running)."""
+
+    def __init__(self, message: str, tool: str) -> None:
+        super().__init__(message)
+        self.tool = tool
+
+
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, description: str | None = None,
+         timeout: float | None = None) -> Any:
+    """Decorator: ``@fr.tool`` or ``@fr.tool(name=..., description=..., timeout=seconds)`` -> a ``Tool``."""
     if fn is None:
-        return lambda f: Tool(f, name=name, description=description)
-    return Tool(fn, name=name, description=description)
+        return lambda f: Tool(f, name=name, description=description, timeout=timeout)
+    return Tool(fn, name=name, description=description, timeout=timeout)
 
 
 class AssistantReply(str):
@@ -247,6 +275,8 @@ async def run_tool_calls(calls: list[ToolCall], tools: list[Any]) -> list[str]:
             return f"error: invalid arguments for {call.name}: {_validation_text(e)}"
         try:
             result = await t.invoke(call.arguments)
+        except ToolTimeoutError as e:
+            return f"error: {e}"
         except Exception as e:  # noqa: BLE001 - reported to the model
             return f"error: {call.name} raised {type(e).__name__}: {e}"
         return _result_text(result)

@@ -23,7 +23,7 @@ import networkx as nx
 from .inputs import coerce_inputs
 from .resources import match_resource, resource_kinds
 
-__all__ = ["Workflow", "Step", "Param", "WorkflowError", "InputSpec"]
+__all__ = ["Workflow", "Step", "Param", "WorkflowError", "InputSpec", "SubgraphCall"]
 
 
 class WorkflowError(ValueError):
@@ -66,6 +66,7 @@ class Step:
     # loop routes into it (routes back from a later step; their value arrives in the parameter of that name)
     gates: tuple[str, ...] = field(default=())
     loop_sources: tuple[str, ...] = field(default=())
+    sub: "Workflow | None" = None      # a subgraph step: the workflow it runs (``wf.step(sub)``)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Steps stay callable as the plain functions they wrap (handy in tests)."""
@@ -99,6 +100,38 @@ def _is_async_callable(fn: Callable[..., Any]) -> bool:
     return call is not None and inspect.iscoroutinefunction(call)
 
 
+class _Unset:
+    def __repr__(self) -> str:
+        return "<the subgraph's own default>"
+
+
+_UNSET: Any = _Unset()
+
+
+class SubgraphCall:
+    """The function of a subgraph step (``wf.step(sub)``): runs ``sub`` inside the parent run (its steps
+    are the parent's, under the step's path; flowrt.executor.run_subgraph) and returns the result of its
+    last step, or of the step named ``output``."""
+
+    def __init__(self, sub: "Workflow", output: str | None) -> None:
+        self.sub = sub
+        self.output = output
+        self.__name__ = sub.name
+
+    async def __call__(self, **kwargs: Any) -> Any:
+        from .executor import run_subgraph
+
+        skip = set(self.sub.resources)
+        inputs = {k: v for k, v in kwargs.items() if v is not _UNSET and k not in skip}
+        return await run_subgraph(self.sub, inputs, output=self.output)
+
+    def params(self) -> list[Param]:
+        """The sub-workflow's inputs (optional ones default to its own defaults) and its resources."""
+        out = [Param(n, spec.annotation, _MISSING if spec.required else _UNSET)
+               for n, spec in self.sub.inputs.items()]
+        return out + [Param(r, _MISSING, _MISSING, r) for r in self.sub.resources]
+
+
 class Workflow:
     """A named DAG of steps.
 
@@ -126,7 +159,7 @@ class Workflow:
     def step(self, fn: Callable[..., Any] | None = None, *, name: str | None = None, map: str | None = None,
              retries: int = 0, timeout: float | None = None, retry_delay: float = 0.0,
              max_concurrency: int | None = None, after: Iterable[str] = (), routes: Iterable[str] = (),
-             max_visits: int = 25) -> Any:
+             max_visits: int = 25, output: str | None = None) -> Any:
         """Register a step; usable as ``@wf.step`` or ``@wf.step(map="items", retries=2, timeout=30)``.
 
         ``map``: the name of a parameter holding a list; the step runs once per item (concurrently, at
@@ -136,12 +169,16 @@ class Workflow:
         their result is not a parameter. ``routes``: successors the step chooses among by returning
         ``fr.goto(name, value)`` (flowrt.routing); a route back to an earlier step makes a loop, and
         ``max_visits`` bounds how often the step runs in one run.
+
+        ``wf.step(sub, name="research")`` with a ``Workflow`` adds it as a subgraph: its inputs are matched
+        by name like parameters, its steps run inside this run (events, traces and checkpoints under
+        ``research/...``), and its result is its last step's (or that of the step named ``output``).
         """
 
         def register(f: Callable[..., Any]) -> Step:
             return self.add_step(f, name=name, map=map, retries=retries, timeout=timeout,
                                  retry_delay=retry_delay, max_concurrency=max_concurrency, after=after,
-                                 routes=routes, max_visits=max_visits)
+                                 routes=routes, max_visits=max_visits, output=output)
 
         if fn is not None:
             return register(fn)
@@ -150,9 +187,13 @@ class Workflow:
     def add_step(self, fn: Callable[..., Any], *, name: str | None = None, map: str | None = None,
                  retries: int = 0, timeout: float | None = None, retry_delay: float = 0.0,
                  max_concurrency: int | None = None, after: Iterable[str] = (), routes: Iterable[str] = (),
-                 max_visits: int = 25) -> Step:
+                 max_visits: int = 25, output: str | None = None) -> Step:
         if isinstance(fn, Step):
             fn = fn.fn
+        if isinstance(fn, Workflow):
+            fn = self._subgraph_call(fn, output)
+        elif output is not None:
+            raise WorkflowError(f"workflow {self.name!r}: output= is for a subgraph step (a Workflow), not {fn!r}")
         if not callable(fn):
             raise WorkflowError(f"workflow {self.name!r}: a step must be a function, got {fn!r}")
         step_name = name or getattr(fn, "__name__", None)
@@ -175,6 +216,42 @@ class Workflow:
         if max_concurrency is not None and (not isinstance(max_concurrency, int) or max_concurrency < 1):
             raise WorkflowError(f"step {step_name!r}: max_concurrency must be an int >= 1")
 
+        params = fn.params() if isinstance(fn, SubgraphCall) else self._params(step_name, fn)
+        self._check_map(step_name, params, map)
+        after = tuple(after)
+        routes = self._check_routes(step_name, routes, map, max_visits)
+        step = Step(name=step_name, fn=fn, params=params, map=map, retries=retries,
+                    timeout=float(timeout) if timeout is not None else None, retry_delay=float(retry_delay),
+                    max_concurrency=max_concurrency, after=after, is_async=_is_async_callable(fn),
+                    doc=inspect.getdoc(fn) or "", routes=routes, max_visits=max_visits,
+                    sub=fn.sub if isinstance(fn, SubgraphCall) else None)
+        if step.sub is not None:
+            step.doc = step.sub.description
+
+        old_steps = dict(self.steps)
+        self.steps[step_name] = step
+        try:
+            self._rebuild()
+        except WorkflowError:
+            self.steps = old_steps
+            self._rebuild()
+            raise
+        return step
+
+    def _subgraph_call(self, sub: "Workflow", output: str | None) -> SubgraphCall:
+        if sub is self:
+            raise WorkflowError(f"workflow {self.name!r} cannot be a step of itself")
+        sub.validate()
+        if output is not None and output not in sub.steps:
+            raise WorkflowError(f"subgraph {sub.name!r}: output={output!r} is not one of its steps "
+                                f"({', '.join(sub.steps)})")
+        if output is None and len(sub.sinks()) != 1:
+            raise WorkflowError(f"subgraph {sub.name!r} has {len(sub.sinks())} final steps "
+                                f"({', '.join(sub.sinks())}); name its result with output=")
+        return SubgraphCall(sub, output)
+
+    @staticmethod
+    def _params(step_name: str, fn: Callable[..., Any]) -> list[Param]:
         try:
             sig = inspect.signature(fn)
         except (TypeError, ValueError) as e:
@@ -189,6 +266,10 @@ class Workflow:
                 raise WorkflowError(f"step {step_name!r}: positional-only parameter {p.name!r} is not supported")
             ann = hints.get(p.name, p.annotation)
             params.append(Param(p.name, ann, p.default, match_resource(p.name, ann)))
+        return params
+
+    @staticmethod
+    def _check_map(step_name: str, params: list[Param], map: str | None) -> None:
         if step_name in {p.name for p in params}:
             raise WorkflowError(f"step {step_name!r} depends on itself (it has a parameter of its own name)")
         if map is not None:
@@ -198,7 +279,9 @@ class Workflow:
                                     f"({', '.join(p.name for p in params) or 'none'})")
             if mp.resource:
                 raise WorkflowError(f"step {step_name!r}: map={map!r} names an injected resource")
-        after = tuple(after)
+
+    @staticmethod
+    def _check_routes(step_name: str, routes: Iterable[str], map: str | None, max_visits: int) -> tuple[str, ...]:
         if isinstance(routes, str):
             routes = [routes]
         routes = tuple(routes)
@@ -211,20 +294,7 @@ class Workflow:
             raise WorkflowError(f"step {step_name!r}: a mapped step cannot route (map= and routes= together)")
         if isinstance(max_visits, bool) or not isinstance(max_visits, int) or max_visits < 1:
             raise WorkflowError(f"step {step_name!r}: max_visits must be an int >= 1, got {max_visits!r}")
-        step = Step(name=step_name, fn=fn, params=params, map=map, retries=retries,
-                    timeout=float(timeout) if timeout is not None else None, retry_delay=float(retry_delay),
-                    max_concurrency=max_concurrency, after=after, is_async=_is_async_callable(fn),
-                    doc=inspect.getdoc(fn) or "", routes=routes, max_visits=max_visits)
-
-        old_steps = dict(self.steps)
-        self.steps[step_name] = step
-        try:
-            self._rebuild()
-        except WorkflowError:
-            self.steps = old_steps
-            self._rebuild()
-            raise
-        return step
+        return routes
 
     # ------------------------------------------------------------------ graph
     def _route_sources(self, target: str) -> set[str]:
@@ -424,85 +494,7 @@ class Workflow:
 
     # ------------------------------------------------------------------ rendering
     def render(self, fmt: str = "text") -> str:
-        if fmt == "text":
-            return self._render_text()
-        if fmt == "mermaid":
-            return self._render_mermaid()
-        if fmt == "dot":
-            return self._render_dot()
-        raise WorkflowError(f"unknown graph format {fmt!r} (use text, mermaid or dot)")
+        """The graph as text, mermaid or dot (flowrt.drawing; subgraphs are clusters)."""
+        from .drawing import render
 
-    def _step_label(self, s: Step) -> str:
-        bits = []
-        if s.map:
-            bits.append(f"map {s.map}")
-        if s.retries:
-            bits.append(f"retries {s.retries}")
-        if s.timeout:
-            bits.append(f"timeout {s.timeout:g}s")
-        if s.resources:
-            bits.append("uses " + ", ".join(s.resources))
-        if s.routes and s.max_visits != 25:
-            bits.append(f"max_visits {s.max_visits}")
-        bits.append("async" if s.is_async else "sync")
-        return f"{s.name} ({'; '.join(bits)})"
-
-    def _render_text(self) -> str:
-        lines = [f"workflow {self.name}"]
-        specs = self.inputs
-        if specs:
-            lines.append("inputs: " + ", ".join(n + ("" if sp.required else "?") for n, sp in specs.items()))
-        lines.append("steps:")
-        for name in self.order():
-            s = self.steps[name]
-            srcs = list(dict.fromkeys([p.name for p in s.params if not p.resource] + list(s.after)))
-            arrow = f"  <- {', '.join(srcs)}" if srcs else ""
-            lines.append(f"  {self._step_label(s)}{arrow}")
-        routes = self.route_edges()
-        if routes:
-            lines.append("routes (conditional, dashed):")
-            for u, v, loop in routes:
-                lines.append(f"  {u} -.-> {v}" + (" (loop)" if loop else ""))
-        sinks = self.sinks()
-        if sinks:
-            lines.append("results: " + ", ".join(sinks))
-        return "\n".join(lines)
-
-    def _render_mermaid(self) -> str:
-        def esc(t: str) -> str:
-            return t.replace('"', "#quot;")
-
-        lines = ["flowchart TD"]
-        for n, data in self._graph.nodes(data=True):
-            if data.get("kind") == "input":
-                lines.append(f'  {n}[/"{esc(n)}"/]')
-            else:
-                lines.append(f'  {n}["{esc(self._step_label(self.steps[n]))}"]')
-        for u, v, data in self._graph.edges(data=True):
-            if data.get("route"):
-                continue
-            lines.append(f"  {u} {'-.->' if data.get('order_only') else '-->'} {v}")
-        for u, v, loop in self.route_edges():
-            lines.append(f"  {u} -. {'loop' if loop else 'route'} .-> {v}")
-        return "\n".join(lines)
-
-    def _render_dot(self) -> str:
-        def q(t: str) -> str:
-            return '"' + t.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-        lines = [f"digraph {q(self.name)} {{", "  rankdir=TB;"]
-        for n, data in self._graph.nodes(data=True):
-            if data.get("kind") == "input":
-                lines.append(f"  {q(n)} [shape=parallelogram];")
-            else:
-                lines.append(f"  {q(n)} [shape=box, label={q(self._step_label(self.steps[n]))}];")
-        for u, v, data in self._graph.edges(data=True):
-            if data.get("route"):
-                continue
-            style = " [style=dashed]" if data.get("order_only") else ""
-            lines.append(f"  {q(u)} -> {q(v)}{style};")
-        for u, v, loop in self.route_edges():
-            lines.append(f"  {q(u)} -> {q(v)} [style=dashed, label={q('loop' if loop else 'route')}"
-                         f"{', constraint=false' if loop else ''}];")
-        lines.append("}")
-        return "\n".join(lines)
+        return render(self, fmt)

@@ -44,8 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="workflow file(s) to serve; each workflow at POST /v1/workflows/NAME/runs, NAME being "
                         "its fr.Workflow(NAME)")
     p.add_argument("--index", metavar="DIR", help="retrieval index directory for served workflows (`retriever`)")
-    p.add_argument("--checkpoint", metavar="DB", help="SQLite database where served workflow runs are checkpointed "
+    p.add_argument("--checkpoint", metavar="DB", help="SQLite database or postgresql:// URL where served workflow runs "
+                   "are checkpointed "
                    "(resumable after a restart; default: in memory, for this server's life)")
+    p.add_argument("--checkpoint-kv", nargs="?", const=True, default=False, metavar="DIR",
+                   help="save the KV blocks of live threads with every checkpoint (in DIR; default: beside the "
+                        "--checkpoint SQLite database), so that a resumed run does not compute them again")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body accepted; larger ones get 413 (default 16 MiB)")
     p.add_argument("--trust-request-chat-template", action="store_true",
@@ -107,9 +111,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         runtime = None
         if workflows:
+            from flowrt.checkpoint import CheckpointError
             from flowrt.runtime import Runtime
 
-            runtime = Runtime(model=engine, index=args.index, checkpoint=args.checkpoint or ":memory:")
+            try:
+                runtime = Runtime(model=engine, index=args.index, checkpoint=args.checkpoint or ":memory:",
+                                  checkpoint_kv=args.checkpoint_kv)
+            except CheckpointError as e:   # a corrupt database, --checkpoint-kv without a place for blocks
+                print(f"flowrt serve: error: {e}", file=sys.stderr)
+                return 2
         app = create_app(engine, served_model_name=args.served_model_name, model_path=model_path,
                          api_key=args.api_key, max_body_bytes=args.max_body_bytes, workflows=workflows,
                          workflow_runtime=runtime, trust_request_chat_template=args.trust_request_chat_template,

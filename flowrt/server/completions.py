@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -13,6 +14,7 @@ from fastapi.responses import Response
 
 from . import protocol as P
 from . import structured as S
+from .errors import bad_request, from_exception
 from .generation import Job, Submission, answer, sampling_params
 from .outputs import CompletionLogprobs, Delta, stop_holdback, usage_of
 from .prompts import check_token_ids, encode, max_tokens_for
@@ -88,6 +90,8 @@ async def completions(req: P.CompletionRequest, request: Request, st: State) -> 
     jobs = await _jobs(st, req, base)
     max_tokens = min(max_tokens_for(st, len(j.prompt_ids), req.max_tokens, "prompt") for j in jobs)
     c = _Completion(req, st.tokenizer, base, st.model_name(req.model))
+    if req.use_beam_search:
+        return await _beam_search(st, c, jobs, max_tokens, constraint)
     params = _sampling(req, max_tokens, constraint)
     await S.precompile(st.engine, constraint)  # off the event loop; the submission then hits the cache
     sub = Submission(st, jobs, params, t0, user=req.user)
@@ -96,6 +100,36 @@ async def completions(req: P.CompletionRequest, request: Request, st: State) -> 
                         lambda finals: {"id": base, "object": "text_completion", "created": c.created,
                                         "model": c.model, "choices": _choices(c, jobs, finals),
                                         "usage": usage_of(finals, jobs)})
+
+
+async def _beam_search(st: ServerState, c: _Completion, jobs: list[Job], max_tokens: int,
+                       constraint: S.Constraint | None) -> Response:
+    """vLLM's `use_beam_search`: `n` beams per prompt (the engine's beam search), best first, as choices."""
+    from fastapi.responses import JSONResponse
+
+    from flowrt.engine import BeamSearchParams
+
+    req = c.req
+    search = getattr(st.engine, "beam_search", None)
+    if search is None:
+        raise bad_request("use_beam_search is not supported by this engine.", param="use_beam_search")
+    try:
+        params = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos),
+                                  temperature=req.temperature or 0.0, length_penalty=req.length_penalty,
+                                  structured_outputs=constraint.params if constraint is not None else None)
+    except ValueError as e:
+        raise from_exception(e) from None
+    outs = await asyncio.gather(*(search({"prompt_token_ids": j.prompt_ids}, params) for j in jobs))
+    choices, completion = [], 0
+    for job, out in zip(jobs, outs):
+        for i, b in enumerate(out.sequences):
+            completion += len(b.output_tokens)
+            text = (c.prompt_text(job) if req.echo else "") + b.output_text
+            choices.append({"index": job.index * req.n + i, "text": text, "logprobs": None,
+                            "finish_reason": b.finish_reason, "stop_reason": b.stop_reason})
+    usage = P.usage(sum(len(j.prompt_ids) for j in jobs), completion, 0)
+    return JSONResponse({"id": c.id, "object": "text_completion", "created": c.created, "model": c.model,
+                         "choices": choices, "usage": usage})
 
 
 def _choices(c: _Completion, jobs: list[Job], finals: dict[int, Any]) -> list[dict[str, Any]]:

@@ -26,12 +26,49 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """The path (``messages[0].content``) of the first string in a decoded JSON body that holds a lone
+    surrogate (JSON's ``"\\ud800"`` decodes to one; no tokenizer can encode it), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            shown = str(k).encode("utf-8", "backslashreplace").decode("utf-8")  # a key may be the bad string
+            name = f"{path}.{shown}" if path else shown
+            found = lone_surrogate_at(k, name) or lone_surrogate_at(v, name)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = lone_surrogate_at(v, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+class _Body(_Request):
+    """A whole request body: a string that is not valid Unicode is a 400 naming its field (raised as an
+    OpenAIError, which pydantic lets through, before any field is read)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise bad_request(f"{where} contains a lone surrogate (a \\ud800-\\udfff escape without its pair): "
+                              "not valid Unicode text.", param=where, code="invalid_unicode")
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_Body):
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -61,6 +98,7 @@ class _SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    bound_numbers: bool | None = None  # False: JSON numbers as long as the schema allows (default: bounded)
 
     def check_unsupported(self) -> None:
         if self.logit_bias:
@@ -99,9 +137,16 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    # vLLM's beam search extension: `n` beams per prompt, best first
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        if self.use_beam_search:
+            for name in ("stream", "logprobs", "stop"):
+                if getattr(self, name):
+                    raise bad_request(f"{name} is not supported with use_beam_search.", param=name)
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of different from n is not supported.", param="best_of")
         if self.suffix:
@@ -188,6 +233,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(None, ge=1)  # calls in one response (default toolcalls.MAX_CALLS)
     # Extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -211,14 +257,15 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class WorkflowRunRequest(_Request):
+class WorkflowRunRequest(_Body):
     inputs: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     stream_tokens: bool = False   # with stream: also a `token` event per piece of generated text
 
 
-class WorkflowResumeRequest(_Request):
+class WorkflowResumeRequest(_Body):
     answer: Any = None            # what the interrupted step's fr.interrupt() call returns
+    answers: dict[str, Any] | None = None   # {step: answer}, for a run waiting at several interrupts
     stream: bool = False
     stream_tokens: bool = False
 

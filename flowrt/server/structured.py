@@ -66,7 +66,12 @@ def from_response_format(rf: dict[str, Any] | None) -> Constraint | None:
         if not isinstance(schema, (dict, str)):
             raise bad_request("response_format.json_schema.schema must be a JSON schema object.",
                               param="response_format.json_schema.schema")
-        return _so("response_format.json_schema.schema", json=schema)
+        strict = js.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_request("response_format.json_schema.strict must be true or false.",
+                              param="response_format.json_schema.strict")
+        # strict false: the schema as JSON Schema reads it (objects may take keys they do not name)
+        return _so("response_format.json_schema.schema", json=schema, strict=strict is not False)
     raise bad_request(f"response_format.type {kind!r} is not supported (text, json_object, json_schema).",
                       param="response_format.type")
 
@@ -90,7 +95,11 @@ def from_request(req: Any) -> Constraint | None:
     if len(found) > 1:
         raise bad_request(f"Give at most one output constraint; got {', '.join(c.param for c in found)}.",
                           param=found[1].param)
-    return found[0] if found else None
+    if not found:
+        return None
+    if req.bound_numbers is not None and found[0].params.kind in ("json", "json_object"):
+        found[0].params = found[0].params.model_copy(update={"bound_numbers": req.bound_numbers})
+    return found[0]
 
 
 # ---- tools ----------------------------------------------------------------------------------------------
@@ -101,6 +110,8 @@ class Tools:
     specs: list[TC.ToolSpec]
     choice: str              # "none" | "auto" | "required" | a function name
     parallel: bool
+    max_calls: int | None = None      # None: toolcalls.MAX_CALLS
+    bound_numbers: bool = True
 
     @property
     def parse(self) -> bool:
@@ -111,8 +122,9 @@ class Tools:
             if self.choice == "none":
                 return None
             if self.choice == "auto":
-                return Constraint(TC.auto_constraint(self.specs), "tools")
-            return Constraint(TC.call_constraint(self.specs, self.choice, self.parallel), "tools")
+                return Constraint(TC.auto_constraint(self.specs, self.max_calls, self.bound_numbers), "tools")
+            return Constraint(TC.call_constraint(self.specs, self.choice, self.parallel, self.max_calls,
+                                                 self.bound_numbers), "tools")
         except ValueError as e:
             raise bad_request(str(e), param="tool_choice") from None
 
@@ -147,7 +159,7 @@ def tools_of(req: Any) -> Tools | None:
     elif choice not in ("none", "auto", "required"):
         raise bad_request(f"tool_choice {choice!r} is not one of none, auto, required.", param="tool_choice")
     parallel = True if req.parallel_tool_calls is None else bool(req.parallel_tool_calls)
-    return Tools(specs, choice, parallel)
+    return Tools(specs, choice, parallel, req.max_tool_calls, req.bound_numbers is not False)
 
 
 def resolve(req: Any) -> tuple[Constraint | None, Tools | None]:
@@ -191,9 +203,9 @@ def message(text: str, finish_reason: str | None, tools: Tools | None) -> tuple[
     """The assistant message of a finished choice, and its finish_reason ("tool_calls" when it made calls)."""
     if tools is None or not tools.parse:
         return {"role": "assistant", "content": text}, finish_reason
-    content, calls = TC.parse_tool_calls(text)
+    content, calls = TC.parse_tool_calls(text)  # no call markup in content, even of a cut-off call
     if not calls:
-        return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": content}, finish_reason
     msg = {"role": "assistant", "content": content or None, "tool_calls": [_openai(c) for c in calls]}
     return msg, ("tool_calls" if finish_reason == "stop" else finish_reason)
 
@@ -209,8 +221,8 @@ _HEAD = TC.CALL_HEAD
 
 
 def _args_end(s: str) -> int:
-    """How much of `s` (what follows ``"arguments": `` so far) is surely arguments: without a partial
-    closing tag, whitespace and the call object's own closing brace at its end."""
+    """How much of `s` (what follows ``"arguments": `` so far, the call not yet complete) is surely
+    arguments: without a partial closing tag, whitespace and the call object's own closing brace at its end."""
     for k in range(min(len(s), len(TC.CLOSE)), 0, -1):
         if TC.CLOSE.startswith(s[-k:]):
             s = s[:-k]
@@ -249,11 +261,14 @@ class ToolStream:
                     return content, deltas
                 content += self._content(self.buf[:i], False)
                 self.pending_ws = ""
-                self.buf = self.buf[i + len(TC.OPEN):]
+                self.buf = self.buf[i:]  # from the open tag on
                 self.in_call, self.name_sent, self.args_sent = True, False, 0
                 continue
-            j = self.buf.find(TC.CLOSE)
-            body = self.buf if j < 0 else self.buf[:j]
+            block = TC.read_block(self.buf, 0, final)  # None while the call is still coming
+            if block is None:
+                body = self.buf[TC.skip_ws(self.buf, len(TC.OPEN)):]
+            else:
+                body = self.buf[block.body_start:block.body_end]
             m = _HEAD.match(body)
             if m and not self.name_sent:
                 self.index, self.calls = self.calls, self.calls + 1
@@ -267,19 +282,20 @@ class ToolStream:
                                "function": {"name": name, "arguments": ""}})
                 self.name_sent, self.made_calls = True, True
             if self.name_sent:
-                rest = body[m.end():]
-                if j >= 0 or final:  # the call is complete: exactly its arguments as written
+                rest = body[m.end():] if m else ""
+                if block is None:
+                    end = _args_end(rest)
+                elif block.complete:  # exactly its arguments as written
                     raw = TC.raw_arguments(body)
                     end = len(raw) if raw is not None else len(rest)
                 else:
-                    end = _args_end(rest)
+                    end = self.args_sent  # cut off (or not JSON): nothing more of it is sure
                 if end > self.args_sent:
                     deltas.append({"index": self.index, "function": {"arguments": rest[self.args_sent:end]}})
                     self.args_sent = end
-            if j < 0:
+            if block is None:
                 return content, deltas
-            # the block is closed
-            self.buf = self.buf[j + len(TC.CLOSE):]
+            self.buf = self.buf[block.end:]
             self.in_call = False
 
     def _content(self, s: str, final: bool) -> str:

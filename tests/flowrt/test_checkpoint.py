@@ -17,32 +17,75 @@ import anyio
 import pytest
 
 import flowrt as fr
-from flowrt.checkpoint import SCHEMA_VERSION, CheckpointError, CheckpointStore, SQLiteStore, decode, encode
+from flowrt.checkpoint import SCHEMA_VERSION, CheckpointError, CheckpointStore, SQLiteStore, decode, encode, open_store
 from support import ROOT
 
 
 
 # ---------------------------------------------------------------------------------------------- the store
-def test_sqlite_store_wal_schema_version_and_protocol(tmp_path):
+def _execute_sql(spec: str, stmt: str) -> None:
+    """Run ``stmt`` on the store's database behind its back (tables named as SQLite names them)."""
+    if spec.startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(spec, autocommit=True) as c:
+            c.execute(stmt.replace("schema_version", "flowrt_schema_version"))
+        return
+    con = sqlite3.connect(spec)
+    con.execute(stmt)
+    con.commit()
+    con.close()
+
+
+def test_sqlite_store_wal_and_schema_version(tmp_path):
     db = tmp_path / "runs.db"
-    store = SQLiteStore(db)
-    assert isinstance(store, CheckpointStore)
+    SQLiteStore(db).close()
     con = sqlite3.connect(db)
     assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert con.execute("SELECT version FROM schema_version").fetchone()[0] == SCHEMA_VERSION
     con.close()
+
+
+def test_store_saves_reads_lists_and_deletes_runs(store_spec):
+    store = open_store(store_spec)
+    assert isinstance(store, CheckpointStore)
     store.create_run("r1", "wf", {"x": 1}, file="f.py", meta={"model": None})
     seq = store.save("r1", step="a", visit=1, step_status="done", result={"json": 2}, route=None, threads=[],
                      state={"status": {"a": "done"}}, run_status="running")
     assert seq == 1
     rec = store.get_run("r1")
     assert rec.status == "running" and rec.inputs == {"x": 1} and rec.state == {"status": {"a": "done"}}
+    assert rec.file == "f.py" and rec.meta == {"model": None} and rec.checkpoints == 1
     assert [h["step"] for h in store.history("r1")] == ["a"]
+    assert store.history("r1")[0]["result"] == {"json": 2}
     with pytest.raises(CheckpointError, match="no run 'nope'"):
         store.get_run("nope")
     with pytest.raises(CheckpointError, match="already exists"):
         store.create_run("r1", "wf", {})
+    store.create_run("r2", "wf", {})
+    assert store.save("r2", step=None, visit=0, step_status="failed", result=None, route=None, threads=[],
+                      state={}, run_status="failed", interrupt=None) == 1
+    assert [r.run_id for r in store.list_runs()] == ["r2", "r1"] and store.list_runs()[0].status == "failed"
+    assert store.list_runs()[0].state is None and len(store.list_runs(1)) == 1
+    store.delete_run("r1")
+    assert [r.run_id for r in store.list_runs()] == ["r2"]
     store.close()
+    reopened = open_store(store_spec)     # a second open finds the schema in place
+    assert reopened.get_run("r2").status == "failed"
+    reopened.close()
+
+
+def test_a_store_of_a_newer_format_is_refused(store_spec):
+    open_store(store_spec).close()
+    _execute_sql(store_spec, f"UPDATE schema_version SET version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(CheckpointError, match="newer flowrt"):
+        open_store(store_spec)
+
+
+def test_postgres_store_unreachable_is_a_clear_error_without_the_password():
+    with pytest.raises(CheckpointError, match="cannot connect") as e:
+        open_store("postgresql://me:s3cret@127.0.0.1:1/db")
+    assert "s3cret" not in str(e.value)
 
 
 def test_corrupt_foreign_or_newer_database_is_a_clear_error(tmp_path):
@@ -89,8 +132,8 @@ def test_codec_round_trips_or_marks_a_placeholder():
     assert "placeholder" in encode(10 ** 5000) and "placeholder" in encode(float("nan"))
 
 
-def test_concurrent_runs_write_to_one_database(tmp_path):
-    db = str(tmp_path / "runs.db")
+def test_concurrent_runs_write_to_one_database(store_spec):
+    db = store_spec
     wf = fr.Workflow("many")
 
     @wf.step
@@ -125,7 +168,7 @@ def test_concurrent_runs_write_to_one_database(tmp_path):
     for t in threads:
         t.join()
     assert not errors
-    store = SQLiteStore(db)
+    store = open_store(db)
     runs = store.list_runs(100)
     assert len(runs) == 20 and all(r.status == "done" for r in runs)
     for r in results.values():
@@ -133,8 +176,8 @@ def test_concurrent_runs_write_to_one_database(tmp_path):
         assert store.get_run(r.run_id).state["outputs"]["c"] == {"json": r.outputs["c"]}
 
 
-def test_resume_after_a_failure_does_not_rerun_finished_steps(tmp_path):
-    db = str(tmp_path / "runs.db")
+def test_resume_after_a_failure_does_not_rerun_finished_steps(store_spec):
+    db = store_spec
     calls: list[str] = []
     flaky = {"fail": True}
     wf = fr.Workflow("flaky")
@@ -169,8 +212,8 @@ def test_resume_after_a_failure_does_not_rerun_finished_steps(tmp_path):
     assert calls == ["a", "b", "b", "c"]
 
 
-def test_unserializable_result_is_a_placeholder_and_its_step_reruns(tmp_path):
-    db = str(tmp_path / "runs.db")
+def test_unserializable_result_is_a_placeholder_and_its_step_reruns(store_spec):
+    db = store_spec
     calls: list[str] = []
     gate = {"open": False}
     wf = fr.Workflow("opaque")
@@ -198,13 +241,13 @@ def test_unserializable_result_is_a_placeholder_and_its_step_reruns(tmp_path):
             return r1, await rt.resume(r1.run_id, workflow=wf, answer=True)
 
     r1, r2 = anyio.run(go)
-    state = SQLiteStore(db).get_run(r1.run_id).state
+    state = open_store(db).get_run(r1.run_id).state
     assert "placeholder" in state["outputs"]["make"]
     assert r2.outputs["use"] == 3 and calls == ["make", "use", "make", "use"]
 
 
-def test_routes_and_loops_resume_mid_loop(tmp_path):
-    db = str(tmp_path / "runs.db")
+def test_routes_and_loops_resume_mid_loop(store_spec):
+    db = store_spec
     wf = fr.Workflow("loop")
     asked = {"n": 0}
 
@@ -297,10 +340,10 @@ def _texts(outputs: dict) -> dict:
     return {k: (v["text"] if isinstance(v, dict) else v) for k, v in outputs.items()}
 
 
-def test_sigkill_after_step_k_then_resume_matches_an_uninterrupted_run(tmp_path, stories_path):
+def test_sigkill_after_step_k_then_resume_matches_an_uninterrupted_run(tmp_path, stories_path, store_spec):
     wf_file = tmp_path / "chain.py"
     wf_file.write_text(CHAIN)
-    db, log, ready = tmp_path / "runs.db", tmp_path / "calls.log", tmp_path / "ready"
+    db, log, ready = store_spec, tmp_path / "calls.log", tmp_path / "ready"
     common = ["--model", stories_path, "--dtype", "float32", "--input", "start=Once upon a time",
               "--no-progress"]
 
@@ -319,7 +362,7 @@ def test_sigkill_after_step_k_then_resume_matches_an_uninterrupted_run(tmp_path,
     p.send_signal(signal.SIGKILL)     # mid-run: s1 and s2 finished, s3 is running
     p.communicate(timeout=30)
     assert log.read_text().split() == ["s1", "s2"]
-    runs = SQLiteStore(db).list_runs()
+    runs = open_store(db).list_runs()
     assert len(runs) == 1 and runs[0].status == "running"
     run_id = runs[0].run_id
 
@@ -329,7 +372,7 @@ def test_sigkill_after_step_k_then_resume_matches_an_uninterrupted_run(tmp_path,
     assert f"run {run_id} (resumed)" in err
     assert log.read_text().split() == ["s1", "s2", "s3", "s4"]    # s1, s2 were not run again
     assert _texts(json.loads(out)["outputs"]) == expected
-    assert SQLiteStore(db).get_run(run_id).status == "done"
+    assert open_store(db).get_run(run_id).status == "done"
 
     show = _flowrt("runs", "show", run_id, "--checkpoint", str(db))
     out, _ = show.communicate(timeout=60)

@@ -61,3 +61,29 @@ def test_readme_threads_and_chat_block_runs(tmp_path, engine):
     assert out["pick"] in (" a cat", " a dog") and set(out["odds"]) == {" a cat", " a dog"}
     assert [m["role"] for m in out["chat"]] == ["system", "user", "assistant", "user", "assistant"]
     assert engine.stats()["open_sequences"] == 0
+
+
+def test_readme_subgraphs_and_time_travel_block_runs(tmp_path, capsys):
+    """The README's subgraph example as its commands run it: interrupt inside the subgraph, resume, history,
+    fork at `write` with another tone (findings is not asked again)."""
+    import json
+
+    from flowrt.cli import main
+
+    path = tmp_path / "report.py"
+    path.write_text(readme_block("## Subgraphs and time travel"))
+    db = str(tmp_path / "runs.db")
+    assert main(["graph", str(path), "-w", "report", "-f", "mermaid"]) == 0
+    assert 'subgraph findings["findings (subgraph research)"]' in capsys.readouterr().out
+    assert main(["run", str(path), "-w", "report", "--input", "question=What is paging?", "--checkpoint", db,
+                 "--no-progress"]) == 3
+    run_id = capsys.readouterr().err.split("flowrt run: run ")[1].split(";")[0]
+    assert main(["resume", run_id, "--checkpoint", db, "--answer", "1", "--json", "--no-progress"]) == 0
+    done = json.loads(capsys.readouterr().out)["outputs"]
+    assert done["write"] == ("[plain] What is paging: source 1; see also outline of What is paging (history), "
+                             "outline of What is paging (use)")
+    assert main(["runs", "history", run_id, "--checkpoint", db]) == 0
+    assert "findings/pick" in capsys.readouterr().out
+    assert main(["runs", "fork", run_id, "--at", "write", "--input", "tone=formal", "--checkpoint", db,
+                 "--json", "--no-progress"]) == 0   # no interrupt: findings kept its answer
+    assert json.loads(capsys.readouterr().out)["outputs"]["write"].startswith("[formal] What is paging: source 1")

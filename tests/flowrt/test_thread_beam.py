@@ -1,0 +1,65 @@
+"""t.beam(): beam search from a thread, the beams returned as threads forked from it."""
+
+import asyncio
+import json
+
+import pytest
+
+from support import leak_checked_model
+from flowrt.engine import BeamSearchParams
+
+
+@pytest.fixture()
+def llm(engine):
+    yield from leak_checked_model(engine)
+
+
+def test_beams_are_forks_with_scores(llm, engine):
+    async def main():
+        t = llm.thread("Once upon a time")
+        beams = await t.beam(width=3, max_tokens=8, ignore_eos=True)
+        params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+        ref = await engine.beam_search("Once upon a time", params)
+        assert [b.token_ids for b in beams] == [s.tokens for s in ref.sequences]
+        assert [b.score for b in beams] == pytest.approx([s.score for s in ref.sequences], abs=1e-5)
+        assert [b.text for b in beams] == ["Once upon a time" + s.output_text for s in ref.sequences]
+        assert t.text == "Once upon a time" and len(t.token_ids) == len(beams[0].token_ids) - 8
+        # a beam is a thread like any other: it continues, and the parent still works
+        more = await beams[0].gen(max_tokens=4, temperature=0, ignore_eos=True)
+        assert beams[0].text.endswith(more)
+        await t.gen(max_tokens=2, temperature=0)
+        for b in beams:
+            b.close()
+        t.close()
+
+    asyncio.run(main())
+
+
+def test_json_beams_each_follow_the_schema(llm):
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 8},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+
+    async def main():
+        t = llm.thread("Lily is a girl. JSON:")
+        beams = await t.beam(width=4, max_tokens=40, json=schema)
+        assert len(beams) == 4
+        for b in beams:
+            value = json.loads(b.text[len(t.text):])
+            assert set(value) == {"name", "age"}
+            b.close()
+        t.close()
+
+    asyncio.run(main())
+
+
+def test_bad_keywords(llm):
+    async def main():
+        t = llm.thread("Hi")
+        with pytest.raises(TypeError, match="temperature"):
+            await t.beam(temperature=0.5)
+        with pytest.raises(ValueError, match="beam_width"):
+            await t.beam(width=50)
+        t.close()
+
+    asyncio.run(main())
