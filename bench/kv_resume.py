@@ -61,7 +61,7 @@ async def answer(read: list) -> list:
 CHILD = r'''
 import json, sys, time, anyio
 import flowrt as fr
-from flowrt.loader import load_workflow
+from flowrt.graph.loader import load_workflow
 
 mode, wf_file, db, kv, model, dtype, threads, words = sys.argv[1:9]
 wf = load_workflow(wf_file)

@@ -2,6 +2,7 @@
 
 from .async_llm import AsyncLLM, EngineSequence
 from .beam_search import BeamSearchOutput, BeamSearchSequence
+from .block_pool import hash_block  # the prefix hash that names a KV block (flowrt/replicas routes by it)
 from .config import EngineArgs, default_model_path
 from .llm import LLM
 from .llm_engine import LLMEngine
@@ -31,4 +32,5 @@ __all__ = [
     "default_model_path",
     "ProgramContext",
     "ProgramState",
+    "hash_block",
 ]

@@ -19,7 +19,7 @@ from .run import RunCheckpoint
 from .store import CheckpointError, CheckpointStore
 
 if TYPE_CHECKING:
-    from ..workflow import Workflow
+    from ..graph.workflow import Workflow
 
 __all__ = ["fork_state", "fork_run"]
 

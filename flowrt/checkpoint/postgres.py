@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
-from . import compact
+from .compact import pack, refs, routes_from_rows, unpack
 from .store import RESUMABLE, CheckpointError, LeaseLostError, RunRecord, UnknownRunError, claim_refusal
 
 __all__ = ["PostgresStore", "is_postgres_url"]
@@ -199,7 +199,7 @@ class PostgresStore:
                 raise LeaseLostError(run_id, holder, run[1])
             seq = int(c.execute("SELECT COALESCE(MAX(seq), 0) FROM flowrt_checkpoints WHERE run_id = %s",
                                 (run_id,)).fetchone()[0]) + 1
-            packed = compact.pack(state, step, visit, seq, result, route, json.loads(run[0]) if run[0] else None)
+            packed = pack(state, step, visit, seq, result, route, json.loads(run[0]) if run[0] else None)
             c.execute("INSERT INTO flowrt_checkpoints (run_id, seq, step, visit, status, result, route, created) "
                       "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
                       (run_id, seq, step, visit, step_status, _dumps(result), _dumps(route), now))
@@ -224,13 +224,13 @@ class PostgresStore:
         state = None
         if with_state and raw:
             packed = json.loads(raw)
-            seqs = compact.refs(packed)
+            seqs = refs(packed)
             results = {s: json.loads(r) for s, r in c.execute(
                 "SELECT seq, result FROM flowrt_checkpoints WHERE run_id = %s AND seq = ANY(%s)", (run_id, seqs))}
             rows = [(st, v, json.loads(ro)) for st, v, ro in c.execute(
                 "SELECT step, visit, route FROM flowrt_checkpoints WHERE run_id = %s AND route != 'null' ORDER BY seq",
-                (run_id,))] if compact.routes_from_rows(packed) else []
-            state = compact.unpack(packed, results, rows)
+                (run_id,))] if routes_from_rows(packed) else []
+            state = unpack(packed, results, rows)
         return RunRecord(run_id=run_id, workflow=workflow, status=status, inputs=json.loads(inputs), file=file,
                          meta=json.loads(meta), created=created, updated=updated,
                          interrupt=json.loads(interrupt) if interrupt else None, checkpoints=int(n), state=state,

@@ -174,7 +174,7 @@ class RunCheckpoint:
                 status[name] = "pending"
         st.status.update(status)
         st.visits.update({k: int(v) for k, v in state.get("visits", {}).items() if k in st.visits})
-        from ..executor import StepError
+        from ..runner.executor import StepError
 
         st.not_routed = {n: StepError(n, m, kind="not_routed") for n, m in state.get("not_routed", {}).items()
                          if status.get(n) == "not_routed"}

@@ -22,7 +22,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from . import compact
+from .compact import pack, refs, routes_from_rows, unpack
 from .store import (RESUMABLE, CheckpointError, LeaseLostError, ReadOnlyStoreError, RunRecord, UnknownRunError,
                     claim_refusal)
 
@@ -325,7 +325,7 @@ class SQLiteStore:
                     raise LeaseLostError(run_id, holder, run[1])
                 row = c.execute("SELECT COALESCE(MAX(seq), 0) FROM checkpoints WHERE run_id = ?", (run_id,)).fetchone()
                 seq = int(row[0]) + 1
-                packed = compact.pack(state, step, visit, seq, result, route, json.loads(run[0]) if run[0] else None)
+                packed = pack(state, step, visit, seq, result, route, json.loads(run[0]) if run[0] else None)
                 c.execute("INSERT INTO checkpoints (run_id, seq, step, visit, status, result, route, created) "
                           "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                           (run_id, seq, step, visit, step_status, _dumps(result), _dumps(route), now))
@@ -371,14 +371,14 @@ class SQLiteStore:
         if not raw:
             return None
         packed = json.loads(raw)
-        seqs = compact.refs(packed)
+        seqs = refs(packed)
         marks = ",".join("?" * len(seqs))
         results = {s: json.loads(r) for s, r in c.execute(
             f"SELECT seq, result FROM checkpoints WHERE run_id = ? AND seq IN ({marks})", (run_id, *seqs))}
         rows = [(st, v, json.loads(ro)) for st, v, ro in c.execute(
             "SELECT step, visit, route FROM checkpoints WHERE run_id = ? AND route != 'null' ORDER BY seq",
-            (run_id,))] if compact.routes_from_rows(packed) else []
-        return compact.unpack(packed, results, rows)
+            (run_id,))] if routes_from_rows(packed) else []
+        return unpack(packed, results, rows)
 
     def get_run(self, run_id: str, *, with_state: bool = True) -> RunRecord:
         def go() -> RunRecord:

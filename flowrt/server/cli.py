@@ -31,7 +31,7 @@ _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from flowrt.cli_options import add_engine_arguments  # --model and the engine's options, as `flowrt run`
+    from flowrt.cli.options import add_engine_arguments  # --model and the engine's options, as `flowrt run`
 
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: reachable from this machine only)")
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("binding %s: the server is reachable from other machines%s", args.host,
                        "" if args.api_key else " and no --api-key is set")
 
-    from flowrt.cli_options import engine_kwargs_from_args
+    from flowrt.cli.options import engine_kwargs_from_args
     from flowrt.engine import AsyncLLM, default_model_path
 
     from .app import create_app
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         runtime = None
         if workflows:
             from flowrt.checkpoint import CheckpointError
-            from flowrt.runtime import Runtime
+            from flowrt.runner.runtime import Runtime
 
             try:
                 runtime = Runtime(model=engine, index=args.index, checkpoint=args.checkpoint or ":memory:",

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from flowrt import toolcalls as TC
+from flowrt.llm import toolcalls as TC
 
 from .errors import OpenAIError, bad_request
 

@@ -43,8 +43,8 @@ router = APIRouter(prefix="/v1")
 def load_workflows(files: list[str]) -> dict[str, Any]:
     """name -> workflow from workflow files (loaded as `flowrt run FILE` loads them), named by their
     ``Workflow`` name (not the variable holding them: every example calls its workflow ``wf``)."""
-    from flowrt.loader import find_workflows, load_module
-    from flowrt.workflow import WorkflowError
+    from flowrt.graph.loader import find_workflows, load_module
+    from flowrt.graph.workflow import WorkflowError
 
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
@@ -71,7 +71,7 @@ def _describe(name: str, wf: Any) -> dict[str, Any]:
 
 
 def _observer_class() -> type:
-    from flowrt.executor import RunObserver
+    from flowrt.runner.executor import RunObserver
 
     class StreamingObserver(RunObserver):
         """Forwards step status changes to an asyncio queue (from any thread)."""
@@ -120,7 +120,7 @@ class _Run:
 
     async def result(self) -> dict[str, Any]:
         """The run's ``flowrt run --json`` dict; a 400 for bad inputs, a 503 when shutdown stopped it."""
-        from flowrt.workflow import WorkflowError
+        from flowrt.graph.workflow import WorkflowError
 
         try:
             result = await self.task
@@ -164,7 +164,7 @@ def _release(run: Any) -> None:
 
 def _runtime(st: ServerState) -> Any:
     if st.workflow_runtime is None:
-        from flowrt.runtime import Runtime
+        from flowrt.runner.runtime import Runtime
 
         # shares the server's engine (does not own it); runs checkpointed in memory, for interrupts
         st.workflow_runtime = Runtime(model=st.engine, checkpoint=":memory:")
@@ -178,7 +178,7 @@ async def list_workflows(st: State) -> dict:
 
 @router.post("/workflows/{name}/runs")
 async def run_workflow(name: str, req: P.WorkflowRunRequest, request: Request, st: State) -> Response:
-    from flowrt.workflow import WorkflowError
+    from flowrt.graph.workflow import WorkflowError
 
     wf = st.workflows.get(name)
     if wf is None:

@@ -113,7 +113,7 @@ def test_corrupt_foreign_or_newer_database_is_a_clear_error(tmp_path):
 
 
 def test_cli_refuses_a_bad_database(tmp_path, capsys):
-    from flowrt.cli import main
+    from flowrt.cli.commands import main
 
     f = tmp_path / "wf.py"
     f.write_text("import flowrt as fr\nwf = fr.Workflow('w')\n@wf.step\ndef a() -> int:\n    return 1\n")
@@ -389,7 +389,7 @@ def test_resume_recomputes_only_what_the_cache_lacks(tmp_path, stories_path):
     """Two runs paused at s3 (after s1 and s2); one resumes on the same engine (its thread's blocks are in
     the prefix cache), one on a fresh engine (cold): the warm resume's prefill is only the uncached tail."""
     from flowrt.engine import AsyncLLM
-    from flowrt.loader import load_workflow
+    from flowrt.graph.loader import load_workflow
 
     f = tmp_path / "paused.py"
     f.write_text(PAUSED)

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from flowrt.checkpoint import SCHEMA_VERSION, CheckpointError, ReadOnlyStoreError, SQLiteStore
-from flowrt.cli import main
+from flowrt.cli.commands import main
 from support import ROOT
 
 WF = "import flowrt as fr\nwf = fr.Workflow('w')\n@wf.step\ndef a() -> int:\n    return 1\n"
@@ -23,7 +23,7 @@ WF = "import flowrt as fr\nwf = fr.Workflow('w')\n@wf.step\ndef a() -> int:\n   
 # Runs several CLI commands in one process and prints [[exit code, stdout, stderr], ...] as JSON.
 RUNNER = '''
 import contextlib, io, json, sys
-from flowrt.cli import main
+from flowrt.cli.commands import main
 results = []
 for argv in json.loads(sys.argv[1]):
     out, err = io.StringIO(), io.StringIO()

@@ -1,6 +1,6 @@
 """The engine's command-line options come from flowrt.engine.cli_args (built from EngineArgs' field
 descriptions, not from source comments); `flowrt run`, `flowrt resume` and `flowrt serve` offer the same
-flags as before the builder moved, and the server no longer imports flowrt.cli."""
+flags as before the builder moved, and the server no longer imports flowrt.cli.commands."""
 
 import argparse
 import subprocess
@@ -23,7 +23,7 @@ def _flags(parser: argparse.ArgumentParser, group_titles=("engine", "replicas"))
 
 
 def test_front_ends_offer_the_same_engine_flags_as_before():
-    from flowrt.cli import build_parser
+    from flowrt.cli.commands import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for cmd in ("run", "resume", "serve"):
@@ -49,6 +49,6 @@ def test_server_builds_its_options_without_the_cli():
     code = ("import argparse, sys\n"
             "import flowrt.server.cli as c\n"
             "p = argparse.ArgumentParser(); c.add_arguments(p)\n"
-            "assert 'flowrt.cli' not in sys.modules, 'flowrt.cli was imported'\n"
+            "assert 'flowrt.cli.commands' not in sys.modules, 'flowrt.cli.commands was imported'\n"
             "assert '--scheduling-policy' in p.format_help()\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

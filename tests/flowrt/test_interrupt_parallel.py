@@ -32,7 +32,7 @@ FILE = textwrap.dedent('''
 
 
 def _wf(tmp_path):
-    from flowrt.loader import load_workflow
+    from flowrt.graph.loader import load_workflow
 
     f = tmp_path / "reviews.py"
     f.write_text(FILE)
@@ -64,7 +64,7 @@ def test_parallel_interrupts_are_answered_by_step(tmp_path):
 
 
 def test_cli_answers_each_step(tmp_path, capsys):
-    from flowrt.cli import main
+    from flowrt.cli.commands import main
 
     f, _ = _wf(tmp_path)
     db = str(tmp_path / "runs.db")

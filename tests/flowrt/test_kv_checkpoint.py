@@ -103,7 +103,7 @@ def test_cold_resume_loads_blocks_and_old_blocks_are_collected(tmp_path, wf_file
     """Two runs paused at s2 on one engine; each resumes on a fresh engine (a cold resume), one with its KV
     blocks and one without. Then blocks no unfinished run refers to are collected. On SQLite (blocks beside
     the file) and PostgreSQL (blocks in a given directory)."""
-    from flowrt.loader import load_workflow
+    from flowrt.graph.loader import load_workflow
 
     monkeypatch.setenv("KV_INTERRUPT", "1")
     wf = load_workflow(wf_file)

@@ -122,7 +122,7 @@ def test_the_renewer_renews_until_the_lease_is_lost():
 
 
 def test_runs_list_and_show_name_a_live_holder(tmp_path, capsys):
-    from flowrt.cli import main
+    from flowrt.cli.commands import main
 
     db = str(tmp_path / "runs.db")
     store = SQLiteStore(db)

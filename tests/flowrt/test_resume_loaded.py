@@ -10,7 +10,7 @@ import sys
 import anyio
 
 import flowrt as fr
-from flowrt.loader import load_module, loaded_workflow
+from flowrt.graph.loader import load_module, loaded_workflow
 
 STEPS = '''
 wf = fr.Workflow("self-resume")

@@ -6,7 +6,7 @@ import pytest
 from support import make_chat_model
 
 import flowrt as fr
-from flowrt import toolcalls
+from flowrt.llm import toolcalls
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"

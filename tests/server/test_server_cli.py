@@ -92,7 +92,7 @@ def _wait_for(predicate, timeout: float = 20.0) -> None:
 
 
 def test_serve_help_is_registered_on_flowrt_cli():
-    from flowrt.cli import build_parser
+    from flowrt.cli.commands import build_parser
 
     args = build_parser().parse_args(["serve", "--model", str(STORIES), "--port", "0", "--api-key", "k",
                                       "--served-model-name", "m", "--num-kv-blocks", "64", "--dtype", "float32"])

@@ -256,7 +256,7 @@ def test_compile_runs_off_the_event_loop_under_a_time_cap(server, monkeypatch):
     assert "longer than" in r.json()["error"]["message"]
 
 
-# ---- flowrt.toolcalls and the stream splitter, without a server ---------------------------------------
+# ---- flowrt.llm.toolcalls and the stream splitter, without a server ---------------------------------------
 
 
 def _accepts(so, text: str) -> bool:
@@ -271,7 +271,7 @@ def _accepts(so, text: str) -> bool:
 
 
 def test_toolcalls_constraints_and_parse():
-    from flowrt import toolcalls as TC
+    from flowrt.llm import toolcalls as TC
 
     specs = [TC.ToolSpec.from_openai(t) for t in TOOLS]
     assert specs[0].to_openai() == WEATHER and TC.render_tools_for_template(TOOLS) == TOOLS
@@ -303,7 +303,7 @@ def test_toolcalls_constraints_and_parse():
 
 @pytest.mark.parametrize("step", [1, 2, 5, 13])
 def test_tool_stream_splitter_matches_parse(step):
-    from flowrt import toolcalls as TC
+    from flowrt.llm import toolcalls as TC
     from flowrt.server.structured import ToolStream
 
     text = ("Checking. " + TC.format_call("get_weather", {"city": "Pa}ris", "unit": "c"}) + "\n" +
@@ -335,7 +335,7 @@ def _call(name: str, args: str) -> str:
 
 
 def test_tool_arguments_are_closed_and_bounded():
-    from flowrt import toolcalls as TC
+    from flowrt.llm import toolcalls as TC
 
     so = TC.call_constraint([OPEN_TOOL], "locate")
     assert _accepts(so, _call("locate", '{"lat": -12.5, "zoom": 1234567890123456789, "tag": "a"}'))
@@ -348,7 +348,7 @@ def test_tool_arguments_are_closed_and_bounded():
 
 
 def test_tool_calls_per_response_are_bounded():
-    from flowrt import toolcalls as TC
+    from flowrt.llm import toolcalls as TC
 
     one = _call("get_time", '{"tz": 1}')
     assert _accepts(TC.call_constraint(TOOLS), "\n".join([one] * TC.MAX_CALLS))
@@ -363,7 +363,7 @@ def test_tool_calls_per_response_are_bounded():
 def test_required_tool_calls_with_n3_and_no_max_tokens_finish(client):
     """n=3 and no max_tokens: every choice ends with its calls (at most MAX_CALLS: the grammar ends there,
     test_tool_calls_per_response_are_bounded), and max_tool_calls lowers the bound."""
-    from flowrt import toolcalls as TC
+    from flowrt.llm import toolcalls as TC
 
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
                                        n=3, temperature=1.0, seed=11)

@@ -39,7 +39,7 @@ class Constraint:
     and ``parse(text)`` (the call's return value)."""
 
     def __init__(self, keyword: str, value: Any) -> None:
-        from .engine import StructuredOutputsParams
+        from ..engine import StructuredOutputsParams
 
         self.keyword, self.value = keyword, value
         self._adapter = None

@@ -17,7 +17,7 @@ ENGINE_GROUP_DESCRIPTION = ("the fields of flowrt.engine.EngineArgs (engine/API.
 
 
 def _add_engine_options(group: Any) -> None:
-    from .engine.cli_args import add_cli_args
+    from ..engine.cli_args import add_cli_args
 
     add_cli_args(group)
 
@@ -45,7 +45,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The ``EngineArgs`` keywords given on the command line (options left out are not included)."""
-    from .engine.cli_args import engine_kwargs_from_args as from_args
+    from ..engine.cli_args import engine_kwargs_from_args as from_args
 
     return from_args(args)
 

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .cli_options import add_engine_arguments, engine_kwargs_from_args, replica_kwargs_from_args
+from .options import add_engine_arguments, engine_kwargs_from_args, replica_kwargs_from_args
 
 __all__ = ["main", "build_parser", "add_engine_arguments", "engine_kwargs_from_args", "parse_inputs"]
 
@@ -85,8 +85,8 @@ def _is_str_annotation(ann: Any) -> bool:
 
 
 def _fits(wf: Any, name: str, value: Any) -> bool:
-    from .inputs import coerce_input
-    from .workflow import WorkflowError
+    from ..graph.inputs import coerce_input
+    from ..graph.workflow import WorkflowError
 
     try:
         coerce_input(wf, name, value)
@@ -135,7 +135,7 @@ def _print_result_human(result: Any, show_tb: bool) -> None:
     from rich.pretty import Pretty
     from rich.text import Text
 
-    from .render import printable, unrenderable
+    from ..render import printable, unrenderable
 
     out = Console(soft_wrap=True, highlight=False)
     err = Console(stderr=True, highlight=False)
@@ -190,8 +190,8 @@ def _show_engine_log() -> None:
 
 def _load(args: argparse.Namespace, cmd: str) -> Any:
     """The workflow of args.file; errors raised by the user's module get its traceback and exit 2."""
-    from .loader import format_load_error, load_workflow
-    from .workflow import WorkflowError
+    from ..graph.loader import format_load_error, load_workflow
+    from ..graph.workflow import WorkflowError
 
     try:
         return load_workflow(args.file, args.workflow)
@@ -205,7 +205,7 @@ def _load(args: argparse.Namespace, cmd: str) -> Any:
 
 def _load_valid(args: argparse.Namespace, cmd: str) -> Any:
     """The validated workflow of args.file, or None after printing why (flowrt resume / graph: exit 2)."""
-    from .workflow import WorkflowError
+    from ..graph.workflow import WorkflowError
 
     try:
         wf = _load(args, cmd)
@@ -219,7 +219,7 @@ def _load_valid(args: argparse.Namespace, cmd: str) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .workflow import WorkflowError
+    from ..graph.workflow import WorkflowError
 
     if args.stream and args.json:
         print("flowrt run: error: --stream prints text as it is generated; it cannot go with --json", file=sys.stderr)
@@ -243,14 +243,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _make_runtime(args: argparse.Namespace, cmd: str, model: Any, engine_kwargs: dict[str, Any],
                   index: str | None) -> Any:
-    from .runtime import Runtime
+    from ..runner.runtime import Runtime
 
     try:
         return Runtime(model, index=index, checkpoint=getattr(args, "checkpoint", None),
                        checkpoint_kv=getattr(args, "checkpoint_kv", False),
                        **replica_kwargs_from_args(args), **engine_kwargs)
     except Exception as e:  # a checkpoint database that cannot be used: corrupt, newer format, ...
-        from .checkpoint import CheckpointError
+        from ..checkpoint import CheckpointError
 
         if isinstance(e, CheckpointError):
             print(f"flowrt {cmd}: error: {e}", file=sys.stderr)
@@ -297,11 +297,11 @@ class _CliEvents:
 def _run_cli(args: argparse.Namespace, cmd: str, wf: Any, runtime: Any, start: Callable[..., Any]) -> int:
     import anyio
 
-    from .checkpoint import CheckpointError
-    from .events import EventSink
-    from .executor import RunObserver
-    from .trace import Tracer
-    from .workflow import WorkflowError
+    from ..checkpoint import CheckpointError
+    from ..events import EventSink
+    from ..runner.executor import RunObserver
+    from ..runner.trace import Tracer
+    from ..graph.workflow import WorkflowError
 
     observer = RunObserver(wf)
     tracer = Tracer(stats_fn=runtime.stats)
@@ -355,7 +355,7 @@ def _run_cli(args: argparse.Namespace, cmd: str, wf: Any, runtime: Any, start: C
     if result.interrupted:
         it = result.interrupt or {}
         if not args.json:
-            from .render import to_jsonable
+            from ..render import to_jsonable
 
             shown = {i["step"]: i.get("payload") for i in result.interrupts} if len(result.interrupts) > 1 \
                 else it.get("payload")
@@ -382,7 +382,7 @@ def _add_checkpoint_kv(p: argparse.ArgumentParser) -> None:
 def _parse_answers(raws: list[str], state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """``--answer VALUE`` (the run's one pending interrupt) or ``--answer STEP=VALUE`` for each of several
     (STEP a pending interrupt's step; anything else with a '=' is a plain value)."""
-    from .checkpoint.run import NO_ANSWER
+    from ..checkpoint.run import NO_ANSWER
 
     pending = [p["step"] for p in (state.get("interrupts") or ([state["interrupt"]] if state.get("interrupt") else []))]
     answer, answers = NO_ANSWER, {}
@@ -409,7 +409,7 @@ def _parse_answer(raw: str) -> Any:
 
 def _stored_run(args: argparse.Namespace, cmd: str, *, with_state: bool) -> Any:
     """The run ``args.run_id`` of ``--checkpoint`` (never a new database), or None after printing why."""
-    from .checkpoint import CheckpointError, open_store
+    from ..checkpoint import CheckpointError, open_store
 
     try:
         store = open_store(args.checkpoint, create=False)
@@ -441,7 +441,7 @@ def _stored_run_setup(args: argparse.Namespace, cmd: str, record: Any) -> tuple[
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from .checkpoint.lease import live_holder
+    from ..checkpoint.lease import live_holder
 
     record = _stored_run(args, "resume", with_state=True)
     if record is None:
@@ -471,8 +471,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
 def cmd_runs(args: argparse.Namespace) -> int:
     import datetime
 
-    from .checkpoint import CheckpointError, open_store
-    from .checkpoint.lease import live_holder
+    from ..checkpoint import CheckpointError, open_store
+    from ..checkpoint.lease import live_holder
 
     def when(t: float) -> str:
         return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
@@ -651,7 +651,7 @@ def _add_stored_run_options(g: Any, prefix: str = "") -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     parser = _Parser(prog="flowrt", description="Run multi-step LLM workflows on an in-process "
                                      "engine with copy-on-write KV sharing.")
@@ -740,7 +740,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     code = args.func(args)
     return int(code or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

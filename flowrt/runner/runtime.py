@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import anyio
 
-from .aio import _BaseExceptionGroup, _leaves
+from ..aio import _BaseExceptionGroup, _leaves
 from .executor import RunObserver, RunResult, execute
-from .model import Model
-from .resources import resource_kinds
+from ..llm.model import Model
+from ..graph.resources import resource_kinds
 from .trace import Tracer
-from .workflow import Workflow
+from ..graph.workflow import Workflow
 
 if TYPE_CHECKING:
-    from .engine import EngineClient
+    from ..engine import EngineClient
 
 __all__ = ["Runtime"]
 
@@ -54,14 +54,14 @@ class Runtime:
                  ray_address: str | None = None, routing: str = "prefix",
                  replica_options: dict[str, Any] | None = None, checkpoint: Any = None,
                  checkpoint_kv: bool | str | os.PathLike[str] = False, **engine_kwargs: Any) -> None:
-        from .checkpoint import CheckpointError, open_store
+        from ..checkpoint import CheckpointError, open_store
 
         self.checkpointer = open_store(checkpoint)   # a CheckpointStore (flowrt.checkpoint), or None
         self.kv_checkpoint = None                    # a flowrt.checkpoint.kv.KVCheckpoint, or None
         if checkpoint_kv:
             if self.checkpointer is None:
                 raise CheckpointError("checkpoint_kv saves KV with checkpoints: it needs checkpoint=")
-            from .checkpoint.kv import KVCheckpoint, kv_dir_for
+            from ..checkpoint.kv import KVCheckpoint, kv_dir_for
 
             self.kv_checkpoint = KVCheckpoint(kv_dir_for(getattr(self.checkpointer, "path", checkpoint), checkpoint_kv))
         self._replicas = replicas if (replicas or ray_address) else None
@@ -79,7 +79,7 @@ class Runtime:
         if isinstance(model, Model):
             self._resources.setdefault("llm", model)
         elif model is not None and not isinstance(model, (str, bytes, os.PathLike)):
-            from .engine.protocol import EngineClient  # only here: a path must not load the engine yet
+            from ..engine.protocol import EngineClient  # only here: a path must not load the engine yet
 
             if not isinstance(model, EngineClient):
                 raise TypeError(f"model must be a path, an engine (flowrt.engine.EngineClient, e.g. AsyncLLM) "
@@ -111,13 +111,13 @@ class Runtime:
 
     # ------------------------------------------------------------------ resources
     def _create_engine(self) -> EngineClient:
-        from .engine import AsyncLLM
+        from ..engine import AsyncLLM
 
         path = self._model_spec
         if isinstance(path, (bytes, os.PathLike)):
             path = os.fsdecode(path)
         if self._replicas is not None:
-            from .replicas.client import ReplicaSet, RouterClient
+            from ..replicas.client import ReplicaSet, RouterClient
 
             rs = ReplicaSet(path, self._replicas or 1, **self._replica_options, **self._engine_kwargs)
             return RouterClient(rs, owns=True)  # type: ignore[return-value]
@@ -134,7 +134,7 @@ class Runtime:
                 self._owned_engine = engine
                 value: Any = Model(engine, share_kv=self._share_kv)
             elif name == "retriever" and self._index is not None:
-                from .retrieval import Retriever  # imported only when a step asks for it (faiss)
+                from ..retrieval import Retriever  # imported only when a step asks for it (faiss)
 
                 index = self._index
                 value = await anyio.to_thread.run_sync(lambda: Retriever.load(index))
@@ -172,7 +172,7 @@ class Runtime:
         if not isinstance(wf, Workflow):
             raise TypeError(f"expected a flowrt Workflow, got {type(wf).__name__}")
         if run is None and self.checkpointer is not None:
-            from .checkpoint import RunCheckpoint
+            from ..checkpoint import RunCheckpoint
 
             wf.validate()
             checked = wf.check_inputs(inputs)   # a bad input records no run
@@ -202,7 +202,7 @@ class Runtime:
         return self._replicas is not None or hasattr(getattr(llm, "engine", None), "bind")
 
     def _run_meta(self) -> dict[str, Any]:
-        from .render import to_jsonable
+        from ..render import to_jsonable
 
         spec = self._model_spec
         model = os.fsdecode(spec) if isinstance(spec, (str, bytes, os.PathLike)) else None
@@ -229,8 +229,8 @@ class Runtime:
         atomic transition of the store (a ``RunCheckpoint``; ``execute(wf, inputs, run=...)`` runs it and
         gives it back). Refusals are ``CheckpointError`` s: ``UnknownRunError``, ``RunNotResumableError``
         (finished; an answer for a run not waiting for one), ``RunBusyError`` (held by another, named)."""
-        from .checkpoint import CheckpointError, RunCheckpoint, RunNotResumableError
-        from .checkpoint.run import NO_ANSWER
+        from ..checkpoint import CheckpointError, RunCheckpoint, RunNotResumableError
+        from ..checkpoint.run import NO_ANSWER
 
         if self.checkpointer is None:
             raise CheckpointError("resume needs a checkpointer: fr.Runtime(checkpoint=\"runs.db\")")
@@ -241,7 +241,7 @@ class Runtime:
         if wf is None:
             if not record.file:
                 raise CheckpointError(f"run {run_id} recorded no workflow file; pass workflow=")
-            from .loader import load_workflow, loaded_workflow
+            from ..graph.loader import load_workflow, loaded_workflow
 
             wf = loaded_workflow(record.file, record.workflow) or load_workflow(record.file, record.workflow)
         elif wf.name != record.workflow:
@@ -258,7 +258,7 @@ class Runtime:
         import asyncio
         from collections import deque
 
-        from .events import EventSink, RunFinished
+        from ..events import EventSink, RunFinished
 
         # A deque and a wake-up event, not a memory stream: events are drained in batches, without a trip
         # through the event loop for each one (token events come by the hundred per second).
@@ -302,8 +302,8 @@ class Runtime:
         replacing its inputs of those names. ``at`` and the steps downstream of it run again, the steps
         upstream keep their results (their threads reuse the engine's cached KV where it is still there).
         The source run is unchanged; the result's ``run_id`` is the new run's (flowrt.checkpoint.fork)."""
-        from .checkpoint import CheckpointError
-        from .checkpoint.fork import fork_run
+        from ..checkpoint import CheckpointError
+        from ..checkpoint.fork import fork_run
 
         if self.checkpointer is None:
             raise CheckpointError("fork needs a checkpointer: fr.Runtime(checkpoint=\"runs.db\")")
@@ -312,7 +312,7 @@ class Runtime:
         if wf is None:
             if not record.file:
                 raise CheckpointError(f"run {run_id} recorded no workflow file; pass workflow=")
-            from .loader import load_workflow, loaded_workflow
+            from ..graph.loader import load_workflow, loaded_workflow
 
             wf = loaded_workflow(record.file, record.workflow) or load_workflow(record.file, record.workflow)
         wf.validate()
@@ -334,7 +334,7 @@ def _kv_stats(result: RunResult, run: Any) -> RunResult:
 def _checkpoint_error(group: BaseException) -> BaseException | None:
     """The first of ``group``'s errors when they all are checkpoint errors (a lost lease, a store that cannot
     be written), else None."""
-    from .checkpoint import CheckpointError
+    from ..checkpoint import CheckpointError
 
     leaves = _leaves(group)
     return leaves[0] if leaves and all(isinstance(e, CheckpointError) for e in leaves) else None

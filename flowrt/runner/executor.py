@@ -25,16 +25,15 @@ import anyio
 
 import networkx as nx
 
-from . import events as ev
-from .events import EventSink, current_sink
-from .interrupts import Interrupt, InterruptScope
-from .interrupts import current_interrupts
-from .render import to_jsonable, unrenderable
-from .routing import Goto
-from .runscope import RunThreads, current_run_threads
-from .trace import Tracer, current_step, current_tracer
-from .worker import run_sync_abandonable
-from .workflow import Step, Workflow
+from .. import events as ev
+from ..context import RunThreads, current_run_threads, current_sink, current_step, current_tracer
+from ..events import EventSink
+from ..graph.routing import Goto
+from ..graph.workflow import Step, Workflow
+from ..render import to_jsonable, unrenderable
+from ..worker import run_sync_abandonable
+from .interrupts import Interrupt, InterruptScope, current_interrupts
+from .trace import Tracer
 
 __all__ = ["RunResult", "StepError", "StepFailed", "RunObserver", "WorkflowRun", "execute", "load_resources",
            "ResourceProvider", "to_jsonable", "subflow", "run_subgraph", "SubgraphFailed"]
