@@ -49,6 +49,7 @@ class KVBlockStore:
 
     def __init__(self, root: str) -> None:
         self.root = root
+        self._dirs: set[str] = set()   # folders made (or found) already
         try:
             os.makedirs(root, exist_ok=True)
         except OSError as e:
@@ -64,7 +65,10 @@ class KVBlockStore:
     def write(self, fingerprint: str, h: bytes, data: bytes) -> None:
         """Atomically (a temporary file renamed): a crash leaves the block whole or absent."""
         p = self.path(fingerprint, h)
-        os.makedirs(os.path.dirname(p), exist_ok=True)
+        folder = os.path.dirname(p)
+        if folder not in self._dirs:
+            os.makedirs(folder, exist_ok=True)
+            self._dirs.add(folder)
         header = json.dumps({"fingerprint": fingerprint, "hash": h.hex(), "bytes": len(data),
                              "blake2b": hashlib.blake2b(data, digest_size=16).hexdigest()}).encode()
         tmp = f"{p}.{os.getpid()}.tmp"
@@ -82,9 +86,10 @@ class KVBlockStore:
             return None, "missing"
         except OSError as e:
             return None, f"unreadable ({e})"
-        if not raw.startswith(_MAGIC) or b"\n" not in raw[len(_MAGIC):]:
+        end = raw.find(b"\n", len(_MAGIC))
+        if not raw.startswith(_MAGIC) or end < 0:
             return None, "corrupt"
-        head, _, data = raw[len(_MAGIC):].partition(b"\n")
+        head, data = raw[len(_MAGIC):end], raw[end + 1:]
         try:
             meta = json.loads(head)
         except ValueError:

@@ -218,3 +218,10 @@ def test_sigkill_then_cold_resume_with_kv_computes_one_block_per_thread(tmp_path
     assert clean["stats"]["kv_blocks_rejected"] == {} and clean["stats"]["kv_blocks_loaded"] == len(blocks)
     assert bad["stats"]["kv_blocks_rejected"] == {"corrupt": 1}
     assert bad["stats"]["kv_blocks_loaded"] < len(blocks)
+
+
+def test_serve_checkpoint_kv_without_a_place_for_blocks_is_a_usage_error(tmp_path, wf_file, stories_path, capsys):
+    from flowrt.server.cli import main
+
+    assert main(["--model", stories_path, "--workflow", str(wf_file), "--checkpoint-kv"]) == 2
+    assert "give it a directory" in capsys.readouterr().err

@@ -76,6 +76,7 @@ def test_cli_replica_flags():
 
 ray = pytest.importorskip("ray", reason="flowrt.replicas needs ray (pip install 'flowrt[ray]')")
 pytestmark = pytest.mark.timeout(300)  # a hang (a replica that never answers) fails the test, not CI
+SLOW_FIXTURES = {"ray_instance"}  # tests that start Ray are `slow` (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -90,6 +90,9 @@ def test_tool_invoke_validates_arguments():
 
 
 # ------------------------------------------------------------------------------------------ default model
+SLOW_FIXTURES = {"engine"}  # the 135M model: tests on it are `slow` (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
 def engine():
     from flowrt.engine import AsyncLLM
