@@ -1,5 +1,5 @@
-"""The ``flowrt`` command line (``flowrt run|resume|runs|serve|draw ...``): commands.py, its options shared with
-the server (options.py) and the live progress display (progress.py)."""
+"""The ``flowrt`` command line (``flowrt run|resume|runs|serve|draw ...``): commands.py and the live
+progress display (progress.py); the engine options it shares with the server are flowrt.runner.options."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .options import add_engine_arguments, engine_kwargs_from_args, replica_kwargs_from_args
+from ..runner.options import add_engine_arguments, engine_kwargs_from_args, replica_kwargs_from_args
 
 __all__ = ["main", "build_parser", "add_engine_arguments", "engine_kwargs_from_args", "parse_inputs"]
 

@@ -31,7 +31,7 @@ _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from flowrt.cli.options import add_engine_arguments  # --model and the engine's options, as `flowrt run`
+    from flowrt.runner.options import add_engine_arguments  # --model and the engine's options, as `flowrt run`
 
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: reachable from this machine only)")
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("binding %s: the server is reachable from other machines%s", args.host,
                        "" if args.api_key else " and no --api-key is set")
 
-    from flowrt.cli.options import engine_kwargs_from_args
+    from flowrt.runner.options import engine_kwargs_from_args
     from flowrt.engine import AsyncLLM, default_model_path
 
     from .app import create_app

@@ -1,6 +1,6 @@
 """The engine's command-line options come from flowrt.engine.cli_args (built from EngineArgs' field
 descriptions, not from source comments); `flowrt run`, `flowrt resume` and `flowrt serve` offer the same
-flags as before the builder moved, and the server no longer imports flowrt.cli.commands."""
+flags as before the builder moved, and the server does not import the CLI (flowrt.cli)."""
 
 import argparse
 import subprocess
@@ -49,6 +49,6 @@ def test_server_builds_its_options_without_the_cli():
     code = ("import argparse, sys\n"
             "import flowrt.server.cli as c\n"
             "p = argparse.ArgumentParser(); c.add_arguments(p)\n"
-            "assert 'flowrt.cli.commands' not in sys.modules, 'flowrt.cli.commands was imported'\n"
+            "assert not [m for m in sys.modules if m.startswith('flowrt.cli')], 'the CLI was imported'\n"
             "assert '--scheduling-policy' in p.format_help()\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

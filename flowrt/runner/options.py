@@ -1,5 +1,6 @@
-"""Command-line options the front ends share (``flowrt run``/``resume`` and ``flowrt serve``): ``--model``,
-the engine's options (built by ``flowrt.engine.cli_args`` from ``EngineArgs``' fields) and the replicas'.
+"""The ``Runtime``'s engine on a command line, for both front ends (``flowrt run``/``resume`` and ``flowrt serve``):
+``--model``, the engine's options (built by ``flowrt.engine.cli_args`` from ``EngineArgs``' fields) and the
+replicas'. It lives with the runtime so that neither front end imports the other.
 
 Importing the engine loads torch, so on a parser that can defer (the ``flowrt`` CLI's ``defer_engine_options``)
 the engine's options are added when the parser is first used: building the CLI does not load the engine.
