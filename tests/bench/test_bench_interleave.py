@@ -4,6 +4,8 @@ common.Served), which bench/throughput.py --interleave uses to alternate flowrt 
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
@@ -20,6 +22,7 @@ print(json.dumps({{"calls": len(calls), "times": times}}))
 """
 
 
+@pytest.mark.slow
 def test_served_worker_runs_on_request(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(bench=str(BENCH)))
@@ -48,6 +51,7 @@ print(json.dumps({{"calls": calls, "counts": {{k: len(v) for k, v in times.items
 """
 
 
+@pytest.mark.slow
 def test_served_worker_runs_named_workloads(tmp_path):
     """bench/shared_prefix.py --interleave: one worker serves several workloads, each run asked for by name."""
     import pytest

@@ -55,6 +55,7 @@ def check_parity(model_dir: str, prompts_ids: list[list[int]]) -> tuple[int, int
     return same, W * len(prompts_ids)
 
 
+@pytest.mark.slow
 def test_stories_beams_match_transformers(stories_path):
     tok = LLM(stories_path, dtype="float32").tokenizer
     same, total = check_parity(stories_path, [tok(p).input_ids for p in STORY_PROMPTS])
@@ -63,6 +64,7 @@ def test_stories_beams_match_transformers(stories_path):
 
 @pytest.mark.parametrize(
     "arch,tie", [("llama", True), ("llama", False), ("mistral", False), ("qwen2", True), ("qwen3", False)])
+@pytest.mark.slow
 def test_architectures_beams_match_transformers(tmp_path, arch, tie):
     model_dir = make_tiny_model(tmp_path / arch, arch=arch, tie=tie)
     same, total = check_parity(model_dir, TINY_PROMPTS)
@@ -77,6 +79,7 @@ def run_beams(model_dir, prompt, width, n, **engine_kw):
     return [(s.tokens, s.cum_logprob) for s in out.sequences], stats
 
 
+@pytest.mark.slow
 def test_beams_share_blocks(stories_path):
     """The prompt is held once and beams share their common history: the peak stays within
     P/B + W * (T/B + 1) blocks, far below W separate copies."""
@@ -91,6 +94,7 @@ def test_beams_share_blocks(stories_path):
     assert stats["cow_copies"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine_kw", [{"num_kv_blocks": 10}, {"num_kv_blocks": 12, "max_num_batched_tokens": 4}])
 def test_tiny_pool_gives_the_same_beams(stories_path, engine_kw):
     """A pool far smaller than the beams need: beams waiting for their round lose their KV to the others and
@@ -102,6 +106,7 @@ def test_tiny_pool_gives_the_same_beams(stories_path, engine_kw):
     assert [score for _, score in got] == pytest.approx([score for _, score in ref], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_width_one_is_greedy(stories_path):
     llm = LLM(stories_path, dtype="float32")
     greedy = llm.generate(STORY_PROMPTS[0], SamplingParams(max_tokens=T, temperature=0, ignore_eos=True))[0]
@@ -172,6 +177,7 @@ def test_async_beam_search_and_kept_beams(stories_path):
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_json_beams_are_valid_json(stories_path):
     """Each beam carries its own grammar state (forked with it): every beam is valid JSON of the schema."""
     import json

@@ -44,22 +44,26 @@ def probe(*args, env=None):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_untuned_malloc_maps_big_blocks_afresh():
     """The behaviour being fixed: glibc serves a first 24 MiB block with its own mmap (given back on free)."""
     assert probe("none")["mmapped"] >= 24 * 2**20
 
 
+@pytest.mark.slow
 def test_tuned_malloc_serves_big_blocks_from_the_heap():
     r = probe("tune")
     assert r["tuned"] is True and r["again"] is True
     assert r["mmapped"] == 0
 
 
+@pytest.mark.slow
 def test_opt_out():
     r = probe("tune", env={"FLOWRT_MALLOC_TUNE": "0"})
     assert r["tuned"] is False and r["mmapped"] >= 24 * 2**20
 
 
+@pytest.mark.slow
 def test_a_cpu_engine_tunes_malloc():
     assert probe("engine", str(STORIES))["tuned"] is True
 

@@ -227,6 +227,7 @@ def test_flash_kernel_matches_reference_for_odd_shapes():
         assert not out[[r for r in range(R + 4) if r not in set(rows.tolist())]].any()
 
 
+@pytest.mark.slow
 def test_greedy_parity_with_kernels_off(stories_path):
     """The plain-torch fallback (as on a machine without a compiler) gives transformers' greedy tokens too."""
     tok = LLM(stories_path, dtype="float32").tokenizer
@@ -243,6 +244,7 @@ def test_greedy_parity_with_kernels_off(stories_path):
         cpu_ops.set_enabled(True)
 
 
+@pytest.mark.slow
 def test_no_compiler_falls_back_to_torch(stories_path, tmp_path):
     """Without a C++ compiler the kernels are unavailable (with a reason) and the engine still generates the
     same greedy tokens through plain torch."""
@@ -265,6 +267,7 @@ def test_no_compiler_falls_back_to_torch(stories_path, tmp_path):
     assert got["ids"] == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 7}], ids=["batched", "chunked"])
 def test_bf16_greedy_parity_with_kernels(stories_path, tmp_path, kw):
     """bfloat16 runs the kernels (decode, flash prefill over a cached prefix when chunked, KV write, norm, rotary,

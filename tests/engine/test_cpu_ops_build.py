@@ -10,6 +10,7 @@ import pytest
 from flowrt.engine import cpu_ops
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None, reason="no C++ compiler here")
 def test_kernel_source_compiles(tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWRT_CACHE_DIR", str(tmp_path))

@@ -103,6 +103,7 @@ def test_penalties_change_logits_as_specified():
     assert torch.allclose(logits, torch.tensor([[1.0, -4.0 - 0.5 - 0.5, 1.0]]))
 
 
+@pytest.mark.slow
 def test_repetition_penalty_reduces_repeats(llm):
     base = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=40, temperature=0))[0].outputs[0].token_ids
     pen_params = SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.8)
@@ -110,6 +111,7 @@ def test_repetition_penalty_reduces_repeats(llm):
     assert len(set(pen)) / len(pen) > len(set(base)) / len(base)
 
 
+@pytest.mark.slow
 def test_stop_strings_and_ids(llm):
     greedy = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=30, temperature=0))[0].outputs[0]
     assert "Lily" in greedy.text
@@ -125,6 +127,7 @@ def test_stop_strings_and_ids(llm):
     assert llm.stats()["kv_blocks_used"] == 0
 
 
+@pytest.mark.slow
 def test_eos_stops_unless_ignored(llm):
     # force EOS (id 2) by min_tokens=0 and a long budget: the story model ends stories with EOS eventually
     out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=400, temperature=0))[0].outputs[0]
@@ -231,6 +234,7 @@ def test_random_sampling_follows_the_distribution():
 
 # ---- issue 11: concurrent generate, submission-time validation ----------------------------------------
 
+@pytest.mark.slow
 def test_generate_from_several_threads_is_serialized(llm):
     import threading
 
@@ -269,6 +273,7 @@ def test_sequence_of_another_engine_is_refused(llm, stories_path):
     assert llm.stats()["num_waiting"] == 0 and llm.stats()["kv_blocks_used"] == 0
 
 
+@pytest.mark.slow
 def test_min_tokens_holds_off_stop_strings_ids_and_eos(llm):
     greedy = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].outputs[0]
     stopped = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=30, temperature=0, stop="Lily"))[0].outputs[0]

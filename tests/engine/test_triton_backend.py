@@ -14,6 +14,7 @@ from flowrt.engine import LLMEngine, SamplingParams  # noqa: E402
 from flowrt.kernels import _dispatch  # noqa: E402
 
 pytestmark = [
+    pytest.mark.slow,  # the engine on Triton's interpreter
     pytest.mark.skipif(not kernels.HAS_TRITON, reason=f"triton unavailable: {kernels.TRITON_IMPORT_ERROR}"),
     pytest.mark.skipif(not torch.cuda.is_available() and not _dispatch.can_interpret(),
                        reason="no CUDA, and triton was imported before TRITON_INTERPRET=1 was set"),

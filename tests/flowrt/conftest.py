@@ -33,7 +33,7 @@ def pg_url(pg_server):
     pg_server.drop_database(url)
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.slow)])  # a server process
 def store_spec(request, tmp_path) -> str:
     """Checkpoint store tests run on both stores: an SQLite file, and a fresh database on a real PostgreSQL
     server (tests/pg_server.py; skipped, saying why, where none can run)."""

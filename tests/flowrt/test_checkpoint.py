@@ -340,6 +340,7 @@ def _texts(outputs: dict) -> dict:
     return {k: (v["text"] if isinstance(v, dict) else v) for k, v in outputs.items()}
 
 
+@pytest.mark.slow
 def test_sigkill_after_step_k_then_resume_matches_an_uninterrupted_run(tmp_path, stories_path, store_spec):
     wf_file = tmp_path / "chain.py"
     wf_file.write_text(CHAIN)

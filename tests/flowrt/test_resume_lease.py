@@ -28,7 +28,7 @@ from support import ROOT
 WAIT_S = 120   # a guard against a hang, never an ordering
 
 
-@pytest.fixture(params=["sqlite", "memory", "postgres"])
+@pytest.fixture(params=["sqlite", "memory", pytest.param("postgres", marks=pytest.mark.slow)])  # a server process
 def store(request, tmp_path):
     """Every store: an SQLite file, SQLite in memory, and PostgreSQL (skipped, saying why, where no server can
     run: tests/pg_server.py)."""

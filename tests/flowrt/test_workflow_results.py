@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import anyio
+import pytest
 
 import flowrt as fr
 from flowrt.runner.executor import execute, to_jsonable
@@ -70,6 +71,7 @@ def test_run_result_json_keeps_every_other_output():
     assert d["errors"]["fails"] == "BadMessage: <unrenderable BadMessage: cannot describe myself>"
 
 
+@pytest.mark.slow
 def test_timed_out_sync_step_does_not_keep_flowrt_run_alive(tmp_path):
     f = tmp_path / "hang.py"
     f.write_text(textwrap.dedent("""

@@ -58,6 +58,9 @@ KNOWN_ANSWERS = [
 ]
 
 
+SLOW_FIXTURES = {"corpus_index"}  # builds the corpus index with the embedding model (tests/conftest.py)
+
+
 @pytest.fixture(scope="session")
 def corpus_index(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("retrieval") / "corpus-index"
@@ -448,6 +451,7 @@ def test_rag_on_real_results_shares_prefix(corpus):
 
 
 # ---------------------------------------------------------------------------------------------- CLI
+@pytest.mark.slow
 def test_cli_build_add_query_info_delete(tmp_path, capsys):
     docs = small_docs(tmp_path)
     idx = tmp_path / "cli-idx"

@@ -39,6 +39,7 @@ def recall_at_k(exact: np.ndarray, approx: np.ndarray) -> float:
     return float(np.mean([len(set(a) & set(b)) / k for a, b in zip(exact, approx)]))
 
 
+@pytest.mark.slow
 def test_ivf_and_hnsw_recall_at_10_on_50k(one_omp_thread):
     x, q = clustered(50_000, 200)
     ids = np.arange(len(x), dtype=np.int64) * 7 + 3  # ids need not be positions

@@ -38,6 +38,7 @@ def _flowrt(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.slow
 def test_rag_qa_runs_on_stories260k(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     docs = tmp_path / "docs"
