@@ -116,6 +116,7 @@ def test_width_one_is_greedy(stories_path):
     assert beam.sequences[0].output_text == greedy.outputs[0].text
 
 
+@pytest.mark.slow
 def test_eos_ends_a_beam_as_in_transformers(tmp_path):
     """Without ignore_eos, a continuation by EOS among the W best ends its beam ("stop", scored by its length
     with the EOS); the search runs on until no live beam can beat the finished ones: transformers' beams with

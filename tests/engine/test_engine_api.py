@@ -29,6 +29,7 @@ def test_prompt_forms_and_outputs(llm):
     assert llm.stats()["kv_blocks_used"] == 0
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     p = SamplingParams(max_tokens=16, temperature=1.0, seed=123, ignore_eos=True)
     alone = llm.generate([PROMPTS[0]], p)[0].outputs[0].token_ids
@@ -177,6 +178,7 @@ def test_bad_prompts_are_rejected_before_any_work(llm):
     assert llm.generate(["Once"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # still usable
 
 
+@pytest.mark.slow
 def test_prompt_larger_than_pool_is_rejected(stories_path):
     small = LLM(stories_path, dtype="float32", num_kv_blocks=4, block_size=16)
     with pytest.raises(ValueError, match="more than the KV cache holds"):

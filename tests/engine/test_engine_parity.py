@@ -42,6 +42,7 @@ def test_stories_documented_output(stories_path):
     ],
     ids=["batched", "chunked", "preempt", "few-seqs"],
 )
+@pytest.mark.slow
 def test_stories_batch_matches_transformers(stories_path, engine_kw):
     llm_tok = LLM(stories_path, dtype="float32").tokenizer
     ids = [llm_tok(p).input_ids for p in PROMPTS]
@@ -56,6 +57,7 @@ def test_stories_batch_matches_transformers(stories_path, engine_kw):
     "arch,tie",
     [("llama", True), ("llama", False), ("mistral", False), ("qwen2", True), ("qwen3", False)],
 )
+@pytest.mark.slow
 def test_architectures_match_transformers(tmp_path, arch, tie):
     model_dir = make_tiny_model(tmp_path / arch, arch=arch, tie=tie)
     ids = [[1, 5, 77, 300, 12, 9], [1, 400] + list(range(20, 60)), [1, 250]]

@@ -27,6 +27,7 @@ def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.slow
 def test_greedy_identical_with_and_without_prefix_caching(stories_path):
     prompts = [{"prompt_token_ids": p} for p in prefix_prompts()]
     on = LLM(stories_path, dtype="float32", enable_prefix_caching=True)
@@ -44,6 +45,7 @@ def test_greedy_identical_with_and_without_prefix_caching(stories_path):
     assert tokens(off.generate(prompts[::2], GREEDY)) == got_on[::2]
 
 
+@pytest.mark.slow
 def test_common_prefix_computed_once(stories_path):
     llm = LLM(stories_path, dtype="float32", max_num_batched_tokens=4096)
     prompts = prefix_prompts(n=8, prefix_len=160)

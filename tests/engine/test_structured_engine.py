@@ -33,6 +33,7 @@ def assert_no_leaks(llm):
     assert st["kv_blocks_used"] == 0 and st["num_running"] == 0 and st["num_waiting"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_json_schemas_valid(llm, temperature):
     assert len(SCHEMAS) >= 30
@@ -46,6 +47,7 @@ def test_json_schemas_valid(llm, temperature):
     assert_no_leaks(llm)
 
 
+@pytest.mark.slow
 def test_json_schema_as_string_and_json_object(llm):
     schema = SCHEMAS[1]
     out = llm.generate(PROMPT, SamplingParams(max_tokens=64, temperature=1.0, seed=3,
@@ -110,6 +112,7 @@ def test_stop_strings_still_apply(llm):
     assert out.text == '{"name"'
 
 
+@pytest.mark.slow
 def test_preemption_mid_object_still_valid(stories_path):
     small = LLM(model=stories_path, dtype="float32", num_kv_blocks=14, block_size=4)
     schema = SCHEMAS[8]  # {"user": {"id": ..., "name": ...}}
@@ -130,6 +133,7 @@ def test_preemption_mid_object_still_valid(stories_path):
     assert_no_leaks(small)
 
 
+@pytest.mark.slow
 def test_forced_tokens_counted_and_greedy_identical(stories_path, llm):
     off = LLM(model=stories_path, dtype="float32", enable_forced_tokens=False)
     schemas = SCHEMAS[:12]
@@ -193,6 +197,7 @@ def test_compile_time_cap(llm, monkeypatch):
         llm.generate(PROMPT, SamplingParams(structured_outputs=so(regex="[0-9]{1,7}x[a-f]{2,9}")))
 
 
+@pytest.mark.slow
 def test_unconstrained_neighbours_unaffected(llm):
     plain = [SamplingParams(max_tokens=24, temperature=0.0), SamplingParams(max_tokens=24, temperature=0.0)]
     prompts = [PROMPT, "Lily and Ben"]

@@ -69,6 +69,7 @@ def _cli_on_read_only_folder(folder, commands: list[list[str]]) -> list:
     return json.loads(p.stdout)
 
 
+@pytest.mark.slow
 def test_a_read_only_database_is_read_and_never_called_corrupt(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()

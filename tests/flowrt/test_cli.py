@@ -164,6 +164,7 @@ def test_help_lists_subcommands(capsys):
     assert main([]) == 2
 
 
+@pytest.mark.slow
 def test_run_json_end_to_end_on_stories260k(tmp_path):
     """The real command in a fresh process: the README's self-consistency example on the test model."""
     pytest.importorskip("flowrt.engine")

@@ -130,6 +130,7 @@ DECODE_CTX = [1328, 18, 463, 512, 1, 33]
     (8, 2, 96, 16, torch.float16),
     (4, 1, 128, 16, torch.float32),
 ], ids=lambda v: DT_ID.get(v, str(v)))
+@pytest.mark.slow
 @pytest.mark.parametrize("num_splits", [1, 5, None])
 def test_paged_decode(gqa, hkv, d, bs, dtype, num_splits):
     bt = Batch([(1, c) for c in DECODE_CTX], gqa * hkv, hkv, d, bs, dtype, seed=gqa + d)
@@ -192,6 +193,7 @@ def test_split_choice_fills_the_gpu_with_whole_tiles(batch, hkv, ctx):
         assert s == 1
 
 
+@pytest.mark.slow
 def test_paged_decode_many_splits_and_graph_bound():
     """The split counts the heuristic picks for an H200, on a ragged batch whose max_seq_len is a far larger
     bound (as CUDA graphs pass max_model_len): most splits are empty, the merge must ignore them."""
@@ -217,6 +219,7 @@ PREFILL_SEQS = [(1, 1328), (5, 18), (129, 463), (0, 20), (32, 32), (1, 1), (17, 
     (4, 2, 128, 16, torch.bfloat16),
     (8, 1, 96, 16, torch.float16),
 ], ids=lambda v: DT_ID.get(v, str(v)))
+@pytest.mark.slow
 def test_paged_prefill_mixed_batch(gqa, hkv, d, bs, dtype):
     bt = Batch(PREFILL_SEQS, gqa * hkv, hkv, d, bs, dtype, seed=gqa * d)
     args = (bt.q, bt.k_cache, bt.v_cache, bt.block_tables, bt.query_start_loc, bt.seq_lens, bt.scale,

@@ -198,6 +198,7 @@ def test_k_larger_than_index_and_bad_queries(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- incremental
+@pytest.mark.slow
 def test_incremental_add_update_delete(tmp_path):
     docs = small_docs(tmp_path)
     out = tmp_path / "idx"

@@ -44,6 +44,7 @@ def _new_docs(tmp_path: Path, n: int) -> list[Path]:
     return out
 
 
+@pytest.mark.slow
 def test_concurrent_adds_from_threads_all_land(index, tmp_path):
     files = _new_docs(tmp_path, 4)
     _ = Retriever.load(index).embedder.model  # load the model once, outside the race

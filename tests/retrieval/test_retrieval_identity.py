@@ -110,6 +110,7 @@ def _rewrite_as_v1(index: Path) -> None:
     (index / "manifest.json").write_text(json.dumps(m))
 
 
+@pytest.mark.slow
 def test_format_1_index_loads_with_origins_migrated(corpus_index, tmp_path, capsys):
     _rewrite_as_v1(corpus_index)
     r = Retriever.load(corpus_index)
