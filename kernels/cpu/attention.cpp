@@ -46,6 +46,64 @@ static void decode_scalar(const T* qp, const T* kc, const T* vc, const int32_t* 
 }
 
 #ifdef FLOWRT_AVX2
+// The pieces of decode_heads that do not depend on the vector width, shared by its AVX2 and AVX-512 forms.
+
+// Walks a sequence's tokens through its block table as a (block, offset) cursor, instead of a division and a
+// modulo for every token's row.
+template <typename T>
+struct PagedRows {
+    const T* base;
+    const int32_t* tab;
+    int bs;
+    int64_t tok_st;
+    int bi, off;
+    const T* blk;
+    PagedRows(const T* base_, const int32_t* tab_, int bs_, int64_t tok_st_, int start)
+        : base(base_), tab(tab_), bs(bs_), tok_st(tok_st_), bi(start / bs_), off(start % bs_),
+          blk(base_ + (int64_t)tab_[start / bs_] * bs_ * tok_st_) {}
+    // The rows of tokens pos .. pos+7 (those past end repeat token pos's row), the cursor left at pos + 8.
+    inline void next8(int pos, int end, const T* (&kp)[8]) {
+        const int n = std::min(8, end - pos);
+        for (int j = 0; j < n; ++j) {
+            kp[j] = blk + (int64_t)off * tok_st;
+            if (++off == bs && pos + j + 1 < end) {
+                off = 0;
+                blk = base + (int64_t)tab[++bi] * bs * tok_st;
+            }
+        }
+        for (int j = n; j < 8; ++j) kp[j] = kp[0];
+    }
+};
+
+// Stores eight tokens' scaled scores in a head's score row and folds them into its eight lanes of running maxima.
+// A partial last group's extra lanes land in the row's padding (they repeat the group's first token's score, so the
+// running maximum stays exact).
+static inline void keep_scores8(__m256 sc, float* score_at, float* head_max) {
+    _mm256_storeu_ps(score_at, sc);
+    _mm256_storeu_ps(head_max, _mm256_max_ps(_mm256_loadu_ps(head_max), sc));
+}
+
+// Each head's softmax over its score row (exponentiated in place); its normalizer replaces the head's first lane of
+// running maxima (the lanes are free now) and its log-sum-exp goes to lse_out (nullable).
+static inline void softmax_rows(float* scores, int Ls, int L, float* run_max, int NH, float* lse_out) {
+    for (int h = 0; h < NH; ++h) {
+        const float m = row_max(run_max + 8 * h, 8);
+        const float sum = exp_sum(scores + (size_t)h * Ls, L, m);
+        run_max[8 * h] = 1.f / sum;
+        if (lse_out) lse_out[h] = m + std::log(sum);
+    }
+}
+
+// Each head's weighted sum of values times its normalizer (kept by softmax_rows), stored as T.
+template <typename T>
+static inline void store_heads(T* op, const float* acc_rows, const float* run_max, int NH, int D) {
+    for (int h = 0; h < NH; ++h) {
+        const __m256 vinv = _mm256_set1_ps(run_max[8 * h]);
+        for (int c = 0; c < D / 8; ++c)
+            store8(op + (int64_t)h * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc_rows + (int64_t)h * D + 8 * c), vinv));
+    }
+}
+
 // Decode attention for the KV heads kh0 .. kh0+nkh-1 of one sequence, each with its G query heads (qp, op and lse_out
 // point at query head kh0 * G), against tokens start .. end-1 read in place from the paged pool [N, bs, Hkv, D].
 // DD > 0 fixes the head size (a multiple of 8) at compile time. Scores are computed for eight tokens at a time (one
@@ -71,20 +129,10 @@ static void decode_heads(const T* qp, const T* kc, const T* vc, const int32_t* t
     const T* v0 = vc + (int64_t)kh0 * D;
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int h = 0; h < NH; ++h) _mm256_storeu_ps(run_max + 8 * h, _mm256_set1_ps(-INFINITY));
-    // a cursor over (block, offset) instead of a division and a modulo for every token's row
-    int bi = start / bs, off = start % bs;
-    const T* blk = k0 + (int64_t)tab[bi] * bs * tok_st;
+    PagedRows<T> keys(k0, tab, bs, tok_st, start);
     for (int pos = start; pos < end; pos += 8) {
-        const int n = std::min(8, end - pos);
         const T* kp[8];
-        for (int j = 0; j < n; ++j) {
-            kp[j] = blk + (int64_t)off * tok_st;
-            if (++off == bs && pos + j + 1 < end) {
-                off = 0;
-                blk = k0 + (int64_t)tab[++bi] * bs * tok_st;
-            }
-        }
-        for (int j = n; j < 8; ++j) kp[j] = kp[0];
+        keys.next8(pos, end, kp);
         for (int h = 0; h < NH; ++h) {
             const T* qh = qp + (int64_t)h * D;
             const int ko = (h / G) * D;
@@ -94,19 +142,10 @@ static void decode_heads(const T* qp, const T* kc, const T* vc, const int32_t* t
                 const __m256 qv = load8(qh + 8 * c);
                 for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(kp[j] + ko + 8 * c), acc[j]);
             }
-            // a partial last group's extra lanes land in the row's padding (they repeat the group's first token's
-            // score, so the running maximum stays exact)
-            const __m256 sc = _mm256_mul_ps(hsum8(acc), vscale);
-            _mm256_storeu_ps(scores + (size_t)h * Ls + (pos - start), sc);
-            _mm256_storeu_ps(run_max + 8 * h, _mm256_max_ps(_mm256_loadu_ps(run_max + 8 * h), sc));
+            keep_scores8(_mm256_mul_ps(hsum8(acc), vscale), scores + (size_t)h * Ls + (pos - start), run_max + 8 * h);
         }
     }
-    for (int h = 0; h < NH; ++h) {
-        const float m = row_max(run_max + 8 * h, 8);
-        const float sum = exp_sum(scores + (size_t)h * Ls, L, m);
-        run_max[8 * h] = 1.f / sum;  // the lanes are free now: keep the normalizer
-        if (lse_out) lse_out[h] = m + std::log(sum);
-    }
+    softmax_rows(scores, Ls, L, run_max, NH, lse_out);
     for (int i = 0; i < NH * D; ++i) acc_rows[i] = 0.f;
     for (int pos = start; pos < end;) {
         const int n = std::min(bs - pos % bs, end - pos);
@@ -128,11 +167,7 @@ static void decode_heads(const T* qp, const T* kc, const T* vc, const int32_t* t
         }
         pos += n;
     }
-    for (int h = 0; h < NH; ++h) {
-        const __m256 vinv = _mm256_set1_ps(run_max[8 * h]);
-        for (int c = 0; c < C; ++c)
-            store8(op + (int64_t)h * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc_rows + (int64_t)h * D + 8 * c), vinv));
-    }
+    store_heads(op, acc_rows, run_max, NH, D);
 }
 #endif
 
@@ -170,19 +205,10 @@ static void decode_heads_bf16_512(const bf16_t* qp, const bf16_t* kc, const bf16
     const bf16_t* v0 = vc + (int64_t)kh0 * D;
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int h = 0; h < NH; ++h) _mm256_storeu_ps(run_max + 8 * h, _mm256_set1_ps(-INFINITY));
-    int bi = start / bs, off = start % bs;
-    const bf16_t* blk = k0 + (int64_t)tab[bi] * bs * tok_st;
+    PagedRows<bf16_t> keys(k0, tab, bs, tok_st, start);
     for (int pos = start; pos < end; pos += 8) {
-        const int n = std::min(8, end - pos);
         const bf16_t* kp[8];
-        for (int j = 0; j < n; ++j) {
-            kp[j] = blk + (int64_t)off * tok_st;
-            if (++off == bs && pos + j + 1 < end) {
-                off = 0;
-                blk = k0 + (int64_t)tab[++bi] * bs * tok_st;
-            }
-        }
-        for (int j = n; j < 8; ++j) kp[j] = kp[0];
+        keys.next8(pos, end, kp);
         for (int h = 0; h < NH; ++h) {
             const int ko = (h / G) * D;
             __m512 acc[8];
@@ -204,17 +230,10 @@ static void decode_heads_bf16_512(const bf16_t* qp, const bf16_t* kc, const bf16
             __m256 half[8];
             for (int j = 0; j < 8; ++j)
                 half[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]), _mm512_extractf32x8_ps(acc[j], 1));
-            const __m256 sc = _mm256_mul_ps(hsum8(half), vscale);
-            _mm256_storeu_ps(scores + (size_t)h * Ls + (pos - start), sc);
-            _mm256_storeu_ps(run_max + 8 * h, _mm256_max_ps(_mm256_loadu_ps(run_max + 8 * h), sc));
+            keep_scores8(_mm256_mul_ps(hsum8(half), vscale), scores + (size_t)h * Ls + (pos - start), run_max + 8 * h);
         }
     }
-    for (int h = 0; h < NH; ++h) {
-        const float m = row_max(run_max + 8 * h, 8);
-        const float sum = exp_sum(scores + (size_t)h * Ls, L, m);
-        run_max[8 * h] = 1.f / sum;
-        if (lse_out) lse_out[h] = m + std::log(sum);
-    }
+    softmax_rows(scores, Ls, L, run_max, NH, lse_out);
     for (int i = 0; i < NH * D; ++i) acc_rows[i] = 0.f;
     for (int pos = start; pos < end;) {
         const int n = std::min(bs - pos % bs, end - pos);
@@ -236,11 +255,7 @@ static void decode_heads_bf16_512(const bf16_t* qp, const bf16_t* kc, const bf16
         }
         pos += n;
     }
-    for (int h = 0; h < NH; ++h) {
-        const __m256 vinv = _mm256_set1_ps(run_max[8 * h]);
-        for (int c = 0; c < D / 8; ++c)
-            store8(op + (int64_t)h * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc_rows + (int64_t)h * D + 8 * c), vinv));
-    }
+    store_heads(op, acc_rows, run_max, NH, D);
 }
 #endif
 
