@@ -171,6 +171,21 @@ def _check(op: str, name: str, t: torch.Tensor, dtype: torch.dtype, dims: int, c
             raise ValueError(f"{op}: {name} must have contiguous rows (stride 1 in the last dims)")
 
 
+def _check_attention(op: str, q, k_cache, v_cache, out):
+    """The checks paged_decode and paged_flash share: pools [N, bs, Hkv, D] contiguous, q and out [*, H, D] with
+    contiguous rows, all of the pools' dtype, H a multiple of Hkv. Returns that dtype."""
+    dt = k_cache.dtype
+    _check(op, "k_cache", k_cache, dt, 4, contiguous=True)
+    _check(op, "v_cache", v_cache, dt, 4, contiguous=True)
+    _check(op, "q", q, dt, 3, rows=True)
+    _check(op, "out", out, dt, 3, rows=True)
+    if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2] or out.shape[1:] != q.shape[1:] \
+            or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{op}: q {tuple(q.shape)}, out {tuple(out.shape)}, caches {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)} do not fit together")
+    return dt
+
+
 # ---- wrappers (CPU tensors; callers check `lib()` first) ------------------------------------------------------
 
 @_profiled("paged_decode")
@@ -179,19 +194,12 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out, scale: float,
     """q/out [*, H, D] (rows contiguous in the last two dims), caches [N, bs, Hkv, D] contiguous, all float32 or all
     bfloat16; block_tables int32 [B, W] (row-contiguous), seq_lens int32 [B], rows int64 [B] or None, lse float32
     [B, H]. shared_prefix: the sequences share their first blocks (the work is ordered to keep that prefix in L2)."""
-    dt = k_cache.dtype
-    _check("paged_decode", "k_cache", k_cache, dt, 4, contiguous=True)
-    _check("paged_decode", "v_cache", v_cache, dt, 4, contiguous=True)
-    _check("paged_decode", "q", q, dt, 3, rows=True)
-    _check("paged_decode", "out", out, dt, 3, rows=True)
+    dt = _check_attention("paged_decode", q, k_cache, v_cache, out)
     _check("paged_decode", "block_tables", block_tables, torch.int32, 2, rows=True)
     _check("paged_decode", "seq_lens", seq_lens, torch.int32, 1, contiguous=True)
     N, bs, Hkv, D = k_cache.shape
     H = q.shape[1]
     B = seq_lens.shape[0]
-    if q.shape[2] != D or H % Hkv or out.shape[1:] != q.shape[1:] or v_cache.shape != k_cache.shape:
-        raise ValueError(f"paged_decode: q {tuple(q.shape)}, out {tuple(out.shape)}, caches {tuple(k_cache.shape)} "
-                         f"and {tuple(v_cache.shape)} do not fit together")
     if block_tables.shape[0] < B or (rows is None and q.shape[0] < B):
         raise ValueError(f"paged_decode: {B} sequences, but {block_tables.shape[0]} block tables / {q.shape[0]} rows")
     if rows is not None:
@@ -219,19 +227,12 @@ def paged_flash(q, k_cache, v_cache, rows, ends, group_start, tables, out, scale
     group_start int32 [NG+1]), reading block table tables[g] (int32 [NG, W], row-contiguous); row i attends keys
     key_start .. ends[i]-1 (ends int32 [R]). lse_out (float32 [R, H]) receives each row's log-sum-exp; with lse_in
     instead, out already holds each row's attention over other keys with that log-sum-exp and the two are merged."""
-    dt = k_cache.dtype
-    _check("paged_flash", "k_cache", k_cache, dt, 4, contiguous=True)
-    _check("paged_flash", "v_cache", v_cache, dt, 4, contiguous=True)
-    _check("paged_flash", "q", q, dt, 3, rows=True)
-    _check("paged_flash", "out", out, dt, 3, rows=True)
+    dt = _check_attention("paged_flash", q, k_cache, v_cache, out)
     _check("paged_flash", "rows", rows, torch.int64, 1, contiguous=True)
     _check("paged_flash", "ends", ends, torch.int32, 1, contiguous=True)
     _check("paged_flash", "group_start", group_start, torch.int32, 1, contiguous=True)
     _check("paged_flash", "tables", tables, torch.int32, 2, rows=True)
     N, bs, Hkv, D = k_cache.shape
-    if q.shape[2] != D or q.shape[1] % Hkv or out.shape[1:] != q.shape[1:] or v_cache.shape != k_cache.shape:
-        raise ValueError(f"paged_flash: q {tuple(q.shape)}, out {tuple(out.shape)}, caches {tuple(k_cache.shape)} "
-                         f"and {tuple(v_cache.shape)} do not fit together")
     if ends.shape[0] != rows.shape[0] or tables.shape[0] != group_start.shape[0] - 1:
         raise ValueError(f"paged_flash: {rows.shape[0]} rows with {ends.shape[0]} ends, {tables.shape[0]} tables for "
                          f"{group_start.shape[0] - 1} groups")
