@@ -19,7 +19,8 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
-from .compact import pack, refs, routes_from_rows, unpack
+from .compact import pack
+from .rows import HISTORY_COLUMNS, dumps, history_entry, run_columns, run_record, stored_state
 from .store import RESUMABLE, CheckpointError, LeaseLostError, RunRecord, UnknownRunError, claim_refusal
 
 __all__ = ["PostgresStore", "is_postgres_url"]
@@ -70,10 +71,6 @@ def is_postgres_url(spec: str) -> bool:
 def _redact(url: str) -> str:
     """The URL without its password (error messages are printed and logged)."""
     return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
-
-
-def _dumps(v: Any) -> str:
-    return json.dumps(v, ensure_ascii=True, separators=(",", ":"), default=str)
 
 
 class PostgresStore:
@@ -146,7 +143,7 @@ class PostgresStore:
             cur = c.execute("INSERT INTO flowrt_runs (run_id, workflow, file, status, inputs, meta, created, updated, "
                             "lease_holder, lease_expires) VALUES (%s, %s, %s, 'running', %s, %s, %s, %s, %s, %s) "
                             "ON CONFLICT (run_id) DO NOTHING",
-                            (run_id, workflow, file, _dumps(inputs), _dumps(meta or {}), now, now, holder,
+                            (run_id, workflow, file, dumps(inputs), dumps(meta or {}), now, now, holder,
                              now + ttl if holder else None))
             if cur.rowcount == 0:
                 raise CheckpointError(f"run {run_id!r} already exists in {self.where}")
@@ -202,11 +199,11 @@ class PostgresStore:
             packed = pack(state, step, visit, seq, result, route, json.loads(run[0]) if run[0] else None)
             c.execute("INSERT INTO flowrt_checkpoints (run_id, seq, step, visit, status, result, route, created) "
                       "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
-                      (run_id, seq, step, visit, step_status, _dumps(result), _dumps(route), now))
+                      (run_id, seq, step, visit, step_status, dumps(result), dumps(route), now))
             lease = "" if run_status == "running" else ", lease_holder = NULL, lease_expires = NULL"   # it ended
             c.execute(f"UPDATE flowrt_runs SET status = %s, interrupt = %s, updated = %s, state = %s, threads = %s"
-                      f"{lease} WHERE run_id = %s", (run_status, _dumps(interrupt) if interrupt is not None else None,
-                                                     now, _dumps(packed), _dumps(threads), run_id))
+                      f"{lease} WHERE run_id = %s", (run_status, dumps(interrupt) if interrupt is not None else None,
+                                                     now, dumps(packed), dumps(threads), run_id))
             return seq
 
         return self._guard("saving a checkpoint", go)
@@ -215,26 +212,19 @@ class PostgresStore:
         self._guard("deleting a run", lambda c: c.execute("DELETE FROM flowrt_runs WHERE run_id = %s", (run_id,)))
 
     # ------------------------------------------------------------------ reading
-    _COLS = "run_id, workflow, file, status, inputs, meta, interrupt, created, updated, lease_holder, lease_expires"
+    _COLS = run_columns()
 
     @staticmethod
     def _record(c: Any, row: tuple, with_state: bool) -> RunRecord:
-        run_id, workflow, file, status, inputs, meta, interrupt, created, updated, holder, expires, raw = row
+        run_id, raw = row[0], row[11]
         n = c.execute("SELECT COUNT(*) FROM flowrt_checkpoints WHERE run_id = %s", (run_id,)).fetchone()[0]
-        state = None
-        if with_state and raw:
-            packed = json.loads(raw)
-            seqs = refs(packed)
-            results = {s: json.loads(r) for s, r in c.execute(
-                "SELECT seq, result FROM flowrt_checkpoints WHERE run_id = %s AND seq = ANY(%s)", (run_id, seqs))}
-            rows = [(st, v, json.loads(ro)) for st, v, ro in c.execute(
-                "SELECT step, visit, route FROM flowrt_checkpoints WHERE run_id = %s AND route != 'null' ORDER BY seq",
-                (run_id,))] if routes_from_rows(packed) else []
-            state = unpack(packed, results, rows)
-        return RunRecord(run_id=run_id, workflow=workflow, status=status, inputs=json.loads(inputs), file=file,
-                         meta=json.loads(meta), created=created, updated=updated,
-                         interrupt=json.loads(interrupt) if interrupt else None, checkpoints=int(n), state=state,
-                         holder=holder, lease_expires=expires)
+        state = stored_state(
+            raw,
+            lambda seqs: c.execute("SELECT seq, result FROM flowrt_checkpoints WHERE run_id = %s AND seq = ANY(%s)",
+                                   (run_id, seqs)),
+            lambda: c.execute("SELECT step, visit, route FROM flowrt_checkpoints WHERE run_id = %s AND route != 'null' "
+                              "ORDER BY seq", (run_id,))) if with_state else None
+        return run_record(row, n, state)
 
     def get_run(self, run_id: str, *, with_state: bool = True) -> RunRecord:
         def go(c: Any) -> RunRecord:
@@ -255,10 +245,9 @@ class PostgresStore:
 
     def history(self, run_id: str) -> list[dict[str, Any]]:
         def go(c: Any) -> list[dict[str, Any]]:
-            rows = c.execute("SELECT seq, step, visit, status, result, route, created FROM flowrt_checkpoints "
-                             "WHERE run_id = %s ORDER BY seq", (run_id,)).fetchall()
-            return [{"seq": s, "step": st, "visit": v, "status": stat, "result": json.loads(r) if r else None,
-                     "route": json.loads(ro) if ro else None, "created": cr} for s, st, v, stat, r, ro, cr in rows]
+            rows = c.execute(f"SELECT {HISTORY_COLUMNS} FROM flowrt_checkpoints WHERE run_id = %s ORDER BY seq",
+                             (run_id,)).fetchall()
+            return [history_entry(r) for r in rows]
 
         return self._guard("reading a run's history", go)
 

@@ -22,7 +22,8 @@ import time
 import urllib.parse
 from typing import Any
 
-from .compact import pack, refs, routes_from_rows, unpack
+from .compact import pack
+from .rows import HISTORY_COLUMNS, dumps, history_entry, run_columns, run_record, stored_state
 from .store import (RESUMABLE, CheckpointError, LeaseLostError, ReadOnlyStoreError, RunRecord, UnknownRunError,
                     claim_refusal)
 
@@ -90,10 +91,6 @@ ALTER TABLE runs ADD COLUMN lease_holder TEXT;
 ALTER TABLE runs ADD COLUMN lease_expires REAL;
 UPDATE schema_version SET version = 3;
 """
-
-
-def _dumps(v: Any) -> str:
-    return json.dumps(v, ensure_ascii=True, separators=(",", ":"), default=str)
 
 
 def _read_only_reason(path: str) -> str | None:
@@ -266,7 +263,7 @@ class SQLiteStore:
                 with self._tx() as c:
                     c.execute("INSERT INTO runs (run_id, workflow, file, status, inputs, meta, created, updated, "
                               "lease_holder, lease_expires) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?)",
-                              (run_id, workflow, file, _dumps(inputs), _dumps(meta or {}), now, now, holder,
+                              (run_id, workflow, file, dumps(inputs), dumps(meta or {}), now, now, holder,
                                now + ttl if holder else None))
             except sqlite3.IntegrityError:
                 raise CheckpointError(f"run {run_id!r} already exists in {self.path}") from None
@@ -328,11 +325,11 @@ class SQLiteStore:
                 packed = pack(state, step, visit, seq, result, route, json.loads(run[0]) if run[0] else None)
                 c.execute("INSERT INTO checkpoints (run_id, seq, step, visit, status, result, route, created) "
                           "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                          (run_id, seq, step, visit, step_status, _dumps(result), _dumps(route), now))
+                          (run_id, seq, step, visit, step_status, dumps(result), dumps(route), now))
                 lease = "" if run_status == "running" else ", lease_holder = NULL, lease_expires = NULL"   # it ended
                 c.execute(f"UPDATE runs SET status = ?, interrupt = ?, updated = ?, state = ?, threads = ?{lease} "
-                          f"WHERE run_id = ?", (run_status, _dumps(interrupt) if interrupt is not None else None, now,
-                                                _dumps(packed), _dumps(threads), run_id))
+                          f"WHERE run_id = ?", (run_status, dumps(interrupt) if interrupt is not None else None, now,
+                                                dumps(packed), dumps(threads), run_id))
                 return seq
 
         return self._guard("saving a checkpoint", go)
@@ -349,36 +346,27 @@ class SQLiteStore:
     @property
     def _cols(self) -> str:
         """The runs columns ``_record`` reads (a read-only database of format 2 has no lease columns)."""
-        lease = "lease_holder, lease_expires" if self._version >= 3 else "NULL, NULL"
-        return f"run_id, workflow, file, status, inputs, meta, interrupt, created, updated, {lease}"
+        return run_columns(lease=self._version >= 3)
 
     def _record(self, row: tuple, with_state: bool, conn: sqlite3.Connection | None = None) -> RunRecord:
         """The run of a row of ``_cols``; ``conn``: inside a transaction that holds the lock already."""
-        run_id, workflow, file, status, inputs, meta, interrupt, created, updated, holder, expires = row
+        run_id = row[0]
         with self._lock if conn is None else contextlib.nullcontext():
             c = conn or self._conn
             n = c.execute("SELECT COUNT(*) FROM checkpoints WHERE run_id = ?", (run_id,)).fetchone()[0]
             state = self._state(c, run_id) if with_state else None
-        return RunRecord(run_id=run_id, workflow=workflow, status=status, inputs=json.loads(inputs), file=file,
-                         meta=json.loads(meta), created=created, updated=updated,
-                         interrupt=json.loads(interrupt) if interrupt else None, checkpoints=int(n), state=state,
-                         holder=holder, lease_expires=expires)
+        return run_record(row, n, state)
 
     @staticmethod
     def _state(c: sqlite3.Connection, run_id: str) -> dict[str, Any] | None:
         """The run's latest state, its references to checkpoint rows resolved (flowrt.checkpoint.compact)."""
         raw = c.execute("SELECT state FROM runs WHERE run_id = ?", (run_id,)).fetchone()[0]
-        if not raw:
-            return None
-        packed = json.loads(raw)
-        seqs = refs(packed)
-        marks = ",".join("?" * len(seqs))
-        results = {s: json.loads(r) for s, r in c.execute(
-            f"SELECT seq, result FROM checkpoints WHERE run_id = ? AND seq IN ({marks})", (run_id, *seqs))}
-        rows = [(st, v, json.loads(ro)) for st, v, ro in c.execute(
-            "SELECT step, visit, route FROM checkpoints WHERE run_id = ? AND route != 'null' ORDER BY seq",
-            (run_id,))] if routes_from_rows(packed) else []
-        return unpack(packed, results, rows)
+        return stored_state(
+            raw,
+            lambda seqs: c.execute(f"SELECT seq, result FROM checkpoints WHERE run_id = ? AND seq IN "
+                                   f"({','.join('?' * len(seqs))})", (run_id, *seqs)),
+            lambda: c.execute("SELECT step, visit, route FROM checkpoints WHERE run_id = ? AND route != 'null' "
+                              "ORDER BY seq", (run_id,)))
 
     def get_run(self, run_id: str, *, with_state: bool = True) -> RunRecord:
         def go() -> RunRecord:
@@ -402,10 +390,9 @@ class SQLiteStore:
     def history(self, run_id: str) -> list[dict[str, Any]]:
         def go() -> list[dict[str, Any]]:
             with self._lock:
-                rows = self._conn.execute("SELECT seq, step, visit, status, result, route, created FROM checkpoints "
-                                          "WHERE run_id = ? ORDER BY seq", (run_id,)).fetchall()
-            return [{"seq": s, "step": st, "visit": v, "status": stat, "result": json.loads(r) if r else None,
-                     "route": json.loads(ro) if ro else None, "created": cr} for s, st, v, stat, r, ro, cr in rows]
+                rows = self._conn.execute(f"SELECT {HISTORY_COLUMNS} FROM checkpoints WHERE run_id = ? ORDER BY seq",
+                                          (run_id,)).fetchall()
+            return [history_entry(r) for r in rows]
 
         return self._guard("reading a run's history", go, writes=False)
 
