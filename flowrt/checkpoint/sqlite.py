@@ -31,7 +31,21 @@ __all__ = ["SQLiteStore", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 3
 
-_SCHEMA = """
+# The checkpoints table's columns as format 2 made them (format 3 kept them): the fresh schema and the format 1 -> 2
+# migration create the same table.
+_CHECKPOINTS_2 = """(
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    seq INTEGER NOT NULL,
+    step TEXT,
+    visit INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    result TEXT,
+    route TEXT,
+    created REAL NOT NULL,
+    PRIMARY KEY (run_id, seq)
+)"""
+
+_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
@@ -48,37 +62,17 @@ CREATE TABLE IF NOT EXISTS runs (
     lease_holder TEXT,
     lease_expires REAL
 );
-CREATE TABLE IF NOT EXISTS checkpoints (
-    run_id TEXT NOT NULL REFERENCES runs(run_id),
-    seq INTEGER NOT NULL,
-    step TEXT,
-    visit INTEGER NOT NULL,
-    status TEXT NOT NULL,
-    result TEXT,
-    route TEXT,
-    created REAL NOT NULL,
-    PRIMARY KEY (run_id, seq)
-);
+CREATE TABLE IF NOT EXISTS checkpoints {_CHECKPOINTS_2};
 """
 
 # Format 1 -> 2: the latest state and threads move to the run's row (kept whole: unpack reads a state
 # without references as it is), the checkpoint rows keep their results and routes.
-_MIGRATE_1 = """
+_MIGRATE_1 = f"""
 ALTER TABLE runs ADD COLUMN state TEXT;
 ALTER TABLE runs ADD COLUMN threads TEXT;
 UPDATE runs SET state = (SELECT state FROM checkpoints c WHERE c.run_id = runs.run_id ORDER BY seq DESC LIMIT 1),
     threads = (SELECT threads FROM checkpoints c WHERE c.run_id = runs.run_id ORDER BY seq DESC LIMIT 1);
-CREATE TABLE checkpoints_2 (
-    run_id TEXT NOT NULL REFERENCES runs(run_id),
-    seq INTEGER NOT NULL,
-    step TEXT,
-    visit INTEGER NOT NULL,
-    status TEXT NOT NULL,
-    result TEXT,
-    route TEXT,
-    created REAL NOT NULL,
-    PRIMARY KEY (run_id, seq)
-);
+CREATE TABLE checkpoints_2 {_CHECKPOINTS_2};
 INSERT INTO checkpoints_2 SELECT run_id, seq, step, visit, status, result, route, created FROM checkpoints;
 DROP TABLE checkpoints;
 ALTER TABLE checkpoints_2 RENAME TO checkpoints;
