@@ -147,3 +147,14 @@ def retrieval_cli(*argv) -> int:
     add_parser(sub)
     args = parser.parse_args([str(a) for a in argv])
     return args.func(args)
+
+
+def load_workflow_source(tmp_path: Path, name: str, source: str, calls_of: str):
+    """Writes a workflow file's ``source`` to ``tmp_path / name`` and loads its ``wf``. Returns the file's path, the
+    workflow and the file's ``CALLS`` list (found through step ``calls_of``'s globals)."""
+    from flowrt.graph.loader import load_workflow
+
+    f = tmp_path / name
+    f.write_text(source)
+    wf = load_workflow(str(f))
+    return str(f), wf, wf.steps[calls_of].fn.__globals__["CALLS"]

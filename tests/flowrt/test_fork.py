@@ -15,6 +15,7 @@ import flowrt as fr
 from flowrt.checkpoint import CheckpointError
 from flowrt.checkpoint.fork import fork_state
 from flowrt.cli.commands import main
+from support import load_workflow_source
 
 PIPELINE = textwrap.dedent('''
     import flowrt as fr
@@ -45,12 +46,7 @@ PIPELINE = textwrap.dedent('''
 
 
 def load(tmp_path):
-    f = tmp_path / "pipeline.py"
-    f.write_text(PIPELINE)
-    from flowrt.graph.loader import load_workflow
-
-    wf = load_workflow(str(f))
-    return str(f), wf, wf.steps["load"].fn.__globals__["CALLS"]
+    return load_workflow_source(tmp_path, "pipeline.py", PIPELINE, "load")
 
 
 def test_fork_reruns_the_step_and_downstream_only(tmp_path):

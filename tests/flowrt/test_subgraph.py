@@ -14,6 +14,7 @@ import pytest
 
 import flowrt as fr
 from flowrt.cli.commands import EXIT_INTERRUPTED, main
+from support import load_workflow_source
 
 SUBGRAPH_FILE = textwrap.dedent('''
     import flowrt as fr
@@ -50,13 +51,7 @@ SUBGRAPH_FILE = textwrap.dedent('''
 
 
 def load(tmp_path):
-    f = tmp_path / "report.py"
-    f.write_text(SUBGRAPH_FILE)
-    from flowrt.graph.loader import load_workflow
-
-    wf = load_workflow(str(f))
-    calls = wf.steps["topic"].fn.__globals__["CALLS"]
-    return str(f), wf, calls
+    return load_workflow_source(tmp_path, "report.py", SUBGRAPH_FILE, "topic")
 
 
 def test_subgraph_result_inputs_and_event_paths(tmp_path):
