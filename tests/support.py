@@ -3,7 +3,12 @@
 Test modules import it as `support` (pyproject sets pytest's pythonpath to tests/).
 """
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
@@ -149,6 +154,13 @@ def retrieval_cli(*argv) -> int:
     return args.func(args)
 
 
+def flowrt_cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    """``python -m flowrt.cli ARGS`` as a child process in the repository root, ``env`` added to this process's
+    environment, stdout and stderr as text pipes (``kw``: more ``Popen`` arguments)."""
+    return subprocess.Popen([sys.executable, "-m", "flowrt.cli", *args], cwd=ROOT, env={**os.environ, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
 def load_workflow_source(tmp_path: Path, name: str, source: str, calls_of: str):
     """Writes a workflow file's ``source`` to ``tmp_path / name`` and loads its ``wf``. Returns the file's path, the
     workflow and the file's ``CALLS`` list (found through step ``calls_of``'s globals)."""
@@ -158,3 +170,26 @@ def load_workflow_source(tmp_path: Path, name: str, source: str, calls_of: str):
     f.write_text(source)
     wf = load_workflow(str(f))
     return str(f), wf, wf.steps[calls_of].fn.__globals__["CALLS"]
+
+
+# Source for workflow files that tests run as child processes and kill mid-step (the file imports os, pathlib and
+# time): maybe_hang(name) writes name to $FLOWRT_TEST_READY and sleeps when $FLOWRT_TEST_HANG is name.
+MAYBE_HANG = '''
+def maybe_hang(name):
+    if os.environ.get("FLOWRT_TEST_HANG") == name:
+        pathlib.Path(os.environ["FLOWRT_TEST_READY"]).write_text(name)
+        time.sleep(600)
+'''
+
+
+def kill_at(step: str, ready: Path, *args: str, env: dict | None = None) -> None:
+    """Runs ``flowrt ARGS`` (``flowrt_cli``) on a workflow file with ``MAYBE_HANG`` until it hangs in step
+    ``step`` (it writes the file ``ready`` there), then kills it with SIGKILL."""
+    p = flowrt_cli(*args, env={**(env or {}), "FLOWRT_TEST_HANG": step, "FLOWRT_TEST_READY": str(ready)})
+    deadline = time.time() + 300
+    while not ready.exists():
+        assert p.poll() is None, p.communicate()
+        assert time.time() < deadline
+        time.sleep(0.1)
+    p.send_signal(signal.SIGKILL)
+    p.communicate(timeout=30)

@@ -5,20 +5,15 @@ resume's prefill work with and without the engine's prefix cache."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sqlite3
-import subprocess
-import sys
 import threading
-import time
 
 import anyio
 import pytest
 
 import flowrt as fr
 from flowrt.checkpoint import SCHEMA_VERSION, CheckpointError, CheckpointStore, SQLiteStore, decode, encode, open_store
-from support import ROOT
+from support import MAYBE_HANG, flowrt_cli, kill_at
 
 
 
@@ -291,12 +286,7 @@ def mark(name):
         with open(log, "a") as f:
             f.write(name + "\\n")
 
-
-def maybe_hang(name):
-    if os.environ.get("CHAIN_HANG") == name:
-        pathlib.Path(os.environ["CHAIN_READY"]).write_text(name)
-        time.sleep(600)
-
+''' + MAYBE_HANG + '''
 
 @wf.step
 async def s1(start: str, llm: fr.Model) -> dict:
@@ -331,11 +321,6 @@ async def s4(s3: dict) -> str:
 '''
 
 
-def _flowrt(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "flowrt.cli", *args], cwd=ROOT, env={**os.environ, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
-
-
 def _texts(outputs: dict) -> dict:
     return {k: (v["text"] if isinstance(v, dict) else v) for k, v in outputs.items()}
 
@@ -348,26 +333,19 @@ def test_sigkill_after_step_k_then_resume_matches_an_uninterrupted_run(tmp_path,
     common = ["--model", stories_path, "--dtype", "float32", "--input", "start=Once upon a time",
               "--no-progress"]
 
-    ref = _flowrt("run", str(wf_file), "--json", *common)
+    ref = flowrt_cli("run", str(wf_file), "--json", *common)
     out, err = ref.communicate(timeout=300)
     assert ref.returncode == 0, err
     expected = _texts(json.loads(out)["outputs"])
 
-    env = {"CHAIN_LOG": str(log), "CHAIN_HANG": "s3", "CHAIN_READY": str(ready)}
-    p = _flowrt("run", str(wf_file), "--checkpoint", str(db), *common, env=env)
-    deadline = time.time() + 300
-    while not ready.exists():
-        assert p.poll() is None, p.communicate()
-        assert time.time() < deadline
-        time.sleep(0.1)
-    p.send_signal(signal.SIGKILL)     # mid-run: s1 and s2 finished, s3 is running
-    p.communicate(timeout=30)
+    # killed mid-run: s1 and s2 finished, s3 is running
+    kill_at("s3", ready, "run", str(wf_file), "--checkpoint", str(db), *common, env={"CHAIN_LOG": str(log)})
     assert log.read_text().split() == ["s1", "s2"]
     runs = open_store(db).list_runs()
     assert len(runs) == 1 and runs[0].status == "running"
     run_id = runs[0].run_id
 
-    r = _flowrt("resume", run_id, "--checkpoint", str(db), "--json", "--no-progress", env={"CHAIN_LOG": str(log)})
+    r = flowrt_cli("resume", run_id, "--checkpoint", str(db), "--json", "--no-progress", env={"CHAIN_LOG": str(log)})
     out, err = r.communicate(timeout=300)
     assert r.returncode == 0, err
     assert f"run {run_id} (resumed)" in err
@@ -375,7 +353,7 @@ def test_sigkill_after_step_k_then_resume_matches_an_uninterrupted_run(tmp_path,
     assert _texts(json.loads(out)["outputs"]) == expected
     assert open_store(db).get_run(run_id).status == "done"
 
-    show = _flowrt("runs", "show", run_id, "--checkpoint", str(db))
+    show = flowrt_cli("runs", "show", run_id, "--checkpoint", str(db))
     out, _ = show.communicate(timeout=60)
     info = json.loads(out)
     assert info["status"] == "done" and info["outputs"]["s4"] == expected["s4"]

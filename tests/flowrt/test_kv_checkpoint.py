@@ -8,10 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
-import time
 
 import anyio
 import pytest
@@ -19,7 +16,7 @@ import pytest
 import flowrt as fr
 from flowrt.checkpoint import CheckpointError, open_store
 from flowrt.checkpoint.kv import KVBlockStore
-from support import ROOT
+from support import MAYBE_HANG, flowrt_cli, kill_at
 
 BLOCK = 16
 
@@ -29,12 +26,7 @@ import flowrt as fr
 
 wf = fr.Workflow("two_threads")
 
-
-def maybe_stop(name):
-    if os.environ.get("KV_HANG") == name:
-        pathlib.Path(os.environ["KV_READY"]).write_text(name)
-        time.sleep(600)
-
+''' + MAYBE_HANG + '''
 
 @wf.step
 async def s1(start: str, llm: fr.Model) -> dict:
@@ -45,7 +37,7 @@ async def s1(start: str, llm: fr.Model) -> dict:
 
 @wf.step
 async def s2(s1: dict) -> dict:
-    maybe_stop("s2")
+    maybe_hang("s2")
     if os.environ.get("KV_INTERRUPT"):
         await fr.interrupt("go on?")
     a, b = s1["ta"], s1["tb"]
@@ -169,11 +161,6 @@ async def _plain_run(stories_path: str, wf, start: str) -> fr.RunResult:
 
 
 # ---------------------------------------------------------------------------------------------- kill -9
-def _flowrt(*args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "flowrt.cli", *args], cwd=ROOT, env={**os.environ, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 def _finish(p: subprocess.Popen) -> dict:
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
@@ -183,20 +170,13 @@ def _finish(p: subprocess.Popen) -> dict:
 @pytest.mark.slow
 def test_sigkill_then_cold_resume_with_kv_computes_one_block_per_thread(tmp_path, wf_file, stories_path):
     common = ["--model", stories_path, "--dtype", "float32", "--input", "start=Once upon a time", "--no-progress"]
-    expected = _finish(_flowrt("run", str(wf_file), "--json", *common))["outputs"]["s2"]
+    expected = _finish(flowrt_cli("run", str(wf_file), "--json", *common))["outputs"]["s2"]
 
     run_dir, ready = tmp_path / "a", tmp_path / "ready"
     run_dir.mkdir()
     db = str(run_dir / "runs.db")
-    p = _flowrt("run", str(wf_file), "--checkpoint", db, "--checkpoint-kv", *common,
-                env={"KV_HANG": "s2", "KV_READY": str(ready)})
-    deadline = time.time() + 300
-    while not ready.exists():
-        assert p.poll() is None, p.communicate()
-        assert time.time() < deadline
-        time.sleep(0.1)
-    p.send_signal(signal.SIGKILL)     # s1 finished (two threads of ~65 and ~60 tokens), s2 is running
-    p.communicate(timeout=30)
+    # killed with s1 finished (two threads of ~65 and ~60 tokens) and s2 running
+    kill_at("s2", ready, "run", str(wf_file), "--checkpoint", db, "--checkpoint-kv", *common)
     run_id = open_store(db).list_runs()[0].run_id
     blocks = sorted(os.path.join(d, f) for d, _, fs in os.walk(db + ".kv") for f in fs)
     assert len(blocks) >= 6
@@ -207,8 +187,9 @@ def test_sigkill_then_cold_resume_with_kv_computes_one_block_per_thread(tmp_path
     raw = open(victim, "rb").read()
     open(victim, "wb").write(raw[:-3] + bytes(b ^ 0xFF for b in raw[-3:]))
 
-    clean = _finish(_flowrt("resume", run_id, "--checkpoint", db, "--checkpoint-kv", "--json", "--no-progress"))
-    bad = _finish(_flowrt("resume", run_id, "--checkpoint", corrupt_db, "--checkpoint-kv", "--json", "--no-progress"))
+    clean = _finish(flowrt_cli("resume", run_id, "--checkpoint", db, "--checkpoint-kv", "--json", "--no-progress"))
+    bad = _finish(flowrt_cli("resume", run_id, "--checkpoint", corrupt_db, "--checkpoint-kv", "--json",
+                             "--no-progress"))
     assert clean["outputs"]["s2"] == expected and bad["outputs"]["s2"] == expected
     computed, recomputed = clean["stats"]["prefill_tokens_computed"], bad["stats"]["prefill_tokens_computed"]
     print(f"\nresume after kill -9: {computed} prefill tokens computed with KV blocks, {recomputed} with one "

@@ -23,7 +23,7 @@ import flowrt as fr
 from flowrt.checkpoint import (LeaseLostError, RunBusyError, RunCheckpoint, RunNotResumableError, SQLiteStore,
                                UnknownRunError, open_store)
 from flowrt.checkpoint.lease import Renewer, holder_is_dead, live_holder
-from support import ROOT
+from support import flowrt_cli
 
 WAIT_S = 120   # a guard against a hang, never an ordering
 
@@ -339,18 +339,13 @@ def last(slow: int) -> int:
 '''
 
 
-def _cli(*args: str, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "flowrt.cli", *args], cwd=ROOT, env={**os.environ, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 @pytest.mark.slow   # three CLI processes, each loading the engine's option list (torch): ~15 s on 2 cores
 def test_two_cli_resumes_of_a_killed_run(tmp_path):
     f = tmp_path / "ck.py"
     f.write_text(CHAIN_FILE)
     db, log, gate = tmp_path / "ck.db", tmp_path / "steps.log", tmp_path / "gate"
     env = {"LEASE_LOG": str(log), "LEASE_GATE": str(gate), "LEASE_WAIT_S": str(WAIT_S)}
-    p = _cli("run", str(f), "--checkpoint", str(db), "--no-progress", env=env)
+    p = flowrt_cli("run", str(f), "--checkpoint", str(db), "--no-progress", env=env)
     for line in p.stderr:            # blocks until the step says it started (or the process ends)
         if line.strip() == "slow-start":
             break
@@ -362,7 +357,7 @@ def test_two_cli_resumes_of_a_killed_run(tmp_path):
     assert rec.status == "running"
 
     done: queue.Queue = queue.Queue()
-    resumes = [_cli("resume", rec.run_id, "--checkpoint", str(db), "--no-progress", env=env) for _ in range(2)]
+    resumes = [flowrt_cli("resume", rec.run_id, "--checkpoint", str(db), "--no-progress", env=env) for _ in range(2)]
     try:
         def finish(r: subprocess.Popen) -> None:
             _, err = r.communicate()
