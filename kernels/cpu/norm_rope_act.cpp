@@ -58,6 +58,37 @@ void rope(T* x, int64_t row_st, int64_t Tn, int nh, int D, const T* cos_t, const
     }
 }
 
+// out[t] = silu(gu[t, :I]) * gu[t, I:] for rows of the fused gate+up projection [T, 2I] (row stride gu_st):
+// one pass instead of silu, then a multiply (each a full read and write of the activations). bf16 as transformers'
+// F.silu(gate) * up: silu rounded to bf16, then the product rounded.
+template <typename T>
+void silu_mul(const T* gu, int64_t gu_st, T* out, int64_t Tn, int I) {
+    #pragma omp parallel for schedule(static) if (Tn * I >= 8192) num_threads(flowrt_threads)
+    for (int64_t t = 0; t < Tn; ++t) {
+        const T* g = gu + t * gu_st;
+        const T* u = g + I;
+        T* o = out + t * (int64_t)I;
+        int i = 0;
+#ifdef FLOWRT_AVX2
+        const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = load8(g + i);
+            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, fexp8(_mm256_sub_ps(zero, gv))));
+            if constexpr (sizeof(T) == 2) {  // rounded to bf16 through memory, as the scalar round_as
+                alignas(32) bf16_t tmp[8];
+                store8(tmp, sv);
+                sv = load8(tmp);
+            }
+            store8(o + i, _mm256_mul_ps(sv, load8(u + i)));
+        }
+#endif
+        for (; i < I; ++i) {
+            const float gv = to_f32(g[i]);
+            o[i] = from_f32<T>(round_as<T>(gv / (1.f + fexp(-gv))) * to_f32(u[i]));
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -80,49 +111,12 @@ void rope_bf16(bf16_t* x, int64_t row_st, int64_t T, int nh, int D, const bf16_t
     rope<bf16_t>(x, row_st, T, nh, D, cos_t, sin_t, pos);
 }
 
-// out[t] = silu(gu[t, :I]) * gu[t, I:] for rows of the fused gate+up projection [T, 2I] (row stride gu_st):
-// one pass instead of silu, then a multiply (each a full read and write of the activations).
 void silu_mul_f32(const float* gu, int64_t gu_st, float* out, int64_t T, int I) {
-    #pragma omp parallel for schedule(static) if (T * I >= 8192) num_threads(flowrt_threads)
-    for (int64_t t = 0; t < T; ++t) {
-        const float* g = gu + t * gu_st;
-        const float* u = g + I;
-        float* o = out + t * (int64_t)I;
-        int i = 0;
-#ifdef FLOWRT_AVX2
-        const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-        for (; i + 8 <= I; i += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 den = _mm256_add_ps(one, fexp8(_mm256_sub_ps(zero, gv)));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
-        }
-#endif
-        for (; i < I; ++i) o[i] = g[i] / (1.f + fexp(-g[i])) * u[i];
-    }
+    silu_mul<float>(gu, gu_st, out, T, I);
 }
 
-// bf16 as transformers' F.silu(gate) * up: silu rounded to bf16, then the product rounded.
 void silu_mul_bf16(const bf16_t* gu, int64_t gu_st, bf16_t* out, int64_t T, int I) {
-    #pragma omp parallel for schedule(static) if (T * I >= 8192) num_threads(flowrt_threads)
-    for (int64_t t = 0; t < T; ++t) {
-        const bf16_t* g = gu + t * gu_st;
-        const bf16_t* u = g + I;
-        bf16_t* o = out + t * (int64_t)I;
-        int i = 0;
-#ifdef FLOWRT_AVX2
-        const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-        alignas(32) bf16_t tmp[8];
-        for (; i + 8 <= I; i += 8) {
-            const __m256 gv = load8(g + i);
-            store8(tmp, _mm256_div_ps(gv, _mm256_add_ps(one, fexp8(_mm256_sub_ps(zero, gv)))));
-            store8(o + i, _mm256_mul_ps(load8(tmp), load8(u + i)));
-        }
-#endif
-        for (; i < I; ++i) {
-            const float gv = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(round_as<bf16_t>(gv / (1.f + fexp(-gv))) * bf16_to_f32(u[i]));
-        }
-    }
+    silu_mul<bf16_t>(gu, gu_st, out, T, I);
 }
 
 }  // extern "C"
