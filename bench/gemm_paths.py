@@ -31,6 +31,9 @@ def paths(w, M):
     try:
         wd = torch.ops.mkldnn._reorder_linear_weight(w, M)
         out["onednn_packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, wd, None, "none", [], "")
+        if M != 32:  # the engine packs once with batch hint 32 for every row count: what that costs elsewhere
+            w32 = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+            out["onednn_packed@32"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, w32, None, "none", [], "")
     except Exception as e:  # noqa
         print("onednn", e)
     return out
@@ -46,7 +49,8 @@ with torch.inference_mode():
             ps = paths(w, M)
             ref = ps["F.linear"](x)
             for k, f in ps.items():
-                assert torch.allclose(f(x), ref, atol=1e-3, rtol=1e-3), k
+                assert torch.allclose(f(x).float(), ref.float(), atol=2e-2 if dt == torch.bfloat16 else 1e-3,
+                                      rtol=2e-2 if dt == torch.bfloat16 else 1e-3), k
             iters = max(3, int(2e8 / (2 * M * N * K)))
             best = {k: 1e9 for k in ps}
             for _ in range(a.reps):

@@ -9,7 +9,11 @@ Measures (torch, this process's threads):
     weights; for prefill rows this changes nothing (compute bound).
   * the model ceiling at M rows: one forward's projection FLOPs (30 layers + lm_head, ~0.27 GFLOP per token) over
     the summed time of its GEMMs at M rows: no attention, no norms, no overhead, i.e. the floor of a step;
-  * memory bandwidth (GB/s): a large copy (read + write counted) and a large sum (read).
+  * memory bandwidth (GB/s): a large copy (read + write counted) and a large sum (read);
+  * the machine's own ceiling per dtype ("machine peak"): large square products (2,048 and 3,072), the best of
+    torch's F.linear and prepacked oneDNN, which picks AMX tiles, AVX512-BF16 or AVX2 itself at run time. The
+    model ceiling is what the model's skinny shapes get out of torch; the machine peak is what the silicon does with
+    a compute-bound product (on a Xeon with AMX far above the model shapes' figure). Every share line reports both.
 fp32 always; bf16 where the CPU has native bf16 (avx512_bf16 / amx), else one emulated point (--bf16 all forces
 the full table: it is very slow there, ~0.3-0.9 GFLOP/s).
 
@@ -96,6 +100,21 @@ def gemm_gflops(shape: str, rows: int, dtype: torch.dtype, min_time: float, cold
     return 2.0 * rows * K * N / t / 1e9
 
 
+def machine_peak(dtype: torch.dtype, min_time: float, sizes=(2048, 3072)) -> float:
+    """GFLOP/s of the best large square product (compute bound: the machine's ceiling for this dtype)."""
+    best = 0.0
+    for n in sizes:
+        a, w = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        t = _time(lambda: F.linear(a, w), min_time)
+        try:
+            wp = torch.ops.mkldnn._reorder_linear_weight(w, n)
+            t = min(t, _time(lambda: torch.ops.mkldnn._linear_pointwise(a, wp, None, "none", [], ""), min_time))
+        except (AttributeError, RuntimeError):
+            pass
+        best = max(best, 2.0 * n**3 / t / 1e9)
+    return best
+
+
 def bandwidth(min_time: float, nbytes: float = 1e9) -> dict:
     src = torch.randn(int(nbytes // 4))
     dst = torch.empty_like(src)
@@ -122,7 +141,8 @@ def measure(dtypes=("float32",), quick=False, bf16_mode="auto", log=print, passe
     one pass can land in a slow phase and understate the ceiling, which then overstates every share."""
     min_time = 0.15 if quick else 0.6
     res = {"system": {**cpu_info(), "torch": torch.__version__, "threads": torch.get_num_threads()},
-           "quick": quick, "passes": passes, "gemm": {}, "model_ceiling_gflops": {}, "bandwidth": {}}
+           "quick": quick, "passes": passes, "gemm": {}, "model_ceiling_gflops": {}, "machine_peak_gflops": {},
+           "bandwidth": {}}
     with torch.inference_mode():
         for name in dtypes:
             dtype = getattr(torch, name)
@@ -153,6 +173,12 @@ def measure(dtypes=("float32",), quick=False, bf16_mode="auto", log=print, passe
             res["model_ceiling_gflops"][name] = {str(m): model_ceiling(table, m) for m in rows_list}
             log(f"{name:9s} model ceiling (projections only, 0.27 GFLOP/token): " + "  ".join(
                 f"M={m}: {res['model_ceiling_gflops'][name][str(m)]:6.1f}" for m in rows_list) + "  GFLOP/s")
+            peak = max(machine_peak(dtype, min_time, (2048,) if quick else (2048, 3072)) for _ in range(passes))
+            res["machine_peak_gflops"][name] = peak
+            amx = "with AMX" if any(f.startswith("amx") for f in cpu_info()["flags"]) else "no AMX"
+            log(f"{name:9s} machine peak (square products, {amx}): {peak:6.1f} GFLOP/s; the model's shapes reach "
+                + "  ".join(f"M={m}: {100 * res['model_ceiling_gflops'][name][str(m)] / peak:3.0f}%"
+                            for m in rows_list) + " of it")
         res["bandwidth"] = bandwidth(min_time, 2.5e8 if quick else 1e9)
         log(f"memory bandwidth: copy {res['bandwidth']['copy_GBps_rw']:.1f} GB/s (read+write), "
             f"sum {res['bandwidth']['sum_GBps_read']:.1f} GB/s (read)")
@@ -162,9 +188,9 @@ def measure(dtypes=("float32",), quick=False, bf16_mode="auto", log=print, passe
 # ---------------------------------------------------------------------------------------------- for other benchmarks
 def _cache_file() -> Path:
     i = cpu_info()
-    # v3: the GEMM figures are the best of MKL, prepacked oneDNN and flowrt's own packed kernel (v2: the first two,
-    # v1: MKL only)
-    key = f"v3|{i['cpu']}|{','.join(i['flags'])}|{i['cores']}|{torch.__version__}|{torch.get_num_threads()}"
+    # v4: with the machine peak; v3: the GEMM figures are the best of MKL, prepacked oneDNN and flowrt's own packed
+    # kernel (v2: the first two, v1: MKL only)
+    key = f"v4|{i['cpu']}|{','.join(i['flags'])}|{i['cores']}|{torch.__version__}|{torch.get_num_threads()}"
     return cache_dir() / f"peak-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 
@@ -176,12 +202,13 @@ def ceilings(dtype: str = "float32", measure_if_missing: bool = True) -> dict | 
         if dtype == "bfloat16" and not cpu_supports_bf16():
             return None
         new = measure((dtype,), quick=True, log=lambda *_: None)
-        for k in ("gemm", "model_ceiling_gflops"):
+        for k in ("gemm", "model_ceiling_gflops", "machine_peak_gflops"):
             res.setdefault(k, {}).update(new[k])
         res.setdefault("bandwidth", new["bandwidth"])
         res.setdefault("system", new["system"])
         f.write_text(json.dumps(res))
     return {"model_ceiling_gflops": res.get("model_ceiling_gflops", {}).get(dtype),
+            "machine_peak_gflops": res.get("machine_peak_gflops", {}).get(dtype),
             "bandwidth": res.get("bandwidth")} if res.get("model_ceiling_gflops", {}).get(dtype) else None
 
 
@@ -203,7 +230,10 @@ def share(prompt_tokens: int, gen_tokens: int, seconds: float, dtype: str = "flo
     mp, cp = _nearest(c["model_ceiling_gflops"], prefill_rows)
     md, cd = _nearest(c["model_ceiling_gflops"], decode_rows)
     floor = prompt_tokens * f / (cp * 1e9) + gen_tokens * f / (cd * 1e9)
-    return {"gflops": (prompt_tokens + gen_tokens) * f / seconds / 1e9, "floor_s": floor, "share": floor / seconds,
+    gflops = (prompt_tokens + gen_tokens) * f / seconds / 1e9
+    peak = c.get("machine_peak_gflops")
+    return {"gflops": gflops, "floor_s": floor, "share": floor / seconds,
+            "machine_peak_gflops": peak, "machine_share": gflops / peak if peak else None,
             "prefill_ceiling_gflops": cp, "prefill_rows": mp, "decode_ceiling_gflops": cd, "decode_rows": md}
 
 
@@ -218,6 +248,8 @@ def share_line(label: str, prompt_tokens: int, gen_tokens: int, seconds: float, 
     return (f"{label}: {s['gflops']:.1f} GFLOP/s = {100 * s['share']:.0f}% of the {dtype} ceiling "
             f"(floor {s['floor_s']:.2f} s: prefill at {s['prefill_ceiling_gflops']:.0f} GFLOP/s "
             f"[{s['prefill_rows']} rows], decode at {s['decode_ceiling_gflops']:.0f} GFLOP/s [{s['decode_rows']} rows])"
+            + (f"; {100 * s['machine_share']:.0f}% of the machine's {dtype} peak ({s['machine_peak_gflops']:.0f} GFLOP/s)"
+               if s.get("machine_share") else "")
             + ("  [over 100%: the cached ceiling was measured on a busier machine; rerun bench/peak.py]"
                if s["share"] > 1.0 else ""))
 
@@ -245,7 +277,7 @@ def main() -> int:
     f = _cache_file()
     old = json.loads(f.read_text()) if f.is_file() else {}
     if not args.quick or not old:  # a full run replaces a quick one; a quick one never replaces a full one
-        for k in ("gemm", "model_ceiling_gflops"):
+        for k in ("gemm", "model_ceiling_gflops", "machine_peak_gflops"):
             old.setdefault(k, {}).update(res[k])
         old.update(system=res["system"], bandwidth=res["bandwidth"], quick=args.quick)
         f.write_text(json.dumps(old))

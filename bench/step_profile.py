@@ -13,7 +13,7 @@ Batches:
   * prefill: --prefill-seqs (4) fresh prompts of --prefill-len (512) tokens scheduled in one step (the chunked
     prefill budget must hold them: max_num_batched_tokens = seqs x len), --steps such steps.
 
-    python bench/step_profile.py [--dtype auto] [--model PATH] [--steps 10] [--quick] [--json]
+    python bench/step_profile.py [--dtype auto] [--threads N] [--model PATH] [--steps 10] [--quick] [--json]
 
 Coupling to the engine's internals is kept in ONE adapter (EngineAdapter below): it finds the engine under
 LLM (.engine / .llm_engine), requests go in through engine.add_request and steps through engine.step, and phases
@@ -189,8 +189,14 @@ class EngineAdapter:
 
 
 # ---------------------------------------------------------------------------------------------- op kinds
+FLOWRT_KERNELS = {"gemm": "matmul", "paged_decode": "attention", "paged_flash": "attention", "kv_write": "attention",
+                  "add_rmsnorm": "norm", "rope": "rotary", "silu_mul": "elementwise"}  # cpu_ops' flowrt::<kernel>
+
+
 def op_kind(name: str) -> str:
     n = name.lower()
+    if n.startswith("flowrt::"):
+        return FLOWRT_KERNELS.get(n[8:], "other")
     if any(k in n for k in ("linear", "matmul", "::mm", "addmm", "bmm", "gemm", "mkldnn")):
         return "matmul"
     if any(k in n for k in ("scaled_dot_product", "attention", "flash", "softmax", "sdpa")):
@@ -351,6 +357,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path (default: the engine's default model)")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=None, help="compute threads (default: the engine's)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--decode-seqs", type=int, default=32)
     ap.add_argument("--decode-context", type=int, default=300)
@@ -365,7 +372,7 @@ def main() -> int:
     from flowrt.engine import LLM, SamplingParams
 
     budget = max(2048, args.prefill_seqs * args.prefill_len)
-    llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=budget)
+    llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=budget, num_threads=args.threads)
     eng_dtype = str(getattr(getattr(llm, "engine", llm), "dtype", args.dtype)).removeprefix("torch.")
     print(banner(eng_dtype, f"model {args.model or 'default'}"), flush=True)
     ad = EngineAdapter(llm).install()

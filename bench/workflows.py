@@ -66,7 +66,7 @@ PROBLEMS = [
 
 
 def load_prompts() -> dict:
-    from flowrt.loader import load_module
+    from flowrt.graph.loader import load_module
 
     sc = load_module(ROOT / "workflows" / "self_consistency.py")
     tot = load_module(ROOT / "workflows" / "tree_of_thought.py")

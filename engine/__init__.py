@@ -2,12 +2,13 @@
 
 from .async_llm import AsyncLLM, EngineSequence
 from .beam_search import BeamSearchOutput, BeamSearchSequence
+from .block_pool import hash_block  # the prefix hash that names a KV block (flowrt/replicas routes by it)
 from .config import EngineArgs, default_model_path
 from .llm import LLM
 from .llm_engine import LLMEngine
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .program import ProgramContext, ProgramState
-from .protocol import EngineClient, SequenceHandle  # the typed contract the runtime and server use
+from .protocol import EngineClient, KVTransfer, SequenceHandle  # the typed contract the runtime and server use
 from .sampling_params import BeamSearchParams, SamplingParams
 from .structured_output import StructuredOutputsParams
 
@@ -19,6 +20,7 @@ __all__ = [
     "EngineSequence",
     "EngineClient",
     "SequenceHandle",
+    "KVTransfer",
     "SamplingParams",
     "BeamSearchParams",
     "BeamSearchOutput",
@@ -30,4 +32,5 @@ __all__ = [
     "default_model_path",
     "ProgramContext",
     "ProgramState",
+    "hash_block",
 ]

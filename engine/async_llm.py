@@ -106,6 +106,16 @@ class AsyncLLM:
     def run_stats(self, run_id: str | None = None) -> dict | None:
         return self.engine.run_stats(run_id)
 
+    # ---- KV blocks in and out (protocol.KVTransfer; engine/kv_transfer.py) -------------------------
+    def kv_fingerprint(self) -> str:
+        return self.engine.kv_fingerprint()
+
+    def kv_export(self, token_ids, skip=None) -> list[tuple[bytes, bytes | None]]:
+        return self.engine.kv_export(token_ids, skip)
+
+    def kv_import(self, blocks) -> int:
+        return self.engine.kv_import(blocks)
+
     # ---- the loop ----------------------------------------------------------------------------------
     def _loop(self) -> None:
         eng = self.engine

@@ -183,8 +183,9 @@ def _rows_of_heads(q: torch.Tensor) -> torch.Tensor:
 
 
 def _use_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return (q.device.type == "cpu" and k_cache.dtype == torch.float32 and q.dtype == torch.float32
-            and q.shape[-1] <= 256 and k_cache.is_contiguous() and cpu_ops.lib() is not None)
+    """The C++ kernels serve float32 and bfloat16 (queries in the cache's dtype; bf16 computes in float32)."""
+    return (q.device.type == "cpu" and k_cache.dtype == q.dtype and q.shape[-1] <= 256 and k_cache.is_contiguous()
+            and cpu_ops.supports(q.dtype))
 
 
 def _chunk_plan(meta: AttentionMetadata, qsl: list[int], b: int, first_block: int = 0) -> ChunkPlan:
@@ -200,7 +201,8 @@ def _chunk_plan(meta: AttentionMetadata, qsl: list[int], b: int, first_block: in
 class TorchAttentionBackend:
     """Reads K/V of the paged pool on CPU; computes attention in float32.
 
-    With the C++ kernels (flowrt.engine.cpu_ops, float32 caches) everything is read in place in the pool: decode rows
+    With the C++ kernels (flowrt.engine.cpu_ops, float32 or bfloat16 caches: bf16 is read in place and widened in
+    registers) everything is read in place in the pool: decode rows
     (one new token) by the paged decode kernel, one row per (sequence, KV head); prefill chunks by the flash kernel,
     which attends a tile of rows x query heads per KV head as small matrix products over packed chunks of keys. Rows
     whose sequences share leading blocks (forks, prefix-cache hits) are grouped (cascade attention): each member's own

@@ -1,4 +1,6 @@
-"""Engine construction arguments (pydantic: a bad value raises naming its field)."""
+"""Engine construction arguments (pydantic: a bad value raises naming its field).
+
+A field's `description` is its command-line help (engine/cli_args.py builds one option per field)."""
 
 from __future__ import annotations
 
@@ -38,13 +40,13 @@ class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
 
     model: str | None = None
-    tokenizer: str | None = None  # defaults to the model's own tokenizer
+    tokenizer: str | None = Field(None, description="defaults to the model's own tokenizer")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     block_size: int = Field(16, ge=1, le=256)
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
-    kv_cache_memory: int | None = Field(None, ge=1)  # bytes
+    kv_cache_memory: int | None = Field(None, ge=1, description="bytes")
     num_kv_blocks: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
@@ -52,18 +54,18 @@ class EngineArgs(BaseModel):
     seed: int = Field(0, ge=0, le=2**63 - 1)
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(None, ge=1)
-    # "fcfs": request by request (vLLM). "program": uses requests' ProgramContext (run, step, thread, state)
-    # to rank work and keep KV (engine/program.py, engine/scheduler.py); plain requests work the same.
-    scheduling_policy: Literal["fcfs", "program"] = "program"
-    max_wait_steps: int = Field(256, ge=1)  # program policy: no request waits more steps than this
-    # structured outputs: append the tokens a grammar forces (the only one its mask allows) without sampling
-    enable_forced_tokens: bool = True
-    # True: never capture CUDA graphs (every step runs eagerly). False: on CUDA with the triton backend, pure
-    # decode steps replay a graph captured per batch-size bucket on first use (engine/cuda_graphs.py).
-    enforce_eager: bool = False
-    # speculative decoding from the context (engine/spec_decode.py), vLLM's keys: {"method": "ngram",
-    # "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}. None: off
-    speculative_config: dict | None = None
+    scheduling_policy: Literal["fcfs", "program"] = Field("program", description=(
+        '"fcfs": request by request (vLLM). "program": uses requests\' ProgramContext (run, step, thread, state) '
+        "to rank work and keep KV (engine/program.py, engine/scheduler.py); plain requests work the same."))
+    max_wait_steps: int = Field(256, ge=1, description="program policy: no request waits more steps than this")
+    enable_forced_tokens: bool = Field(True, description=(
+        "structured outputs: append the tokens a grammar forces (the only one its mask allows) without sampling"))
+    enforce_eager: bool = Field(False, description=(
+        "True: never capture CUDA graphs (every step runs eagerly). False: on CUDA with the triton backend, pure "
+        "decode steps replay a graph captured per batch-size bucket on first use (engine/cuda_graphs.py)."))
+    speculative_config: dict | None = Field(None, description=(
+        'speculative decoding from the context (engine/spec_decode.py), vLLM\'s keys: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; None: off'))
 
     @field_validator("speculative_config", mode="before")
     @classmethod

@@ -20,6 +20,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from . import kv_transfer
 from .block_pool import BlockPool
 from .config import EngineArgs
 from .cpu_memory import tune_malloc
@@ -97,6 +98,7 @@ class LLMEngine:
         self._step_lock = threading.Lock()  # one step at a time, whoever calls it
         self.open_seqs = OpenSequences(self.lock, self.kv_manager, self.scheduler, self.inputs, self.abort)
         self._req_ids = itertools.count()
+        self._kv_fingerprint: str | None = None
         self.beam_peak_blocks = 0  # the most KV blocks one beam search has held at once (engine/beam_search.py)
 
     @property
@@ -324,3 +326,16 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         with self.lock:
             return self.pool.evict_all_cached()
+
+    # ---- KV blocks in and out (kv_transfer.py) ---------------------------------------------------------
+    def kv_fingerprint(self) -> str:
+        """What exported KV bytes depend on (weights, dtypes, block size, backend, version), hashed."""
+        if self._kv_fingerprint is None:
+            self._kv_fingerprint = kv_transfer.fingerprint(self)
+        return self._kv_fingerprint
+
+    def kv_export(self, token_ids, skip=None) -> list[tuple[bytes, bytes | None]]:
+        return kv_transfer.export_blocks(self, list(token_ids), skip)
+
+    def kv_import(self, blocks) -> int:
+        return kv_transfer.import_blocks(self, blocks)

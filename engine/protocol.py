@@ -13,7 +13,8 @@ This module imports nothing of the engine at run time (typing only).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Mapping, Protocol, Sequence, Union, runtime_checkable
+from typing import (TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Mapping, Protocol, Sequence, Union,
+                    runtime_checkable)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from .outputs import RequestOutput
     from .sampling_params import SamplingParams
 
-__all__ = ["EngineClient", "SequenceHandle", "Prompt"]
+__all__ = ["EngineClient", "SequenceHandle", "KVTransfer", "Prompt"]
 
 # What generate / stream accept: text, token ids (a list or a 1-D integer array), a dict with "prompt" or
 # "prompt_token_ids", or a sequence handle opened on the same engine (generation appends to it).
@@ -100,4 +101,26 @@ class EngineClient(Protocol):
 
     def shutdown(self) -> None:
         """Stop the engine; requests in flight fail."""
+        ...
+
+
+@runtime_checkable
+class KVTransfer(Protocol):
+    """An engine whose KV blocks can leave it and come back (``AsyncLLM``; engine/kv_transfer.py): what
+    flowrt's KV checkpoints need beside ``EngineClient``. Blocks are named by their prefix hash (the
+    token ids of the whole prefix), their content is bytes that only an engine with the same
+    ``kv_fingerprint`` can use. Blocking calls (they copy KV): call them off the event loop."""
+
+    def kv_fingerprint(self) -> str:
+        """A hash of what KV content depends on: weights, dtypes, block size, attention backend, version."""
+        ...
+
+    def kv_export(self, token_ids: Sequence[int], skip: Callable[[bytes], bool] | None = None
+                  ) -> list[tuple[bytes, bytes | None]]:
+        """The full blocks of ``token_ids`` in order, as (hash, content) while the engine holds them,
+        (hash, None) where ``skip(hash)``; ends at the first block that is neither."""
+        ...
+
+    def kv_import(self, blocks: Iterable[tuple[bytes, bytes]]) -> int:
+        """Load (hash, content) blocks into the prefix cache, in chain order; how many were written."""
         ...

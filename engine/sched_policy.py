@@ -11,7 +11,8 @@ the preemption victim, and SGLang's schedule_policy ranks the waiting queue for 
   still tried) or blocks the queue behind it;
 - `idle_to_release`: which idle open sequence gives up its KV next;
 - `admission_may_take_retained`: whether admitting new work may take KV that will be used again;
-- `room_for_new_thread`: whether memory leaves room for a new thread to grow.
+- `room_to_enter`: whether memory leaves room for a thread entering it (new, or back without its KV)
+  to grow.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class FcfsPolicy:
     def admission_may_take_retained(self, alone: bool) -> bool:
         return True
 
-    def room_for_new_thread(self, seq: Sequence, n: int) -> bool:
+    def room_to_enter(self, seq: Sequence, n: int) -> bool:
         return True
 
 
@@ -136,28 +137,33 @@ class ProgramPolicy(FcfsPolicy):
         """New work never takes KV that will be used again, unless nothing runs."""
         return alone
 
-    def room_for_new_thread(self, seq: Sequence, n: int) -> bool:
-        """A new thread (nothing of it ever computed) is admitted only if memory also leaves room for the
-        threads already resident (running, or idle and waiting) to grow to their expected final length,
-        and for its own growth: otherwise its growth would later take a waiting thread's KV (recomputed
-        when that thread returns). Expected lengths come from closed threads of the same step."""
+    def room_to_enter(self, seq: Sequence, n: int) -> bool:
+        """A thread entering memory (new, or back after its KV was evicted or preempted) is admitted only
+        if memory also leaves room for the threads already resident (running, or idle and waiting) and for
+        itself to grow to their expected final length: otherwise their growth would later take a waiting
+        thread's KV (recomputed when that thread returns), and the pool thrashes. A step's expected length
+        is learned from its earlier requests: the median length of its threads now open (a typical thread
+        gets at least that far), or the typical length of its closed threads where that is longer."""
         s = self.sched
-        if seq.program is None or seq.max_computed_tokens != 0:
+        entering = seq.max_computed_tokens == 0 or seq.num_computed_tokens < seq.max_computed_tokens
+        if seq.program is None or not entering:
             return True
-        tracker, bs = s.tracker, s.kv.block_size
+        resident = list(s.running) + [q for q in s.idle.values() if q.program is not None
+                                      and q.program.state is not ProgramState.FINISHED]
+        lengths: dict[str | None, list[int]] = {}
+        for q in (*resident, *s.waiting):
+            if q.program is not None:
+                lengths.setdefault(q.program.step, []).append(q.num_tokens)
+        median = {step: sorted(ls)[len(ls) // 2] for step, ls in lengths.items()}
+        bs = s.kv.block_size
 
         def growth(q: Sequence) -> int:
-            est = tracker.expected_final(q.program.step) if q.program is not None else None
-            return 0 if est is None else max(0, int(est) - q.num_tokens + bs - 1) // bs
+            if q.program is None:
+                return 0
+            est = max(s.tracker.expected_final(q.program.step) or 0, median.get(q.program.step, 0))
+            return max(0, int(est) - q.num_tokens + bs - 1) // bs
 
-        if tracker.expected_final(seq.program.step) is None:
-            return True
-        reserve = growth(seq) + s.kv.blocks_needed(seq, n)
-        for q in s.running:
-            reserve += growth(q)
-        for q in s.idle.values():
-            if q.program is not None and q.program.state is not ProgramState.FINISHED:
-                reserve += growth(q)
+        reserve = growth(seq) + s.kv.blocks_needed(seq, n) + sum(growth(q) for q in resident)
         return s.kv.pool.num_free >= reserve
 
 

@@ -8,7 +8,7 @@ running sequence is preempted (its blocks freed; it is recomputed later, mostly 
 
 The step is one loop over running sequences and one admission loop; the policy object (engine/
 sched_policy.py) answers what differs between policies: the queue order, the preemption victim, whether an
-unfit request blocks the queue, which idle KV goes first, whether a new thread has room.
+unfit request blocks the queue, which idle KV goes first, whether an entering thread has room.
 
 The above is the "fcfs" policy (vLLM's). The "program" policy uses what requests say about their workflow
 run, step and thread (engine/program.py):
@@ -18,10 +18,11 @@ run, step and thread (engine/program.py):
   first), then by run age and arrival (a run's parallel branches share their run's key: they stay
   together). Waiting sequences that cannot get memory are skipped, not waited on (the bound covers them).
 - retention: admitting new work never takes the KV of a sequence that will be used again (idle and
-  waiting, or queued) unless the sequence is starved or nothing runs; running work may take it. A new
-  thread is admitted only if memory also leaves room for the resident threads (and itself) to grow to
-  their expected final length (learned from closed threads of the same step), so that its growth does
-  not later take a waiting thread's KV (run-level admission control). Idle
+  waiting, or queued) unless the sequence is starved or nothing runs; running work may take it. A
+  thread entering memory (new, or back after losing its KV) is admitted only if memory also leaves room
+  for the resident threads (and itself) to grow to their expected final length (learned from earlier
+  requests of the same step), so that their growth does not later take a waiting thread's KV
+  (run-level admission control: a run is kept out rather than thrashing the pool). Idle
   sequences are released in order of expected next use: finished threads first, then waiting ones whose
   next use is farthest away (engine/program.py's estimate from recent idle gaps). Prefixes queued work
   will hit are protected in the prefix cache; a closed thread's blocks go to it with low priority.
@@ -295,7 +296,7 @@ class Scheduler:
                 self.kv.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             alone = not self.running and not batch.seqs
-            if not alone and not policy.room_for_new_thread(seq, n):
+            if not alone and not policy.room_to_enter(seq, n):
                 continue
             take_retained = policy.admission_may_take_retained(alone)
             while not self.kv.allocate_slots(seq, n, batch.plan):

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from . import json_bounds
+
 logger = logging.getLogger("flowrt.engine")
 
 MAX_SPEC_BYTES = 64 * 1024  # a schema / regex / grammar / choice list larger than this is refused
@@ -42,8 +44,14 @@ _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 class StructuredOutputsParams(BaseModel):
     """Exactly one of: `json` (a JSON schema, as a dict or a JSON string), `regex`, `choice` (a list of strings:
     the output is one of them), `grammar` (a Lark grammar in llguidance's dialect), `json_object=True` (any
-    JSON object). `disable_any_whitespace` (default True here): JSON is generated compact (no free whitespace
-    between tokens), which keeps small models from padding forever; set False to allow it."""
+    JSON object). For JSON (engine/json_bounds.py):
+
+    * `disable_any_whitespace` (default True here): generated compact (no free whitespace between tokens),
+      which keeps small models from padding forever; False allows whitespace, at most 24 characters a gap;
+    * `strict` (default True): an object that names its properties and does not say
+      ``additionalProperties`` gets only those (False: any other keys too, as JSON Schema reads it);
+    * `bound_numbers` (default True): an integer without bounds stays within the signed 64-bit range, a
+      number without bounds has at most 17 digits and a 3-digit exponent; False lifts these bounds."""
 
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None
@@ -51,6 +59,8 @@ class StructuredOutputsParams(BaseModel):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = True
+    strict: bool = True
+    bound_numbers: bool = True
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -101,9 +111,18 @@ def _grammar(p: StructuredOutputsParams) -> str:
             raise ValueError(f"not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        opts = {"whitespace_flexible": not p.disable_any_whitespace}
+        if p.strict:
+            schema = json_bounds.close_objects(schema)
+        if p.bound_numbers:
+            schema = json_bounds.bound_integers(schema)
+            if json_bounds.needs_lark(schema):
+                return llguidance.LLMatcher.grammar_from_lark(
+                    json_bounds.lark_grammar(schema, compact=p.disable_any_whitespace))
+        opts: dict = {"whitespace_flexible": not p.disable_any_whitespace}
         if p.disable_any_whitespace:
             opts.update(item_separator=", ", key_separator=": ")
+        else:
+            opts["whitespace_pattern"] = json_bounds.WHITESPACE
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=opts)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(p.regex)
@@ -142,7 +161,7 @@ class StructuredOutputManager:
         self.compile_timeout_s = compile_timeout_s
         self._ll_tokenizer = None
         self._lock = threading.Lock()
-        self._cache: collections.OrderedDict[tuple[str, str, bool], Any] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[tuple[str, str, bool, bool, bool], Any] = collections.OrderedDict()
         self._cache_size = cache_size
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor = None
@@ -176,7 +195,7 @@ class StructuredOutputManager:
         if len(text.encode()) > self.max_spec_bytes:
             raise ValueError(f"{field}: the spec is {len(text.encode())} bytes, more than the limit of "
                              f"{self.max_spec_bytes}")
-        key = (kind, text, p.disable_any_whitespace)
+        key = (kind, text, p.disable_any_whitespace, p.strict, p.bound_numbers)
         if use_cache:
             with self._lock:
                 tmpl = self._cache.get(key)

@@ -31,29 +31,29 @@ __version__ = "0.1.0"
 
 # public name -> (module, attribute)
 _LAZY: dict[str, tuple[str, str | None]] = {
-    "Workflow": ("flowrt.workflow", "Workflow"),
-    "WorkflowError": ("flowrt.workflow", "WorkflowError"),
-    "Model": ("flowrt.model", "Model"),
-    "Runtime": ("flowrt.runtime", "Runtime"),
-    "Thread": ("flowrt.thread", "Thread"),
-    "ChatThread": ("flowrt.thread", "ChatThread"),
+    "Workflow": ("flowrt.graph.workflow", "Workflow"),
+    "WorkflowError": ("flowrt.graph.workflow", "WorkflowError"),
+    "Model": ("flowrt.llm.model", "Model"),
+    "Runtime": ("flowrt.runner.runtime", "Runtime"),
+    "Thread": ("flowrt.llm.thread", "Thread"),
+    "ChatThread": ("flowrt.llm.thread", "ChatThread"),
     "gather": ("flowrt.aio", "gather"),
-    "RunResult": ("flowrt.executor", "RunResult"),
-    "StepError": ("flowrt.executor", "StepError"),
-    "StepFailed": ("flowrt.executor", "StepFailed"),
-    "RunObserver": ("flowrt.executor", "RunObserver"),
-    "Tracer": ("flowrt.trace", "Tracer"),
-    "register_resource": ("flowrt.resources", "register_resource"),
-    "goto": ("flowrt.routing", "goto"),
-    "Goto": ("flowrt.routing", "Goto"),
-    "interrupt": ("flowrt.interrupts", "interrupt"),
-    "subflow": ("flowrt.executor", "subflow"),
-    "Interrupt": ("flowrt.interrupts", "Interrupt"),
+    "RunResult": ("flowrt.runner.executor", "RunResult"),
+    "StepError": ("flowrt.runner.executor", "StepError"),
+    "StepFailed": ("flowrt.runner.executor", "StepFailed"),
+    "RunObserver": ("flowrt.runner.executor", "RunObserver"),
+    "Tracer": ("flowrt.runner.trace", "Tracer"),
+    "register_resource": ("flowrt.graph.resources", "register_resource"),
+    "goto": ("flowrt.graph.routing", "goto"),
+    "Goto": ("flowrt.graph.routing", "Goto"),
+    "interrupt": ("flowrt.runner.interrupts", "interrupt"),
+    "subflow": ("flowrt.runner.executor", "subflow"),
+    "Interrupt": ("flowrt.runner.interrupts", "Interrupt"),
     "events": ("flowrt.events", None),
-    "tool": ("flowrt.tools", "tool"),
-    "Tool": ("flowrt.tools", "Tool"),
-    "AssistantReply": ("flowrt.tools", "AssistantReply"),
-    "IncompleteOutputError": ("flowrt.structured", "IncompleteOutputError"),
+    "tool": ("flowrt.llm.tools", "tool"),
+    "Tool": ("flowrt.llm.tools", "Tool"),
+    "AssistantReply": ("flowrt.llm.tools", "AssistantReply"),
+    "IncompleteOutputError": ("flowrt.llm.structured", "IncompleteOutputError"),
     # flowrt.retrieval pulls in faiss / sentence-transformers
     "Retriever": ("flowrt.retrieval", "Retriever"),
     "rag": ("flowrt.retrieval", "rag"),
@@ -69,19 +69,19 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .aio import gather
-    from .executor import RunObserver, RunResult, StepError, StepFailed, subflow
-    from .model import Model
+    from .runner.executor import RunObserver, RunResult, StepError, StepFailed, subflow
+    from .llm.model import Model
     from . import events
-    from .interrupts import Interrupt, interrupt
-    from .resources import register_resource
-    from .routing import Goto, goto
+    from .runner.interrupts import Interrupt, interrupt
+    from .graph.resources import register_resource
+    from .graph.routing import Goto, goto
     from .retrieval import Retriever, rag
-    from .runtime import Runtime
-    from .thread import ChatThread, Thread
-    from .structured import IncompleteOutputError
-    from .tools import AssistantReply, Tool, tool
-    from .trace import Tracer
-    from .workflow import Workflow, WorkflowError
+    from .runner.runtime import Runtime
+    from .llm.thread import ChatThread, Thread
+    from .llm.structured import IncompleteOutputError
+    from .llm.tools import AssistantReply, Tool, tool
+    from .runner.trace import Tracer
+    from .graph.workflow import Workflow, WorkflowError
 
 
 def __getattr__(name: str) -> Any:

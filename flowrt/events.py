@@ -6,21 +6,21 @@ events carry each piece of text a thread generates, tagged with the step, the th
 index (its position among the siblings of the ``fork`` that made it; 0 for a thread that is no fork), in
 order per thread, each token exactly once. The last event of a stream is ``RunFinished`` with the result.
 
-Emitting is a plain function call into a sink set for the run (a context variable), so a run with no
+Emitting is a plain function call into a sink set for the run (flowrt.context.current_sink), so a run with no
 listener pays nothing, and token events are produced only when the listener asked for them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
+from .context import current_sink
 from .render import to_jsonable
 
 __all__ = ["Event", "RunStarted", "StepStarted", "StepFinished", "StepFailed", "StepSkipped", "Routed",
-           "Interrupted", "Token", "RunFinished", "EventSink", "current_sink", "emit"]
+           "Interrupted", "Token", "RunFinished", "EventSink", "emit"]
 
 
 class Event:
@@ -119,16 +119,7 @@ class EventSink:
             pass
 
 
-current_sink: ContextVar[EventSink | None] = ContextVar("flowrt_event_sink", default=None)
-
-
 def emit(event: Event) -> None:
     sink = current_sink.get()
     if sink is not None:
         sink(event)
-
-
-def token_sink() -> EventSink | None:
-    """The sink, when it wants token events (else None)."""
-    sink = current_sink.get()
-    return sink if sink is not None and sink.tokens else None

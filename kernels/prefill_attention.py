@@ -18,6 +18,7 @@ import torch
 
 from ._dispatch import (LOG2E, Kernel, dot_precision, dot_upcast, log2_ceil, next_pow2,  # noqa: F401
                         tl, tl_dtype, triton)
+from .online_softmax import online_softmax_update
 
 __all__ = ["paged_prefill_attention"]
 
@@ -89,16 +90,7 @@ def _prefill_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p = p.to(v.dtype)
-        if UPCAST:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_PREC=DOT_PREC, UPCAST=UPCAST)
 
     # Phase 2: the causal diagonal, up to the tile's last valid query position.
     kv_end = prefix + tl.minimum(q0 + BLOCK_Q, q_len)
@@ -116,16 +108,7 @@ def _prefill_kernel(
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p = p.to(v.dtype)
-        if UPCAST:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_PREC=DOT_PREC, UPCAST=UPCAST)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]

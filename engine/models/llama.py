@@ -175,7 +175,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] (before the last norm)."""
         h = F.embedding(input_ids, self.embed)
-        fused = h.dtype == torch.float32 and h.device.type == "cpu" and cpu_ops.lib() is not None
+        fused = h.device.type == "cpu" and cpu_ops.supports(h.dtype)  # float32 or bfloat16 kernels
         rope = _Rope(self, positions, fused)
         delta = None
         for layer, (kc, vc) in zip(self.layers, kv_caches):

@@ -5,6 +5,8 @@
   (a ``postgresql://`` URL; psycopg 3) shares runs between processes on several machines.
 * ``RunCheckpoint`` binds a store to one run for the executor: it encodes the state (flowrt.checkpoint.codec)
   after every step, and restores it when the run resumes.
+* Leases (flowrt.checkpoint.lease): one holder executes a run at a time. Resuming claims the run in one
+  atomic transition of the store (``claim_run``); a second resume gets ``RunBusyError`` naming the holder.
 
 What a checkpoint holds: the inputs (with the run), each finished step's result (JSON; a result JSON cannot
 hold exactly is stored as a marked placeholder and its step runs again on resume), the routes taken, the
@@ -17,7 +19,9 @@ from .codec import decode, encode
 from .postgres import PostgresStore
 from .run import RunCheckpoint, open_store
 from .sqlite import SCHEMA_VERSION, SQLiteStore
-from .store import CheckpointError, CheckpointStore, RunRecord
+from .store import (CheckpointError, CheckpointStore, LeaseLostError, ReadOnlyStoreError, RunBusyError,
+                    RunNotResumableError, RunRecord, UnknownRunError)
 
 __all__ = ["CheckpointStore", "CheckpointError", "RunRecord", "SQLiteStore", "PostgresStore", "RunCheckpoint",
-           "open_store", "encode", "decode", "SCHEMA_VERSION"]
+           "open_store", "encode", "decode", "SCHEMA_VERSION", "UnknownRunError", "RunNotResumableError",
+           "RunBusyError", "LeaseLostError", "ReadOnlyStoreError"]

@@ -29,7 +29,7 @@ class _NotJSON(Exception):
 
 
 def encode_thread(t: Any) -> dict[str, Any]:
-    from ..thread import ChatThread
+    from ..llm.thread import ChatThread
 
     d: dict[str, Any] = {TAG: "thread", "token_ids": list(t.token_ids), "text": t.text}
     if isinstance(t, ChatThread):
@@ -59,7 +59,7 @@ def _enc(v: Any, depth: int) -> Any:
         if not all(isinstance(k, str) for k in v) or TAG in v:
             raise _NotJSON("dict keys must be str")
         return {k: _enc(x, depth + 1) for k, x in v.items()}
-    from ..thread import Thread
+    from ..llm.thread import Thread
 
     if isinstance(v, Thread):
         if v.closed:
@@ -89,7 +89,7 @@ def _dec(v: Any, model: Any) -> Any:
         if tag == "thread":
             if model is None:
                 raise NotRestorable("a thread, and the run has no model")
-            from ..thread import ChatThread, Thread
+            from ..llm.thread import ChatThread, Thread
 
             if v.get("chat"):
                 return ChatThread.from_tokens(model, v["token_ids"], v["text"], messages=v.get("messages", []),

@@ -14,11 +14,12 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from ..render import to_jsonable
+from .lease import LEASE_TTL_S, new_holder
 from .run import RunCheckpoint
 from .store import CheckpointError, CheckpointStore
 
 if TYPE_CHECKING:
-    from ..workflow import Workflow
+    from ..graph.workflow import Workflow
 
 __all__ = ["fork_state", "fork_run"]
 
@@ -61,7 +62,9 @@ def fork_run(store: CheckpointStore, run_id: str, wf: Workflow, at: str, inputs:
     state = fork_state(source.state or {}, wf, at)
     new_id = uuid.uuid4().hex[:16]
     meta = {**(source.meta or {}), "forked_from": {"run_id": run_id, "at": at, "time": time.time()}}
-    store.create_run(new_id, wf.name, to_jsonable(inputs), file=source.file, meta=meta)
+    holder = new_holder()   # the new run is held by this process from its creation, as any new run
+    store.create_run(new_id, wf.name, to_jsonable(inputs), file=source.file, meta=meta, holder=holder,
+                     ttl=LEASE_TTL_S)
     store.save(new_id, step=None, visit=0, step_status="forked", result=None, route=None, threads=[],
-               state=state, run_status="running")
-    return RunCheckpoint(store, new_id, record=store.get_run(new_id))
+               state=state, run_status="running", holder=holder)
+    return RunCheckpoint(store, new_id, record=store.get_run(new_id), holder=holder)

@@ -1,11 +1,14 @@
 """A checkpoint store in PostgreSQL (psycopg 3, the ``flowrt[postgres]`` extra), for runs shared between
 processes on several machines (``flowrt serve`` processes, Ray replicas).
 
-Same tables and semantics as the SQLite store, prefixed ``flowrt_`` so that the database can hold other
-things. Every method is one transaction; a checkpoint's sequence number is taken under a row lock on its
-run (``SELECT ... FOR UPDATE``), so concurrent writers never collide. The schema is created under an
-advisory lock (several processes may open a fresh database at once) and its version is checked as in
-SQLite: a newer format is a ``CheckpointError``, never a silent downgrade.
+Same tables (the compact layout of flowrt.checkpoint.compact) and semantics as the SQLite store, prefixed
+``flowrt_`` so that the database can hold other things. Every method is one transaction; a checkpoint's
+sequence number is taken under a row lock on its run (``SELECT ... FOR UPDATE``), so concurrent writers
+never collide. The schema is created under an advisory lock (several processes may open a fresh database at
+once) and its version is checked as in SQLite: a newer format is a ``CheckpointError``, never a silent
+downgrade. Format 2 adds the run's lease (flowrt.checkpoint.lease); a format-1 database gets its columns on
+open. Lease times are the clients' ``time.time()``: the hosts' clocks must agree to well within the lease
+TTL (30 s).
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
-from .store import CheckpointError, RunRecord
+from .compact import pack, refs, routes_from_rows, unpack
+from .store import RESUMABLE, CheckpointError, LeaseLostError, RunRecord, UnknownRunError, claim_refusal
 
 __all__ = ["PostgresStore", "is_postgres_url"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _LOCK_KEY = 0x666C6F77   # "flow": the advisory lock that serializes schema creation
 
 _SCHEMA = [
@@ -34,8 +38,12 @@ _SCHEMA = [
         meta TEXT NOT NULL,
         interrupt TEXT,
         created DOUBLE PRECISION NOT NULL,
-        updated DOUBLE PRECISION NOT NULL
-    )""",
+        updated DOUBLE PRECISION NOT NULL,
+        state TEXT,
+        threads TEXT,
+        lease_holder TEXT,
+        lease_expires DOUBLE PRECISION
+    ) WITH (fillfactor = 50)""",   # room for HOT updates: a run's row is rewritten at every checkpoint
     """CREATE TABLE IF NOT EXISTS flowrt_checkpoints (
         run_id TEXT NOT NULL REFERENCES flowrt_runs(run_id) ON DELETE CASCADE,
         seq INTEGER NOT NULL,
@@ -44,11 +52,12 @@ _SCHEMA = [
         status TEXT NOT NULL,
         result TEXT,
         route TEXT,
-        threads TEXT NOT NULL,
-        state TEXT NOT NULL,
         created DOUBLE PRECISION NOT NULL,
         PRIMARY KEY (run_id, seq)
     )""",
+    # format 1 -> 2: the run's lease (no-ops on a table created above)
+    "ALTER TABLE flowrt_runs ADD COLUMN IF NOT EXISTS lease_holder TEXT",
+    "ALTER TABLE flowrt_runs ADD COLUMN IF NOT EXISTS lease_expires DOUBLE PRECISION",
 ]
 
 T = TypeVar("T")
@@ -125,37 +134,79 @@ class PostgresStore:
             c.execute(stmt)
         if not c.execute("SELECT 1 FROM flowrt_schema_version").fetchone():
             c.execute("INSERT INTO flowrt_schema_version (version) VALUES (%s)", (SCHEMA_VERSION,))
+        else:
+            c.execute("UPDATE flowrt_schema_version SET version = %s", (SCHEMA_VERSION,))
 
     # ------------------------------------------------------------------ writing
     def create_run(self, run_id: str, workflow: str, inputs: dict[str, Any], *, file: str | None = None,
-                   meta: dict[str, Any] | None = None) -> None:
+                   meta: dict[str, Any] | None = None, holder: str | None = None, ttl: float = 0.0) -> None:
         now = time.time()
 
         def go(c: Any) -> None:
-            cur = c.execute("INSERT INTO flowrt_runs (run_id, workflow, file, status, inputs, meta, created, updated) "
-                            "VALUES (%s, %s, %s, 'running', %s, %s, %s, %s) ON CONFLICT (run_id) DO NOTHING",
-                            (run_id, workflow, file, _dumps(inputs), _dumps(meta or {}), now, now))
+            cur = c.execute("INSERT INTO flowrt_runs (run_id, workflow, file, status, inputs, meta, created, updated, "
+                            "lease_holder, lease_expires) VALUES (%s, %s, %s, 'running', %s, %s, %s, %s, %s, %s) "
+                            "ON CONFLICT (run_id) DO NOTHING",
+                            (run_id, workflow, file, _dumps(inputs), _dumps(meta or {}), now, now, holder,
+                             now + ttl if holder else None))
             if cur.rowcount == 0:
                 raise CheckpointError(f"run {run_id!r} already exists in {self.where}")
 
         self._guard("creating a run", go)
 
+    def claim_run(self, run_id: str, holder: str, ttl: float, *, take_over: str | None = None,
+                  waiting: bool = False) -> RunRecord:
+        now = time.time()
+
+        def go(c: Any) -> RunRecord:
+            # One conditional UPDATE: a concurrent claim waits for this row's lock, then finds the condition
+            # false (READ COMMITTED re-checks it on the updated row), so exactly one changes it.
+            taken = c.execute(
+                "UPDATE flowrt_runs SET status = 'running', lease_holder = %s, lease_expires = %s, updated = %s "
+                "WHERE run_id = %s AND status = ANY(%s) AND (lease_holder IS NULL OR lease_expires IS NULL "
+                "OR lease_expires <= %s OR lease_holder = %s OR lease_holder = %s)",
+                (holder, now + ttl, now, run_id, ["interrupted"] if waiting else list(RESUMABLE), now, holder,
+                 take_over)).rowcount
+            row = c.execute(f"SELECT {self._COLS}, state FROM flowrt_runs WHERE run_id = %s", (run_id,)).fetchone()
+            if row is None:
+                raise UnknownRunError(f"no run {run_id!r} in {self.where}")
+            if not taken:
+                raise claim_refusal(run_id, row[3], row[9], row[10], holder, take_over, now)
+            return self._record(c, row, True)
+
+        return self._guard("claiming a run", go)
+
+    def renew_lease(self, run_id: str, holder: str, ttl: float) -> bool:
+        return self._guard("renewing a run's lease", lambda c: c.execute(
+            "UPDATE flowrt_runs SET lease_expires = %s WHERE run_id = %s AND lease_holder = %s",
+            (time.time() + ttl, run_id, holder)).rowcount == 1)
+
+    def release_run(self, run_id: str, holder: str, *, status: str | None = None) -> None:
+        self._guard("releasing a run", lambda c: c.execute(
+            "UPDATE flowrt_runs SET lease_holder = NULL, lease_expires = NULL, status = COALESCE(%s, status) "
+            "WHERE run_id = %s AND lease_holder = %s", (status, run_id, holder)))
+
     def save(self, run_id: str, *, step: str | None, visit: int, step_status: str, result: Any, route: Any,
              threads: list[dict[str, Any]], state: dict[str, Any], run_status: str,
-             interrupt: dict[str, Any] | None = None) -> int:
+             interrupt: dict[str, Any] | None = None, holder: str | None = None) -> int:
         now = time.time()
 
         def go(c: Any) -> int:
-            if c.execute("SELECT 1 FROM flowrt_runs WHERE run_id = %s FOR UPDATE", (run_id,)).fetchone() is None:
-                raise CheckpointError(f"no run {run_id!r} in {self.where}")
+            run = c.execute("SELECT state, lease_holder FROM flowrt_runs WHERE run_id = %s FOR UPDATE",
+                            (run_id,)).fetchone()
+            if run is None:
+                raise UnknownRunError(f"no run {run_id!r} in {self.where}")
+            if holder is not None and run[1] != holder:
+                raise LeaseLostError(run_id, holder, run[1])
             seq = int(c.execute("SELECT COALESCE(MAX(seq), 0) FROM flowrt_checkpoints WHERE run_id = %s",
                                 (run_id,)).fetchone()[0]) + 1
-            c.execute("INSERT INTO flowrt_checkpoints (run_id, seq, step, visit, status, result, route, threads, "
-                      "state, created) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                      (run_id, seq, step, visit, step_status, _dumps(result), _dumps(route), _dumps(threads),
-                       _dumps(state), now))
-            c.execute("UPDATE flowrt_runs SET status = %s, interrupt = %s, updated = %s WHERE run_id = %s",
-                      (run_status, _dumps(interrupt) if interrupt is not None else None, now, run_id))
+            packed = pack(state, step, visit, seq, result, route, json.loads(run[0]) if run[0] else None)
+            c.execute("INSERT INTO flowrt_checkpoints (run_id, seq, step, visit, status, result, route, created) "
+                      "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                      (run_id, seq, step, visit, step_status, _dumps(result), _dumps(route), now))
+            lease = "" if run_status == "running" else ", lease_holder = NULL, lease_expires = NULL"   # it ended
+            c.execute(f"UPDATE flowrt_runs SET status = %s, interrupt = %s, updated = %s, state = %s, threads = %s"
+                      f"{lease} WHERE run_id = %s", (run_status, _dumps(interrupt) if interrupt is not None else None,
+                                                     now, _dumps(packed), _dumps(threads), run_id))
             return seq
 
         return self._guard("saving a checkpoint", go)
@@ -164,31 +215,39 @@ class PostgresStore:
         self._guard("deleting a run", lambda c: c.execute("DELETE FROM flowrt_runs WHERE run_id = %s", (run_id,)))
 
     # ------------------------------------------------------------------ reading
-    _COLS = "run_id, workflow, file, status, inputs, meta, interrupt, created, updated"
+    _COLS = "run_id, workflow, file, status, inputs, meta, interrupt, created, updated, lease_holder, lease_expires"
 
     @staticmethod
     def _record(c: Any, row: tuple, with_state: bool) -> RunRecord:
-        run_id, workflow, file, status, inputs, meta, interrupt, created, updated = row
-        n, state = c.execute(
-            "SELECT COUNT(*), (SELECT state FROM flowrt_checkpoints WHERE run_id = %(r)s ORDER BY seq DESC LIMIT 1) "
-            "FROM flowrt_checkpoints WHERE run_id = %(r)s", {"r": run_id}).fetchone()
+        run_id, workflow, file, status, inputs, meta, interrupt, created, updated, holder, expires, raw = row
+        n = c.execute("SELECT COUNT(*) FROM flowrt_checkpoints WHERE run_id = %s", (run_id,)).fetchone()[0]
+        state = None
+        if with_state and raw:
+            packed = json.loads(raw)
+            seqs = refs(packed)
+            results = {s: json.loads(r) for s, r in c.execute(
+                "SELECT seq, result FROM flowrt_checkpoints WHERE run_id = %s AND seq = ANY(%s)", (run_id, seqs))}
+            rows = [(st, v, json.loads(ro)) for st, v, ro in c.execute(
+                "SELECT step, visit, route FROM flowrt_checkpoints WHERE run_id = %s AND route != 'null' ORDER BY seq",
+                (run_id,))] if routes_from_rows(packed) else []
+            state = unpack(packed, results, rows)
         return RunRecord(run_id=run_id, workflow=workflow, status=status, inputs=json.loads(inputs), file=file,
                          meta=json.loads(meta), created=created, updated=updated,
-                         interrupt=json.loads(interrupt) if interrupt else None, checkpoints=int(n),
-                         state=json.loads(state) if (with_state and state) else None)
+                         interrupt=json.loads(interrupt) if interrupt else None, checkpoints=int(n), state=state,
+                         holder=holder, lease_expires=expires)
 
     def get_run(self, run_id: str, *, with_state: bool = True) -> RunRecord:
         def go(c: Any) -> RunRecord:
-            row = c.execute(f"SELECT {self._COLS} FROM flowrt_runs WHERE run_id = %s", (run_id,)).fetchone()
+            row = c.execute(f"SELECT {self._COLS}, state FROM flowrt_runs WHERE run_id = %s", (run_id,)).fetchone()
             if row is None:
-                raise CheckpointError(f"no run {run_id!r} in {self.where}")
+                raise UnknownRunError(f"no run {run_id!r} in {self.where}")
             return self._record(c, row, with_state)
 
         return self._guard("reading a run", go)
 
     def list_runs(self, limit: int = 50) -> list[RunRecord]:
         def go(c: Any) -> list[RunRecord]:
-            rows = c.execute(f"SELECT {self._COLS} FROM flowrt_runs ORDER BY created DESC LIMIT %s",
+            rows = c.execute(f"SELECT {self._COLS}, NULL FROM flowrt_runs ORDER BY created DESC LIMIT %s",
                              (limit,)).fetchall()
             return [self._record(c, r, False) for r in rows]
 

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 from ..render import to_jsonable
 from .codec import NotRestorable, decode, encode, encode_thread
-from .store import CheckpointError, CheckpointStore, RunRecord
+from .kv import KVCheckpoint, KVLoad
+from .lease import LEASE_TTL_S, holder_is_dead, new_holder, renewer
+from .store import CheckpointError, CheckpointStore, RunBusyError, RunRecord
 
 __all__ = ["RunCheckpoint", "open_store", "NO_ANSWER"]
 
 NO_ANSWER: Any = object()
 
 
-def open_store(spec: Any) -> CheckpointStore | None:
+def open_store(spec: Any, *, readonly: bool = False, create: bool = True) -> CheckpointStore | None:
     """A store from ``None``, a path (SQLite file; ``":memory:"``), a ``postgresql://`` URL (PostgreSQL) or a
-    store object."""
+    store object. For an SQLite file, ``readonly`` (reading commands) and ``create=False`` (a missing file is
+    an error, not a new database): see ``SQLiteStore``."""
     if spec is None:
         return None
     if isinstance(spec, (str, bytes, os.PathLike)):
@@ -28,7 +32,7 @@ def open_store(spec: Any) -> CheckpointStore | None:
             return PostgresStore(spec)
         from .sqlite import SQLiteStore
 
-        return SQLiteStore(spec)
+        return SQLiteStore(spec, readonly=readonly, create=create)
     if isinstance(spec, CheckpointStore):
         return spec
     raise TypeError(f"checkpoint must be a database path, a postgresql:// URL or a CheckpointStore, "
@@ -36,51 +40,116 @@ def open_store(spec: Any) -> CheckpointStore | None:
 
 
 class RunCheckpoint:
-    """Saves a run's state to ``store`` after every step; ``resume`` continues a stored run."""
+    """Saves a run's state to ``store`` after every step; ``resume`` continues a stored run.
+
+    The run is held by ``holder`` (flowrt.checkpoint.lease) while it executes: ``held()`` renews the lease
+    and gives it back at the end, and every save is refused once another holder has taken the run over."""
 
     def __init__(self, store: CheckpointStore, run_id: str, *, record: RunRecord | None = None,
-                 answer: Any = NO_ANSWER) -> None:
+                 answer: Any = NO_ANSWER, kv: KVCheckpoint | None = None,
+                 answers: dict[str, Any] | None = None, holder: str | None = None,
+                 ttl: float = LEASE_TTL_S) -> None:
         self.store = store
         self.run_id = run_id
         self.record = record
         self.answer = answer
+        self.holder = holder
+        self.ttl = ttl
+        self.answers = answers or {}          # by step, for a run waiting at several interrupts
+        self.kv = kv                          # KV saved with the checkpoints (flowrt.checkpoint.kv)
+        self.kv_load: KVLoad | None = None    # what a resume loaded
         self._enc: dict[str, dict[str, Any]] = {}
         self._scope: Any = None
         self.restored_steps: list[str] = []   # steps a resume did not run again
 
     @classmethod
     def new(cls, store: CheckpointStore, workflow: str, inputs: dict[str, Any], *, file: str | None = None,
-            meta: dict[str, Any] | None = None, run_id: str | None = None) -> "RunCheckpoint":
+            meta: dict[str, Any] | None = None, run_id: str | None = None,
+            kv: KVCheckpoint | None = None) -> "RunCheckpoint":
         run_id = run_id or uuid.uuid4().hex[:16]
-        store.create_run(run_id, workflow, to_jsonable(inputs), file=file, meta=meta)
-        return cls(store, run_id)
+        holder = new_holder()
+        store.create_run(run_id, workflow, to_jsonable(inputs), file=file, meta=meta, holder=holder, ttl=LEASE_TTL_S)
+        return cls(store, run_id, kv=kv, holder=holder)
 
     @classmethod
-    def resume(cls, store: CheckpointStore, run_id: str, *, answer: Any = NO_ANSWER) -> "RunCheckpoint":
-        record = store.get_run(run_id)
-        if record.status == "done":
-            raise CheckpointError(f"run {run_id} already finished (status done); nothing to resume")
-        return cls(store, run_id, record=record, answer=answer)
+    def resume(cls, store: CheckpointStore, run_id: str, *, answer: Any = NO_ANSWER,
+               kv: KVCheckpoint | None = None, answers: dict[str, Any] | None = None) -> "RunCheckpoint":
+        """Claim the stored run (``claim_run``: one atomic transition, so of two resumes one wins and the
+        other gets ``RunBusyError`` naming the winner); a holder of this host whose process died is taken
+        over at once, others when their lease runs out."""
+        holder = new_holder()
+        waiting = answer is not NO_ANSWER or bool(answers)
+        try:
+            record = store.claim_run(run_id, holder, LEASE_TTL_S, waiting=waiting)
+        except RunBusyError as e:
+            if not holder_is_dead(e.holder):
+                raise
+            record = store.claim_run(run_id, holder, LEASE_TTL_S, take_over=e.holder, waiting=waiting)
+        run = cls(store, run_id, record=record, answer=answer, kv=kv, answers=answers, holder=holder)
+        if waiting:
+            try:
+                run._given_answers(record.state or {})
+            except CheckpointError:   # answers that do not fit: the run stays interrupted, unclaimed
+                store.release_run(run_id, holder, status="interrupted")
+                raise
+        return run
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Keep the run's lease renewed while the block runs; give it back after (a run that ended gave
+        it back with its last save already)."""
+        if self.holder is None:
+            yield
+            return
+        renewer().hold(self.store, self.run_id, self.holder, self.ttl)
+        try:
+            yield
+        finally:
+            renewer().drop(self.store, self.run_id, self.holder)
+            try:
+                self.store.release_run(self.run_id, self.holder)
+            except CheckpointError:
+                pass   # the store cannot be written now: the lease runs out by itself
 
     # ------------------------------------------------------------------ executor hooks
     def start(self, st: Any, scope: Any, model: Any) -> bool:
         """Fill the executor's state from the stored one (a resume); False for a new run."""
         self._scope = scope
+        if self.kv is not None and model is not None:
+            self.kv.bind(model.engine)
         state = self.record.state if self.record is not None else None
+        if state and self.kv is not None:
+            self.kv_load = self.kv.load(state.get("kv"))   # into the prefix cache, before any prefill
         if not state:
-            if self.record is not None and self.answer is not NO_ANSWER:
+            if self.record is not None and (self.answer is not NO_ANSWER or self.answers):
                 raise CheckpointError(f"run {self.run_id} is not waiting for an answer")
             return False
         status = self.restore_into(st, state, model)
         scope.answers = {k: list(v) for k, v in state.get("answers", {}).items()}
-        pending = state.get("interrupt")
-        if self.answer is not NO_ANSWER:
-            if not pending:
-                raise CheckpointError(f"run {self.run_id} is not waiting for an answer (status "
-                                      f"{self.record.status if self.record else '?'})")
-            scope.answers.setdefault(pending["step"], []).append(self.answer)
+        for step, value in self._given_answers(state).items():
+            scope.answers.setdefault(step, []).append(value)
         self.restored_steps = [n for n, s in status.items() if s == "done" and n in st.outputs]
         return True
+
+    def _given_answers(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The answers given to this resume, by the step of the pending interrupt each answers."""
+        pending = state.get("interrupts") or ([state["interrupt"]] if state.get("interrupt") else [])
+        steps = [p["step"] for p in pending]
+        if (self.answer is not NO_ANSWER or self.answers) and not pending:
+            raise CheckpointError(f"run {self.run_id} is not waiting for an answer (status "
+                                  f"{self.record.status if self.record else '?'})")
+        given = dict(self.answers)
+        if self.answer is not NO_ANSWER:
+            if len(steps) > 1:
+                raise CheckpointError(f"run {self.run_id} waits for {len(steps)} answers (steps "
+                                      f"{', '.join(steps)}): answer each by step (--answer STEP=VALUE; "
+                                      f"answers={{step: value}})")
+            given[steps[0]] = self.answer
+        unknown = [s for s in given if s not in steps]
+        if unknown:
+            raise CheckpointError(f"run {self.run_id} has no pending interrupt at {', '.join(map(repr, unknown))} "
+                                  f"(it waits at {', '.join(map(repr, steps))})")
+        return given
 
     def restore_into(self, st: Any, state: dict[str, Any], model: Any, prefix: str = "") -> dict[str, str]:
         """Fill a run state (the run's, or a subgraph's: ``prefix`` is its path and "/") from a saved one;
@@ -105,7 +174,7 @@ class RunCheckpoint:
                 status[name] = "pending"
         st.status.update(status)
         st.visits.update({k: int(v) for k, v in state.get("visits", {}).items() if k in st.visits})
-        from ..executor import StepError
+        from ..runner.executor import StepError
 
         st.not_routed = {n: StepError(n, m, kind="not_routed") for n, m in state.get("not_routed", {}).items()
                          if status.get(n) == "not_routed"}
@@ -143,6 +212,7 @@ class RunCheckpoint:
             "routes": list(st.route_log),
             "timings": dict(st.timings),
             "interrupt": st.interrupt,
+            **({"interrupts": list(st.interrupts)} if len(getattr(st, "interrupts", ())) > 1 else {}),
             "answers": to_jsonable(self._scope.answers) if self._scope is not None and not prefix else {},
             **({"subruns": subruns} if subruns else {}),
         }
@@ -167,10 +237,16 @@ class RunCheckpoint:
         name = step.rsplit("/", 1)[-1] if step else None
         route = next((r for r in reversed(own.route_log) if r["step"] == name), None) if name else None
         status = own.status.get(name, "") if name else run_status
+        live, state = self._threads(threads), self._state(st)
+        if self.kv is not None and self.kv.bound and run_status != "done":   # a finished run keeps no KV
+            state["kv"] = self.kv.save([t["token_ids"] for t in live])
         self.store.save(self.run_id, step=step, visit=own.visits.get(name, 0) if name else 0, step_status=status,
                         result=self._enc.get(step) if step and name in own.outputs else None,
-                        route=route, threads=self._threads(threads), state=self._state(st),
-                        run_status=run_status if step is None else "running", interrupt=st.interrupt)
+                        route=route, threads=live, state=state,
+                        run_status=run_status if step is None else "running", interrupt=st.interrupt,
+                        holder=self.holder)
 
     def finish(self, st: Any, status: str, threads: Any) -> None:
         self.save(st, None, threads, run_status=status)
+        if self.kv is not None and status == "done":
+            self.kv.collect(self.store)   # its blocks go unless another unfinished run refers to them

@@ -1,6 +1,6 @@
 """An approximate index of which replica holds which prefix blocks, for prefix-aware routing.
 
-Keys are the engine's block hashes (``flowrt.engine.block_pool.hash_block``: a hash of the parent block's
+Keys are the engine's block hashes (``flowrt.engine.hash_block``: a hash of the parent block's
 hash and the block's token ids, so one hash names a whole prefix). The index is inverted (hash -> the
 replicas that hold it) so that matching a prompt costs O(blocks looked at), whatever the number of
 replicas. It is approximate: it learns from the replicas' cache events (stored / evicted) a poll interval
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
-from ..engine.block_pool import hash_block
+from ..engine import hash_block
 
 
 class PrefixIndex:

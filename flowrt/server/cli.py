@@ -31,7 +31,7 @@ _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from flowrt.cli import add_engine_arguments  # --model and the engine's options, shared with `flowrt run`
+    from flowrt.cli.options import add_engine_arguments  # --model and the engine's options, as `flowrt run`
 
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: reachable from this machine only)")
@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", metavar="DB", help="SQLite database or postgresql:// URL where served workflow runs "
                    "are checkpointed "
                    "(resumable after a restart; default: in memory, for this server's life)")
+    p.add_argument("--checkpoint-kv", nargs="?", const=True, default=False, metavar="DIR",
+                   help="save the KV blocks of live threads with every checkpoint (in DIR; default: beside the "
+                        "--checkpoint SQLite database), so that a resumed run does not compute them again")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body accepted; larger ones get 413 (default 16 MiB)")
     p.add_argument("--trust-request-chat-template", action="store_true",
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("binding %s: the server is reachable from other machines%s", args.host,
                        "" if args.api_key else " and no --api-key is set")
 
-    from flowrt.cli import engine_kwargs_from_args
+    from flowrt.cli.options import engine_kwargs_from_args
     from flowrt.engine import AsyncLLM, default_model_path
 
     from .app import create_app
@@ -108,9 +111,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         runtime = None
         if workflows:
-            from flowrt.runtime import Runtime
+            from flowrt.checkpoint import CheckpointError
+            from flowrt.runner.runtime import Runtime
 
-            runtime = Runtime(model=engine, index=args.index, checkpoint=args.checkpoint or ":memory:")
+            try:
+                runtime = Runtime(model=engine, index=args.index, checkpoint=args.checkpoint or ":memory:",
+                                  checkpoint_kv=args.checkpoint_kv)
+            except CheckpointError as e:   # a corrupt database, --checkpoint-kv without a place for blocks
+                print(f"flowrt serve: error: {e}", file=sys.stderr)
+                return 2
         app = create_app(engine, served_model_name=args.served_model_name, model_path=model_path,
                          api_key=args.api_key, max_body_bytes=args.max_body_bytes, workflows=workflows,
                          workflow_runtime=runtime, trust_request_chat_template=args.trust_request_chat_template,

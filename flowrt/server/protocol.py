@@ -36,7 +36,8 @@ def lone_surrogate_at(value: Any, path: str = "") -> str | None:
             return path or "body"
     elif isinstance(value, dict):
         for k, v in value.items():
-            name = f"{path}.{k}" if path else str(k)
+            shown = str(k).encode("utf-8", "backslashreplace").decode("utf-8")  # a key may be the bad string
+            name = f"{path}.{shown}" if path else shown
             found = lone_surrogate_at(k, name) or lone_surrogate_at(v, name)
             if found:
                 return found
@@ -97,6 +98,7 @@ class _SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    bound_numbers: bool | None = None  # False: JSON numbers as long as the schema allows (default: bounded)
 
     def check_unsupported(self) -> None:
         if self.logit_bias:
@@ -231,6 +233,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(None, ge=1)  # calls in one response (default toolcalls.MAX_CALLS)
     # Extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -262,6 +265,7 @@ class WorkflowRunRequest(_Body):
 
 class WorkflowResumeRequest(_Body):
     answer: Any = None            # what the interrupted step's fr.interrupt() call returns
+    answers: dict[str, Any] | None = None   # {step: answer}, for a run waiting at several interrupts
     stream: bool = False
     stream_tokens: bool = False
 

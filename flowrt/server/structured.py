@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from flowrt import toolcalls as TC
+from flowrt.llm import toolcalls as TC
 
 from .errors import OpenAIError, bad_request
 
@@ -66,7 +66,12 @@ def from_response_format(rf: dict[str, Any] | None) -> Constraint | None:
         if not isinstance(schema, (dict, str)):
             raise bad_request("response_format.json_schema.schema must be a JSON schema object.",
                               param="response_format.json_schema.schema")
-        return _so("response_format.json_schema.schema", json=schema)
+        strict = js.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_request("response_format.json_schema.strict must be true or false.",
+                              param="response_format.json_schema.strict")
+        # strict false: the schema as JSON Schema reads it (objects may take keys they do not name)
+        return _so("response_format.json_schema.schema", json=schema, strict=strict is not False)
     raise bad_request(f"response_format.type {kind!r} is not supported (text, json_object, json_schema).",
                       param="response_format.type")
 
@@ -90,7 +95,11 @@ def from_request(req: Any) -> Constraint | None:
     if len(found) > 1:
         raise bad_request(f"Give at most one output constraint; got {', '.join(c.param for c in found)}.",
                           param=found[1].param)
-    return found[0] if found else None
+    if not found:
+        return None
+    if req.bound_numbers is not None and found[0].params.kind in ("json", "json_object"):
+        found[0].params = found[0].params.model_copy(update={"bound_numbers": req.bound_numbers})
+    return found[0]
 
 
 # ---- tools ----------------------------------------------------------------------------------------------
@@ -101,6 +110,8 @@ class Tools:
     specs: list[TC.ToolSpec]
     choice: str              # "none" | "auto" | "required" | a function name
     parallel: bool
+    max_calls: int | None = None      # None: toolcalls.MAX_CALLS
+    bound_numbers: bool = True
 
     @property
     def parse(self) -> bool:
@@ -111,8 +122,9 @@ class Tools:
             if self.choice == "none":
                 return None
             if self.choice == "auto":
-                return Constraint(TC.auto_constraint(self.specs), "tools")
-            return Constraint(TC.call_constraint(self.specs, self.choice, self.parallel), "tools")
+                return Constraint(TC.auto_constraint(self.specs, self.max_calls, self.bound_numbers), "tools")
+            return Constraint(TC.call_constraint(self.specs, self.choice, self.parallel, self.max_calls,
+                                                 self.bound_numbers), "tools")
         except ValueError as e:
             raise bad_request(str(e), param="tool_choice") from None
 
@@ -147,7 +159,7 @@ def tools_of(req: Any) -> Tools | None:
     elif choice not in ("none", "auto", "required"):
         raise bad_request(f"tool_choice {choice!r} is not one of none, auto, required.", param="tool_choice")
     parallel = True if req.parallel_tool_calls is None else bool(req.parallel_tool_calls)
-    return Tools(specs, choice, parallel)
+    return Tools(specs, choice, parallel, req.max_tool_calls, req.bound_numbers is not False)
 
 
 def resolve(req: Any) -> tuple[Constraint | None, Tools | None]:

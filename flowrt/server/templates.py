@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from flowrt import toolcalls as TC
+from flowrt.llm import toolcalls as TC
 
 from . import protocol as P
 from .deadline import run_with_deadline

@@ -14,7 +14,11 @@ Every run is checkpointed (in memory, or in ``flowrt serve --checkpoint runs.db`
 ``X-Flowrt-Run-Id`` header. A step that calls ``fr.interrupt(payload)`` ends the request with
 ``{"status": "interrupted", "run_id": ..., "interrupt": {"step", "payload"}, "outputs": ...}``;
 ``POST /v1/workflows/{name}/runs/{run_id}/resume`` with ``{"answer": ...}`` continues that run (the step
-runs again from its start, its ``fr.interrupt`` call returning the answer) and answers like a run.
+runs again from its start, its ``fr.interrupt`` call returning the answer) and answers like a run; a run
+waiting at several interrupts (parallel branches: its ``interrupts``) takes ``{"answers": {step: ...}}``.
+Without ``answer`` or ``answers`` the resume of an interrupted run is a 400 (a run that crashed, with
+``--checkpoint``, is resumed with ``{}``). The run is claimed before the response starts: a second resume
+while it runs is a 409 naming the holder.
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ router = APIRouter(prefix="/v1")
 def load_workflows(files: list[str]) -> dict[str, Any]:
     """name -> workflow from workflow files (loaded as `flowrt run FILE` loads them), named by their
     ``Workflow`` name (not the variable holding them: every example calls its workflow ``wf``)."""
-    from flowrt.loader import find_workflows, load_module
-    from flowrt.workflow import WorkflowError
+    from flowrt.graph.loader import find_workflows, load_module
+    from flowrt.graph.workflow import WorkflowError
 
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
@@ -67,7 +71,7 @@ def _describe(name: str, wf: Any) -> dict[str, Any]:
 
 
 def _observer_class() -> type:
-    from flowrt.executor import RunObserver
+    from flowrt.runner.executor import RunObserver
 
     class StreamingObserver(RunObserver):
         """Forwards step status changes to an asyncio queue (from any thread)."""
@@ -97,14 +101,13 @@ class _Run:
     saying so, not a cut connection)."""
 
     def __init__(self, st: ServerState, wf: Any, inputs: dict[str, Any], observer: Any = None, *,
-                 events: Any = None, resume: str | None = None, answer: Any = None) -> None:
+                 events: Any = None, run: Any = None) -> None:
         self.st = st
         self.stopped = False
-        rt = _runtime(st)
-        work = (rt.resume(resume, answer=answer, workflow=wf, observer=observer, events=events) if resume
-                else rt.execute(wf, inputs, observer=observer, events=events))
-        self.task = asyncio.create_task(work)
+        self.task = asyncio.create_task(_runtime(st).execute(wf, inputs, observer=observer, events=events, run=run))
         self.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+        if run is not None:   # a claimed run whose task is cancelled before it starts still gives its lease back
+            self.task.add_done_callback(lambda t: _release(run))
         st.stoppers.add(self.stop)
 
     def stop(self) -> None:
@@ -117,7 +120,7 @@ class _Run:
 
     async def result(self) -> dict[str, Any]:
         """The run's ``flowrt run --json`` dict; a 400 for bad inputs, a 503 when shutdown stopped it."""
-        from flowrt.workflow import WorkflowError
+        from flowrt.graph.workflow import WorkflowError
 
         try:
             result = await self.task
@@ -132,7 +135,7 @@ class _Run:
             from flowrt.checkpoint import CheckpointError
 
             if isinstance(e, CheckpointError):
-                raise OpenAIError(str(e), 404 if "no run" in str(e) else 409, param="run_id") from None
+                raise _run_error(e) from None
             raise
         self.run_id = result.run_id
         store = getattr(_runtime(self.st), "checkpointer", None)
@@ -141,9 +144,27 @@ class _Run:
         return result.to_dict()
 
 
+def _run_error(e: Exception) -> OpenAIError:
+    """A checkpoint refusal as HTTP: 404 for an unknown run, else 409 (finished, held by another: named)."""
+    from flowrt.checkpoint import UnknownRunError
+
+    if isinstance(e, UnknownRunError):
+        return OpenAIError(str(e), 404, param="run_id", code="run_not_found")
+    return OpenAIError(str(e), 409, param="run_id")
+
+
+def _release(run: Any) -> None:
+    from flowrt.checkpoint import CheckpointError
+
+    try:
+        run.store.release_run(run.run_id, run.holder)
+    except CheckpointError:
+        pass   # the lease runs out by itself
+
+
 def _runtime(st: ServerState) -> Any:
     if st.workflow_runtime is None:
-        from flowrt.runtime import Runtime
+        from flowrt.runner.runtime import Runtime
 
         # shares the server's engine (does not own it); runs checkpointed in memory, for interrupts
         st.workflow_runtime = Runtime(model=st.engine, checkpoint=":memory:")
@@ -157,7 +178,7 @@ async def list_workflows(st: State) -> dict:
 
 @router.post("/workflows/{name}/runs")
 async def run_workflow(name: str, req: P.WorkflowRunRequest, request: Request, st: State) -> Response:
-    from flowrt.workflow import WorkflowError
+    from flowrt.graph.workflow import WorkflowError
 
     wf = st.workflows.get(name)
     if wf is None:
@@ -188,14 +209,28 @@ async def resume_workflow(name: str, run_id: str, req: P.WorkflowResumeRequest, 
     try:
         record = rt.checkpointer.get_run(run_id, with_state=False)
     except CheckpointError as e:
-        raise OpenAIError(str(e), 404, param="run_id", code="run_not_found") from None
+        raise _run_error(e) from None
     if record.workflow != wf.name:
         raise OpenAIError(f"Run {run_id} is a run of workflow '{record.workflow}', not '{name}'.", 404,
                           param="run_id", code="run_not_found")
-    if record.status != "interrupted":
-        raise OpenAIError(f"Run {run_id} is not waiting for an answer (status {record.status}).", 409,
-                          param="run_id")
-    return await _respond(st, request, wf, {}, req.stream, req.stream_tokens, resume=run_id, answer=req.answer)
+    if record.status == "done":
+        raise OpenAIError(f"Run {run_id} is not waiting for an answer (status done).", 409, param="run_id")
+    given: dict[str, Any] = {}
+    if "answer" in req.model_fields_set:
+        given["answer"] = req.answer
+    if req.answers is not None:
+        if given:
+            raise bad_request("Give either `answer` (a run waiting at one interrupt) or `answers` ({step: answer}), "
+                              "not both.", param="answers")
+        given["answers"] = req.answers
+    if record.status == "interrupted" and not given:
+        raise bad_request(f"Run {run_id} is waiting for an answer (step '{(record.interrupt or {}).get('step')}'): "
+                          f"the body needs \"answer\" (or \"answers\": {{step: answer}}).", param="answer")
+    try:   # claimed here, before any response: of two resumes one runs, the other is a 409 naming the holder
+        _, run = rt.claim(run_id, workflow=wf, **given)
+    except CheckpointError as e:
+        raise _run_error(e) from None
+    return await _respond(st, request, wf, dict(run.record.inputs), req.stream, req.stream_tokens, run=run)
 
 
 async def _respond(st: ServerState, request: Request, wf: Any, inputs: dict[str, Any], stream: bool,

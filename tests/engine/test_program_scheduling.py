@@ -149,7 +149,9 @@ def test_lru_evicts_a_tool_waiting_thread_program_policy_keeps_it(stories_path):
     assert ps["prefill_tokens_computed"] < ls["prefill_tokens_computed"]
     runs = prog.run_stats()
     assert set(runs) >= {"a", "b", "c"}
-    assert runs["a"]["requests"] == 2 and runs["a"]["service_tokens"] > 0 and runs["b"]["queue_time_s"] >= 0
+    assert runs["a"]["requests"] == 2 and runs["a"]["service_tokens"] > 0
+    # B queued for steps until memory was free; C was admitted in the step it arrived
+    assert runs["b"]["queue_time_s"] > runs["c"]["queue_time_s"] > 0
 
 
 def test_finished_threads_are_released_before_waiting_ones(stories_path):
@@ -234,3 +236,58 @@ def test_wait_estimate_prefers_evicting_the_farthest_return():
     assert t.expected_return_s(0.0) > t.expected_return_s(0.35) > 0
     assert not t.overdue(0.6) and t.overdue(1.5)
     assert t.expected_return_s(2.0) >= 2.0  # past every gap seen: the longest waiting go first
+
+
+def _sched_with(policy):
+    from flowrt.engine.kv_cache_manager import KVCacheManager
+    from flowrt.engine.scheduler import Scheduler
+
+    kv = KVCacheManager(BlockPool(32), 4)
+    return Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, policy=policy)
+
+
+def _step_until_idle(sched, seq):
+    """Computes seq's pending tokens (no model: the block-manager tests' way) and parks it."""
+    while seq.num_computed_tokens < seq.num_tokens:
+        batch = sched.schedule()
+        for s, n in zip(batch.seqs, batch.num_new_tokens):
+            s.num_computed_tokens += n
+            sched.kv.register_full_blocks(s)
+    sched.finish(seq)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "program"])
+def test_admission_reserves_room_for_the_growth_of_resident_threads(policy):
+    """Three threads of step "react" are resident: two long ones (40 tokens; one running, one waiting on a
+    tool) and a short one (8 tokens, waiting) that will grow to about their length. A new thread of the same
+    step arrives while 10 blocks are free: it fits now, but its growth and the short thread's would later
+    take a waiting thread's KV. The program policy keeps it out, and admits it once a long thread closes;
+    fcfs admits it at once. Before the reservation, program admitted it too (nothing closed yet to learn
+    from)."""
+    from flowrt.engine.sequence import Sequence, SeqStatus
+
+    sched = _sched_with(policy)
+    threads = []
+    for i, n in enumerate((8, 40, 40)):
+        t = Sequence(list(range(100 * (i + 1), 100 * (i + 1) + n)), persistent=True,
+                     program=ProgramContext(f"r{i}", "react", i))
+        sched.add(t)
+        _step_until_idle(sched, t)
+        threads.append(t)
+    short, long, _ = threads
+    long.token_ids.append(7)  # its next request: one token to decode
+    sched.add(long)
+    new = Sequence(list(range(900, 908)), persistent=True, program=ProgramContext("r9", "react", 9))
+    sched.add(new)
+    assert sched.kv.pool.num_free == 10
+    batch = sched.schedule()
+    assert (new in batch.seqs) == (policy == "fcfs")
+    assert all(t.block_table for t in threads), "the resident threads keep their KV"
+    if policy == "program":
+        for s, n in zip(batch.seqs, batch.num_new_tokens):
+            s.num_computed_tokens += n
+        sched.finish(long)
+        sched.remove(long)
+        sched.kv.free(long)
+        long.status = SeqStatus.CLOSED
+        assert new in sched.schedule().seqs  # room again: admitted

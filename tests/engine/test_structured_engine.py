@@ -235,6 +235,7 @@ def test_compiled_constraints_are_cached(llm):
     assert a is not b and len(mgr.compile_seconds) <= n + 1  # one compile, then copies of the template
 
 
+@pytest.mark.slow
 def test_json_schemas_valid_on_the_default_model():
     """The same schemas on the real default model (SmolLM2-135M-Instruct), greedy and sampled in one batch."""
     from flowrt.engine import default_model_path

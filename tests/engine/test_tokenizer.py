@@ -476,6 +476,7 @@ def _env(tmp_path) -> dict:
             "TRANSFORMERS_OFFLINE": "1"}
 
 
+@pytest.mark.slow
 def test_hf_directory_never_imports_transformers(tmp_path):
     assert _run_clean(str(STORIES), _env(tmp_path)) == "CLEAN Tokenizer"
 

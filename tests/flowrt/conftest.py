@@ -31,3 +31,12 @@ def pg_url(pg_server):
     url = pg_server.new_database()
     yield url
     pg_server.drop_database(url)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_spec(request, tmp_path) -> str:
+    """Checkpoint store tests run on both stores: an SQLite file, and a fresh database on a real PostgreSQL
+    server (tests/pg_server.py; skipped, saying why, where none can run)."""
+    if request.param == "sqlite":
+        return str(tmp_path / "runs.db")
+    return request.getfixturevalue("pg_url")

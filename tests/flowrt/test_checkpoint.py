@@ -23,15 +23,6 @@ from support import ROOT
 
 
 # ---------------------------------------------------------------------------------------------- the store
-@pytest.fixture(params=["sqlite", "postgres"])
-def store_spec(request, tmp_path) -> str:
-    """The store tests run on both stores: an SQLite file, and a fresh database on a real PostgreSQL server
-    (tests/pg_server.py; skipped, saying why, where none can run)."""
-    if request.param == "sqlite":
-        return str(tmp_path / "runs.db")
-    return request.getfixturevalue("pg_url")
-
-
 def _execute_sql(spec: str, stmt: str) -> None:
     """Run ``stmt`` on the store's database behind its back (tables named as SQLite names them)."""
     if spec.startswith("postgresql://"):
@@ -122,7 +113,7 @@ def test_corrupt_foreign_or_newer_database_is_a_clear_error(tmp_path):
 
 
 def test_cli_refuses_a_bad_database(tmp_path, capsys):
-    from flowrt.cli import main
+    from flowrt.cli.commands import main
 
     f = tmp_path / "wf.py"
     f.write_text("import flowrt as fr\nwf = fr.Workflow('w')\n@wf.step\ndef a() -> int:\n    return 1\n")
@@ -398,7 +389,7 @@ def test_resume_recomputes_only_what_the_cache_lacks(tmp_path, stories_path):
     """Two runs paused at s3 (after s1 and s2); one resumes on the same engine (its thread's blocks are in
     the prefix cache), one on a fresh engine (cold): the warm resume's prefill is only the uncached tail."""
     from flowrt.engine import AsyncLLM
-    from flowrt.loader import load_workflow
+    from flowrt.graph.loader import load_workflow
 
     f = tmp_path / "paused.py"
     f.write_text(PAUSED)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrt.cli import main
+from flowrt.cli.commands import main
 from support import ROOT
 
 MODEL = str(ROOT / "tests" / "models" / "stories260K")
@@ -198,7 +198,7 @@ def test_progress_display_renders():
     from rich.console import Console
 
     import flowrt as fr
-    from flowrt.progress import ProgressDisplay
+    from flowrt.cli.progress import ProgressDisplay
 
     wf = fr.Workflow("shown")
 
@@ -331,7 +331,7 @@ def _sample_flag_values():
     """One command-line value per EngineArgs field (but model), and what EngineArgs makes of it."""
     import typing
 
-    from flowrt.cli import _unwrap_optional
+    from flowrt.engine.cli_args import _unwrap_optional
     from flowrt.engine import EngineArgs
 
     argv, expected = [], {}
@@ -356,7 +356,7 @@ def _sample_flag_values():
 
 
 def test_every_engine_args_field_has_a_flag():
-    from flowrt.cli import build_parser
+    from flowrt.cli.commands import build_parser
     from flowrt.engine import EngineArgs
 
     parser = build_parser()
@@ -374,7 +374,7 @@ def test_every_engine_args_field_has_a_flag():
 
 
 def test_engine_flags_parse_to_engine_kwargs():
-    from flowrt.cli import build_parser, engine_kwargs_from_args
+    from flowrt.cli.commands import build_parser, engine_kwargs_from_args
 
     argv, expected = _sample_flag_values()
     args = build_parser().parse_args(["run", "wf.py", "--model", "m", *argv])
@@ -394,7 +394,7 @@ def test_bad_engine_flag_value_is_a_usage_error(capsys):
 
 
 def test_building_the_cli_does_not_load_the_engine():
-    code = ("import sys; from flowrt.cli import main; "
+    code = ("import sys; from flowrt.cli.commands import main; "
             "assert main(['graph', sys.argv[1]]) == 0; "
             "assert 'flowrt.engine' not in sys.modules and 'torch' not in sys.modules, 'engine loaded'")
     proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "workflows" / "self_consistency.py")],
@@ -438,11 +438,11 @@ def test_engine_flag_values_reach_the_engine(tmp_path, capsys, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- bench
 def test_bench_without_a_bench_folder_says_so(tmp_path, capsys, monkeypatch):
-    import flowrt.cli
+    import flowrt.cli.commands
 
     site = tmp_path / "site-packages"  # an installed wheel: no pyproject.toml, no bench/ next to flowrt
     site.mkdir()
-    monkeypatch.setattr(flowrt.cli, "_checkout_root", lambda: site)
+    monkeypatch.setattr(flowrt.cli.commands, "_checkout_root", lambda: site)
     monkeypatch.chdir(tmp_path)
     assert main(["bench", "throughput"]) == 2
     err = capsys.readouterr().err
@@ -450,7 +450,7 @@ def test_bench_without_a_bench_folder_says_so(tmp_path, capsys, monkeypatch):
 
 
 def test_bench_runs_from_a_checkout(tmp_path, capsys, monkeypatch):
-    import flowrt.cli
+    import flowrt.cli.commands
 
     checkout = tmp_path / "checkout"
     (checkout / "bench").mkdir(parents=True)
@@ -463,7 +463,7 @@ def test_bench_runs_from_a_checkout(tmp_path, capsys, monkeypatch):
         print("hello", VALUE, sys.argv[1:])
         sys.exit(3 if "--fail" in sys.argv else 0)
     """))
-    monkeypatch.setattr(flowrt.cli, "_checkout_root", lambda: checkout)
+    monkeypatch.setattr(flowrt.cli.commands, "_checkout_root", lambda: checkout)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)

@@ -10,7 +10,7 @@ import pytest
 import flowrt as fr
 from flowrt import events as ev
 from flowrt.events import EventSink
-from flowrt.executor import StepError, WorkflowRun
+from flowrt.runner.executor import StepError, WorkflowRun
 
 
 def chain() -> fr.Workflow:
@@ -191,7 +191,7 @@ def test_run_step_interrupt_halts_the_run():
     run, seen = make(wf, checkpoint=FakeCheckpoint())
 
     async def go() -> None:
-        from flowrt.interrupts import current_interrupts
+        from flowrt.runner.interrupts import current_interrupts
 
         tok = current_interrupts.set(run.scope)
         try:

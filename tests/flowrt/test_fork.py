@@ -14,7 +14,7 @@ import pytest
 import flowrt as fr
 from flowrt.checkpoint import CheckpointError
 from flowrt.checkpoint.fork import fork_state
-from flowrt.cli import main
+from flowrt.cli.commands import main
 
 PIPELINE = textwrap.dedent('''
     import flowrt as fr
@@ -47,7 +47,7 @@ PIPELINE = textwrap.dedent('''
 def load(tmp_path):
     f = tmp_path / "pipeline.py"
     f.write_text(PIPELINE)
-    from flowrt.loader import load_workflow
+    from flowrt.graph.loader import load_workflow
 
     wf = load_workflow(str(f))
     return str(f), wf, wf.steps["load"].fn.__globals__["CALLS"]
@@ -183,7 +183,7 @@ CHAIN = textwrap.dedent('''
 
 def test_warm_fork_at_a_middle_step_computes_no_prefill_for_the_prefix(tmp_path, stories_path):
     from flowrt.engine import AsyncLLM
-    from flowrt.loader import load_workflow
+    from flowrt.graph.loader import load_workflow
 
     f = tmp_path / "chain.py"
     f.write_text(CHAIN)

@@ -11,7 +11,7 @@ import pytest
 
 import flowrt as fr
 from flowrt.checkpoint import CheckpointError
-from flowrt.cli import EXIT_INTERRUPTED, main
+from flowrt.cli.commands import EXIT_INTERRUPTED, main
 
 
 def approval_workflow(calls: list[str]) -> fr.Workflow:

@@ -20,8 +20,9 @@ from support import ROOT
 MODEL = str(ROOT / "tests" / "models" / "stories260K")
 
 # What the engine / kernels must not load: the runtime, its third-party dependencies, the server's.
-RUNTIME_MODULES = ["flowrt.executor", "flowrt.thread", "flowrt.workflow", "flowrt.model", "flowrt.runtime",
-                   "flowrt.trace", "flowrt.aio", "flowrt.cli", "flowrt.server", "networkx", "anyio", "fastapi"]
+RUNTIME_MODULES = ["flowrt.runner.executor", "flowrt.llm.thread", "flowrt.graph.workflow", "flowrt.llm.model",
+                   "flowrt.runner.runtime", "flowrt.runner.trace", "flowrt.aio", "flowrt.cli.commands", "flowrt.server",
+                   "networkx", "anyio", "fastapi"]
 
 
 def _loaded_after(code: str) -> list[str]:
@@ -45,8 +46,8 @@ def test_import_flowrt_is_lazy_and_every_public_name_resolves():
     assert _loaded_after("import flowrt") == []
     import flowrt as fr
 
-    assert fr.Workflow.__module__ == "flowrt.workflow"
-    assert fr.Model.__module__ == "flowrt.model"
+    assert fr.Workflow.__module__ == "flowrt.graph.workflow"
+    assert fr.Model.__module__ == "flowrt.llm.model"
     for name in fr.__all__:
         if name in ("Retriever", "rag"):  # flowrt.retrieval needs the optional retrieval extra
             continue
@@ -98,25 +99,175 @@ def test_lower_layers_never_import_the_runtime(folder, allowed):
 
 
 def test_import_check_sees_relative_imports():
-    # The static check above resolves relative imports (a `from ... import thread` in engine/models
-    # would be flowrt.thread).
+    # The static check above resolves relative imports (a `from ...llm import thread` in engine/models
+    # would be flowrt.llm.thread).
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "m.py"
-        p.write_text("from ... import thread\nfrom .. import cpu_ops\nfrom flowrt import kernels\n")
+        p.write_text("from ...llm import thread\nfrom .. import cpu_ops\nfrom flowrt import kernels\n")
         mods = {m for _, m in _imports(p, "flowrt.engine.models")}
-    assert {"flowrt.thread", "flowrt.engine.cpu_ops", "flowrt.kernels"} <= mods
+    assert {"flowrt.llm.thread", "flowrt.engine.cpu_ops", "flowrt.kernels"} <= mods
 
 
 def test_thread_uses_only_models_public_surface():
     """Thread / ChatThread call ``Model``'s public methods, never its private ones or the engine behind it."""
-    tree = ast.parse((ROOT / "flowrt" / "thread.py").read_text(encoding="utf-8"))
+    tree = ast.parse((ROOT / "flowrt" / "llm" / "thread.py").read_text(encoding="utf-8"))
     bad = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "model":
             if node.attr.startswith("_") or node.attr == "engine":
                 bad.append(f"thread.py:{node.lineno}: .model.{node.attr}")
+    assert not bad, bad
+
+
+
+# ------------------------------------------------------------------------------- flowrt/: folders, no circles
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _load_time_imports(body: list[ast.stmt]):
+    """The import statements Python runs when the module is imported: at module level and in class bodies,
+    ``if`` / ``try`` blocks included, ``if TYPE_CHECKING:`` left out; imports inside functions are not."""
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If):
+            if not _is_type_checking(node.test):
+                yield from _load_time_imports(node.body)
+            yield from _load_time_imports(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
+                yield from _load_time_imports(block)
+        elif isinstance(node, ast.ClassDef):
+            yield from _load_time_imports(node.body)
+
+
+def flowrt_import_graph(root: Path) -> dict[str, set[str]]:
+    """module -> the modules of flowrt/ it imports when it is imported (``from P import name`` counts P, and
+    P.name when that is a module; a package's ``__init__`` is a module of its own)."""
+    files = {}
+    for path in sorted((root / "flowrt").rglob("*.py")):
+        parts = ["flowrt", *path.relative_to(root / "flowrt").with_suffix("").parts]
+        is_pkg = parts[-1] == "__init__"
+        files[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
+    graph: dict[str, set[str]] = {}
+    for module, (path, is_pkg) in files.items():
+        package = module if is_pkg else module.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in _load_time_imports(ast.parse(path.read_text(encoding="utf-8")).body):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                names = [base, *(f"{base}.{a.name}" for a in node.names)]
+            deps |= {n for n in names if n in files and n != module}
+        graph[module] = deps
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(circles)
+
+
+def test_no_module_of_flowrt_imports_one_that_imports_it_back():
+    """Upward calls (``Workflow.run`` -> the runtime, ``Model.thread`` -> ``Thread``) import inside the function
+    that needs them; nothing of flowrt/ imports, as it loads, a module that imports it back."""
+    graph = flowrt_import_graph(ROOT)
+    assert {"flowrt.graph.workflow", "flowrt.llm.model", "flowrt.runner.runtime", "flowrt.context"} <= set(graph)
+    assert "flowrt.context" in graph["flowrt.llm.model"] and "flowrt.context" in graph["flowrt.runner.executor"]
+    assert import_circles(graph) == []
+
+
+def test_import_circles_are_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}, "f": set()}
+    assert import_circles(graph) == [["a", "b", "c"], ["d", "e"]]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:  # a package whose __init__ imports a module importing it back
+        pkg = Path(d) / "flowrt" / "p"
+        pkg.mkdir(parents=True)
+        (pkg.parent / "__init__.py").write_text("")
+        (pkg / "__init__.py").write_text("from .s import X\n")
+        (pkg / "s.py").write_text("from typing import TYPE_CHECKING\nfrom . import t\nif TYPE_CHECKING:\n"
+                                  "    from .u import U\nX = 1\n")
+        (pkg / "t.py").write_text("def f():\n    from .s import X\n")  # inside a function: not at load
+        (pkg / "u.py").write_text("from .s import X\n")  # only for the type checker: no circle
+        graph = flowrt_import_graph(Path(d))
+    assert graph["flowrt.p.s"] == {"flowrt.p", "flowrt.p.t"}
+    assert import_circles(graph) == [["flowrt.p", "flowrt.p.s"]]
+
+
+# Each folder of flowrt/ is a layer; a module imports, as it loads, only from its own layer or lower ones.
+LAYERS = {
+    "base": 0,  # flowrt/*.py: the public package, context, events, aio, render, worker
+    "llm": 1, "replicas": 1,  # handles on an engine
+    "graph": 2,  # defining workflows (their resources name fr.Model)
+    "runner": 3, "checkpoint": 3,  # running them: builds Models, executes graphs, saves runs
+    "cli": 4, "server": 4,  # front ends
+}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else "base"
+
+
+def test_flowrt_folders_are_layers():
+    graph = flowrt_import_graph(ROOT)
+    assert {_layer(m) for m in graph} == set(LAYERS), "a folder of flowrt/ that LAYERS does not place"
+    bad = [f"{m} -> {d}" for m, deps in sorted(graph.items()) for d in sorted(deps)
+           if _layer(m) != _layer(d) and LAYERS[_layer(d)] >= LAYERS[_layer(m)]]
+    assert not bad, "imports that go up or sideways between layers:\n" + "\n".join(bad)
+
+
+
+def test_replicas_use_the_engines_public_api_only():
+    """flowrt/replicas import names flowrt.engine exports (``__all__``), never its modules."""
+    import flowrt.engine
+
+    bad = []
+    for path in sorted((ROOT / "flowrt" / "replicas").glob("*.py")):
+        for line, mod in _imports(path, "flowrt.replicas"):
+            if mod.startswith("flowrt.engine.") and mod.removeprefix("flowrt.engine.") not in flowrt.engine.__all__:
+                bad.append(f"replicas/{path.name}:{line}: {mod}")
     assert not bad, bad
 
 

@@ -57,14 +57,14 @@ def test_single_process_never_imports_ray():
     import subprocess
     import sys
 
-    code = ("import sys, flowrt as fr, flowrt.runtime, flowrt.cli, flowrt.replicas\n"
-            "fr.Runtime('x'); flowrt.cli.build_parser()\n"
+    code = ("import sys, flowrt as fr, flowrt.runner.runtime, flowrt.cli.commands, flowrt.replicas\n"
+            "fr.Runtime('x'); flowrt.cli.commands.build_parser()\n"
             "assert 'ray' not in sys.modules, 'ray was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_cli_replica_flags():
-    from flowrt.cli import build_parser, engine_kwargs_from_args, replica_kwargs_from_args
+    from flowrt.cli.commands import build_parser, engine_kwargs_from_args, replica_kwargs_from_args
 
     args = build_parser().parse_args(["run", "wf.py", "--replicas", "2", "--routing", "round_robin"])
     assert replica_kwargs_from_args(args) == {"replicas": 2, "ray_address": None, "routing": "round_robin"}
@@ -76,6 +76,7 @@ def test_cli_replica_flags():
 
 ray = pytest.importorskip("ray", reason="flowrt.replicas needs ray (pip install 'flowrt[ray]')")
 pytestmark = pytest.mark.timeout(300)  # a hang (a replica that never answers) fails the test, not CI
+SLOW_FIXTURES = {"ray_instance"}  # tests that start Ray are `slow` (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -119,7 +119,7 @@ def test_event_dicts_are_json():
 
 
 def test_cli_stream_prints_tokens_live(tmp_path, capsys, stories_path):
-    from flowrt.cli import main
+    from flowrt.cli.commands import main
 
     f = tmp_path / "story.py"
     f.write_text("import flowrt as fr\nwf = fr.Workflow('story')\n"

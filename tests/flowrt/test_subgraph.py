@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 import flowrt as fr
-from flowrt.cli import EXIT_INTERRUPTED, main
+from flowrt.cli.commands import EXIT_INTERRUPTED, main
 
 SUBGRAPH_FILE = textwrap.dedent('''
     import flowrt as fr
@@ -52,7 +52,7 @@ SUBGRAPH_FILE = textwrap.dedent('''
 def load(tmp_path):
     f = tmp_path / "report.py"
     f.write_text(SUBGRAPH_FILE)
-    from flowrt.loader import load_workflow
+    from flowrt.graph.loader import load_workflow
 
     wf = load_workflow(str(f))
     calls = wf.steps["topic"].fn.__globals__["CALLS"]

@@ -1,4 +1,4 @@
-"""Constrained generation on threads (flowrt/structured.py): gen/stream/assistant with json= (pydantic model,
+"""Constrained generation on threads (flowrt/llm/structured.py): gen/stream/assistant with json= (pydantic model,
 type, dict schema), regex=, choice=, grammar=; forks; cut-off and bad-constraint errors. On stories260K (a
 tiny story model that never writes JSON by itself: only the constraint makes its output valid)."""
 
@@ -184,7 +184,8 @@ def test_bad_constraints_raise_value_error_naming_the_keyword(llm):
 
 
 def test_gen_json_under_a_token_sink_streams_and_still_validates(llm):
-    from flowrt.events import EventSink, Token, current_sink
+    from flowrt.context import current_sink
+    from flowrt.events import EventSink, Token
 
     events = []
 

@@ -14,9 +14,9 @@ import anyio
 import pytest
 
 import flowrt as fr
-from flowrt.executor import execute
-from flowrt.toolcalls import ToolCall
-from flowrt.tools import ToolTimeoutError, run_tool_calls
+from flowrt.runner.executor import execute
+from flowrt.llm.toolcalls import ToolCall
+from flowrt.llm.tools import ToolTimeoutError, run_tool_calls
 
 SAFETY_S = 60  # how long a tool that nobody abandons blocks: the test fails rather than hangs
 

@@ -1,4 +1,4 @@
-"""Tools on chat threads (flowrt/tools.py): @fr.tool schemas from signatures and docstrings,
+"""Tools on chat threads (flowrt/llm/tools.py): @fr.tool schemas from signatures and docstrings,
 c.assistant(tools=..., tool_choice=...) on the default model (SmolLM2-135M-Instruct), c.call_tools, and the
 tool-using example workflows (react_agent, extract) end to end on the default model."""
 
@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 import flowrt as fr
-from flowrt.toolcalls import ToolCall
+from flowrt.llm.toolcalls import ToolCall
 from support import ROOT, leak_checked_model
 
 pytest.importorskip("flowrt.engine")
@@ -90,6 +90,9 @@ def test_tool_invoke_validates_arguments():
 
 
 # ------------------------------------------------------------------------------------------ default model
+SLOW_FIXTURES = {"engine"}  # the 135M model: tests on it are `slow` (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
 def engine():
     from flowrt.engine import AsyncLLM
@@ -202,7 +205,7 @@ def test_gen_json_model_on_default_model(llm):
 
 
 def test_react_agent_answers_with_tools_on_default_model(engine):
-    from flowrt.loader import load_workflow
+    from flowrt.graph.loader import load_workflow
 
     wf = load_workflow(ROOT / "workflows" / "react_agent.py")
 
@@ -219,7 +222,7 @@ def test_react_agent_answers_with_tools_on_default_model(engine):
 
 
 def test_extract_workflow_on_default_model(engine):
-    from flowrt.loader import load_workflow
+    from flowrt.graph.loader import load_workflow
 
     wf = load_workflow(ROOT / "workflows" / "extract.py")
 
@@ -238,7 +241,7 @@ def test_extract_workflow_on_default_model(engine):
 def test_readme_structured_and_tools_block_runs(tmp_path, engine):
     import re
 
-    from flowrt.loader import load_workflow
+    from flowrt.graph.loader import load_workflow
 
     text = (ROOT / "README.md").read_text()
     start = text.index("### Structured output and tools")
@@ -276,7 +279,7 @@ def test_render_uses_the_templates_tools_or_a_hermes_system_prompt(llm):
     with llm.chat(system="Be brief.") as c:  # SmolLM2's template ignores tools=: Hermes-style system prompt
         c.user("hi")
         c.tools = [add]
-        from flowrt.tools import assistant_message
+        from flowrt.llm.tools import assistant_message
 
         c.messages.append(assistant_message(fr.AssistantReply(call.to_text(), "", [call])))
         text = c.render()

@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 import flowrt as fr
-from flowrt.trace import Tracer
+from flowrt.runner.trace import Tracer
 from support import STORIES
 
 MODEL = str(STORIES)

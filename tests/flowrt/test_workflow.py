@@ -10,8 +10,8 @@ import anyio
 import pytest
 
 import flowrt as fr
-from flowrt.executor import execute
-from flowrt.workflow import WorkflowError
+from flowrt.runner.executor import execute
+from flowrt.graph.workflow import WorkflowError
 
 
 def run(wf: fr.Workflow, provider=None, **inputs):
@@ -430,7 +430,7 @@ def test_string_annotations_still_inject(tmp_path):
         "@wf.step\n"
         "def a(llm: fr.Model, x: int) -> int:\n"
         "    return x\n")
-    from flowrt.loader import load_workflow
+    from flowrt.graph.loader import load_workflow
 
     wf = load_workflow(src)
     assert wf.steps["a"].resources == ["llm"] and list(wf.inputs) == ["x"]

@@ -7,7 +7,7 @@ import anyio
 import pytest
 
 import flowrt as fr
-from flowrt.loader import load_module, load_workflow
+from flowrt.graph.loader import load_module, load_workflow
 from support import ROOT
 
 MODEL = str(ROOT / "tests" / "models" / "stories260K")

@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 import flowrt as fr
-from flowrt.workflow import WorkflowError
+from flowrt.graph.workflow import WorkflowError
 
 
 class RecordingProvider:
@@ -44,7 +44,7 @@ def test_bad_typed_input_names_input_and_type_before_resources_load():
         anyio.run(lambda: fr.Runtime(resources={"llm": object()}).run(wf, max_turns="abc", scores=[]))
     msg = str(e.value)
     assert "input 'max_turns' must be int" in msg and "step 'agent'" in msg and "'abc'" in msg
-    from flowrt.executor import execute
+    from flowrt.runner.executor import execute
 
     with pytest.raises(WorkflowError, match="input 'tags' must be list\\[str\\]"):
         anyio.run(lambda: execute(wf, {"max_turns": 1, "tags": [1], "scores": []}, provider))
@@ -56,7 +56,7 @@ def test_bad_typed_input_names_input_and_type_before_resources_load():
 def test_typed_inputs_are_converted_for_run_and_wf_run():
     wf = typed_workflow()
     provider = RecordingProvider()
-    from flowrt.executor import execute
+    from flowrt.runner.executor import execute
 
     r = anyio.run(lambda: execute(wf, {"max_turns": "3", "scores": ["1.5", 2]}, provider))
     assert r.outputs["agent"]["max_turns"] == 3 and r.outputs["double"] == [3.0, 4.0]

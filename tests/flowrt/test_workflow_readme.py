@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 import flowrt as fr
-from flowrt.loader import load_workflow
+from flowrt.graph.loader import load_workflow
 from support import ROOT
 
 MODEL = str(ROOT / "tests" / "models" / "stories260K")
@@ -68,7 +68,7 @@ def test_readme_subgraphs_and_time_travel_block_runs(tmp_path, capsys):
     fork at `write` with another tone (findings is not asked again)."""
     import json
 
-    from flowrt.cli import main
+    from flowrt.cli.commands import main
 
     path = tmp_path / "report.py"
     path.write_text(readme_block("## Subgraphs and time travel"))

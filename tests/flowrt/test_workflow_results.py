@@ -12,7 +12,7 @@ import time
 import anyio
 
 import flowrt as fr
-from flowrt.executor import execute, to_jsonable
+from flowrt.runner.executor import execute, to_jsonable
 from support import ROOT
 
 

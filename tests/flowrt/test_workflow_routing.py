@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import flowrt as fr
-from flowrt.workflow import WorkflowError
+from flowrt.graph.workflow import WorkflowError
 from support import ROOT
 
 
@@ -164,7 +164,7 @@ def test_graphs_draw_conditional_edges_dashed():
 
 
 def test_cli_graph_shows_routes(tmp_path, capsys):
-    from flowrt.cli import main
+    from flowrt.cli.commands import main
 
     f = tmp_path / "wf.py"
     f.write_text("import flowrt as fr\nwf = fr.Workflow('r')\n"
@@ -199,7 +199,7 @@ def test_readme_routed_agent_loop_runs_as_is(tmp_path, stories_path):
     import anyio
 
     from flowrt.engine import AsyncLLM
-    from flowrt.loader import load_workflow
+    from flowrt.graph.loader import load_workflow
 
     text = (ROOT / "README.md").read_text()
     start = text.index("## Routing, checkpoints, interrupts and streaming")

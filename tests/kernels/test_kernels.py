@@ -21,7 +21,6 @@ import pytest  # noqa: E402
 
 from flowrt import kernels as K  # noqa: E402
 from flowrt.kernels import _dispatch  # noqa: E402
-from support import ROOT
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -383,17 +382,3 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-m", "flowrt.kernels.compile_check", "--arch", "90", "--quick"],
                           env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU, run bench/gpu_check.py for real")
-def test_gpu_check_script_smoke():
-    """bench/gpu_check.py --smoke runs the one-shot GPU script's every code path on tiny CPU shapes."""
-    import subprocess
-    import sys
-
-    script = ROOT / "bench" / "gpu_check.py"
-    proc = subprocess.run([sys.executable, str(script), "--smoke", "--dtype", "fp16"], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "all checks passed" in proc.stdout

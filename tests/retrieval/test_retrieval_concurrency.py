@@ -66,6 +66,7 @@ def test_concurrent_adds_from_threads_all_land(index, tmp_path):
     assert len(list(index.iterdir())) == 4 and not lock_path(index).exists()  # one generation, no lock left
 
 
+@pytest.mark.slow
 def test_concurrent_cli_processes_all_land(index, tmp_path):
     files = _new_docs(tmp_path, 3)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}

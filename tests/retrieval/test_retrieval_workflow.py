@@ -19,7 +19,7 @@ def _workflow_runtime_missing() -> str | None:
         import flowrt as fr
 
         fr.Workflow, fr.Model, fr.Retriever, fr.rag  # noqa: B018
-        import flowrt.cli  # noqa: F401
+        import flowrt.cli.commands  # noqa: F401
     except (ImportError, AttributeError) as e:
         return f"the workflow runtime (fr.Workflow / flowrt run) is not available yet: {e}"
     return None
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(_workflow_runtime_missing() is not None, reason=
 
 def _flowrt(capsys, *args: str) -> tuple[int, str, str]:
     """The real `flowrt` CLI entry point, in-process (the embedder and engine load once per test process)."""
-    from flowrt.cli import main
+    from flowrt.cli.commands import main
 
     capsys.readouterr()
     code = main([str(a) for a in args])

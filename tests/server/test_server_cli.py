@@ -92,7 +92,7 @@ def _wait_for(predicate, timeout: float = 20.0) -> None:
 
 
 def test_serve_help_is_registered_on_flowrt_cli():
-    from flowrt.cli import build_parser
+    from flowrt.cli.commands import build_parser
 
     args = build_parser().parse_args(["serve", "--model", str(STORIES), "--port", "0", "--api-key", "k",
                                       "--served-model-name", "m", "--num-kv-blocks", "64", "--dtype", "float32"])
@@ -101,6 +101,7 @@ def test_serve_help_is_registered_on_flowrt_cli():
     assert callable(args.func)
 
 
+@pytest.mark.slow
 def test_serve_help_describes_the_command_for_users():
     out = subprocess.run([sys.executable, "-m", "flowrt.cli", "serve", "--help"], capture_output=True, text=True,
                          check=True, env={**os.environ, "COLUMNS": "200"}).stdout
@@ -116,6 +117,7 @@ def test_serve_help_describes_the_command_for_users():
     assert [a.option_strings for a in parser._actions if not a.help] == []  # every flag says what it does
 
 
+@pytest.mark.slow
 @posix_only
 def test_serve_process_graceful_sigterm():
     srv = ServeProcess("--graceful-timeout", "20")
@@ -142,6 +144,7 @@ def test_serve_process_graceful_sigterm():
         httpx.get(srv.url + "/health")
 
 
+@pytest.mark.slow
 @posix_only
 def test_drain_answers_503_and_ends_streams_past_the_grace_period(tmp_path):
     sleepy = tmp_path / "sleepy.py"
@@ -188,6 +191,7 @@ def test_drain_answers_503_and_ends_streams_past_the_grace_period(tmp_path):
     assert "Grace period over" in srv.log and "Traceback" not in srv.log, srv.log
 
 
+@pytest.mark.slow
 @posix_only
 def test_second_signal_exits_at_once(tmp_path):
     sleepy = tmp_path / "sleepy.py"

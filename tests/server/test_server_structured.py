@@ -256,7 +256,7 @@ def test_compile_runs_off_the_event_loop_under_a_time_cap(server, monkeypatch):
     assert "longer than" in r.json()["error"]["message"]
 
 
-# ---- flowrt.toolcalls and the stream splitter, without a server ---------------------------------------
+# ---- flowrt.llm.toolcalls and the stream splitter, without a server ---------------------------------------
 
 
 def _accepts(so, text: str) -> bool:
@@ -271,7 +271,7 @@ def _accepts(so, text: str) -> bool:
 
 
 def test_toolcalls_constraints_and_parse():
-    from flowrt import toolcalls as TC
+    from flowrt.llm import toolcalls as TC
 
     specs = [TC.ToolSpec.from_openai(t) for t in TOOLS]
     assert specs[0].to_openai() == WEATHER and TC.render_tools_for_template(TOOLS) == TOOLS
@@ -303,7 +303,7 @@ def test_toolcalls_constraints_and_parse():
 
 @pytest.mark.parametrize("step", [1, 2, 5, 13])
 def test_tool_stream_splitter_matches_parse(step):
-    from flowrt import toolcalls as TC
+    from flowrt.llm import toolcalls as TC
     from flowrt.server.structured import ToolStream
 
     text = ("Checking. " + TC.format_call("get_weather", {"city": "Pa}ris", "unit": "c"}) + "\n" +
@@ -321,3 +321,91 @@ def test_tool_stream_splitter_matches_parse(step):
     want_content, want = TC.parse_tool_calls(text)
     assert content == want_content == "Checking."
     assert [tuple(v) for _, v in sorted(calls.items())] == [(c.name, c.raw_arguments) for c in want]
+
+
+# ---- issue 27, items 8 and 9: bounded output ------------------------------------------------------------
+OPEN_TOOL = {"type": "function", "function": {   # no additionalProperties, an unbounded number and integer
+    "name": "locate", "parameters": {"type": "object", "properties": {
+        "lat": {"type": "number"}, "zoom": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},
+        "required": ["lat", "zoom", "tag"]}}}
+
+
+def _call(name: str, args: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+
+
+def test_tool_arguments_are_closed_and_bounded():
+    from flowrt.llm import toolcalls as TC
+
+    so = TC.call_constraint([OPEN_TOOL], "locate")
+    assert _accepts(so, _call("locate", '{"lat": -12.5, "zoom": 1234567890123456789, "tag": "a"}'))
+    assert not _accepts(so, _call("locate", '{"lat": 1, "zoom": 3, "tag": "a", "extra": 1}'))   # named only
+    assert not _accepts(so, _call("locate", '{"lat": 1.' + "5" * 20 + ', "zoom": 3, "tag": "a"}'))
+    assert not _accepts(so, _call("locate", '{"lat": 1, "zoom": ' + "9" * 25 + ', "tag": "a"}'))
+    loose = {"type": "function", "function": {**OPEN_TOOL["function"], "strict": False}}
+    assert _accepts(TC.call_constraint([loose], "locate"), _call("locate", '{"lat": 1, "zoom": 3, "tag": "a", "x": 1}'))
+    assert TC.ToolSpec.from_openai(loose).to_openai()["function"]["strict"] is False
+
+
+def test_tool_calls_per_response_are_bounded():
+    from flowrt.llm import toolcalls as TC
+
+    one = _call("get_time", '{"tz": 1}')
+    assert _accepts(TC.call_constraint(TOOLS), "\n".join([one] * TC.MAX_CALLS))
+    assert not _accepts(TC.call_constraint(TOOLS), "\n".join([one] * (TC.MAX_CALLS + 1)))
+    assert _accepts(TC.call_constraint(TOOLS, max_calls=2), one + "\n" + one)
+    assert not _accepts(TC.call_constraint(TOOLS, max_calls=2), "\n".join([one] * 3))
+    assert not _accepts(TC.call_constraint(TOOLS, parallel=False), one + "\n" + one)
+    with pytest.raises(ValueError, match="max_tool_calls must be a positive integer"):
+        TC.call_constraint(TOOLS, max_calls=0)
+
+
+def test_required_tool_calls_with_n3_and_no_max_tokens_finish(client):
+    """n=3 and no max_tokens: every choice ends with its calls (at most MAX_CALLS: the grammar ends there,
+    test_tool_calls_per_response_are_bounded), and max_tool_calls lowers the bound."""
+    from flowrt.llm import toolcalls as TC
+
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                       n=3, temperature=1.0, seed=11)
+    assert len(r.choices) == 3
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls", c
+        assert 1 <= len(c.message.tool_calls) <= TC.MAX_CALLS
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                       n=2, temperature=1.0, seed=12, extra_body={"max_tool_calls": 2})
+    assert all(c.finish_reason == "tool_calls" and len(c.message.tool_calls) <= 2 for c in r.choices)
+
+
+def test_response_format_strict_and_bound_numbers_reach_the_constraint():
+    from types import SimpleNamespace
+
+    from flowrt.server import structured as S
+
+    def constraint(rf, **fields):
+        req = SimpleNamespace(response_format=rf, structured_outputs=None, guided_json=None, guided_regex=None,
+                              guided_choice=None, guided_grammar=None, bound_numbers=None)
+        for k, v in fields.items():
+            setattr(req, k, v)
+        return S.from_request(req).params
+
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+    p = constraint(rf)
+    assert p.strict is True and p.bound_numbers is True
+    assert constraint({**rf, "json_schema": {**rf["json_schema"], "strict": False}}).strict is False
+    assert constraint(rf, bound_numbers=False).bound_numbers is False
+    assert constraint(None, structured_outputs={"json": PERSON, "bound_numbers": False}).bound_numbers is False
+    with pytest.raises(Exception, match="strict must be true or false"):
+        constraint({**rf, "json_schema": {**rf["json_schema"], "strict": "yes"}})
+
+
+def test_response_format_generates_only_the_named_keys(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "age": {"type": "integer"}}, "required": ["name"]}
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=4, max_tokens=60, temperature=1.0, seed=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+    for c in r.choices:
+        if c.finish_reason == "stop":
+            obj = json.loads(c.message.content)
+            assert set(obj) <= {"name", "age"} and "name" in obj
+            assert abs(obj.get("age", 0)) < 2**63

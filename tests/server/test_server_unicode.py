@@ -45,6 +45,7 @@ def _post(server, path: str, body: str) -> httpx.Response:
     ("/v1/completions", r'{"model": "tiny", "prompt": "hi \ud800", "max_tokens": 2}', "prompt"),
     ("/v1/completions", r'{"prompt": ["fine", "\ud83d"], "max_tokens": 2}', "prompt[1]"),
     ("/v1/workflows/echo/runs", r'{"inputs": {"text": "hi \ud800"}}', "inputs.text"),
+    ("/v1/workflows/echo/runs", r'{"inputs": {"te\ud800xt": "hi"}}', r"inputs.te\ud800xt"),  # in a key
 ])
 def test_lone_surrogate_is_400_naming_the_field(server, path, body, param):
     r = _post(server, path, body)

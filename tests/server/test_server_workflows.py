@@ -94,7 +94,7 @@ def test_run_returns_flowrt_run_json(server):
     body = r.json()
     assert set(body) == {"outputs", "errors", "stats"} and body["errors"] == {}
     # the same run through fr.Runtime, as `flowrt run --json` does it
-    from flowrt.runtime import Runtime
+    from flowrt.runner.runtime import Runtime
 
     async def direct():
         async with Runtime(model=server.engine) as rt:
@@ -160,7 +160,7 @@ def test_unrenderable_results_do_not_lose_the_run(server):
 
 def test_workflow_name_clash_is_reported(tmp_path):
     from flowrt.server.workflows import load_workflows
-    from flowrt.workflow import WorkflowError
+    from flowrt.graph.workflow import WorkflowError
 
     examples = ROOT / "workflows"
     a, b = str(examples / "self_consistency.py"), str(examples / "map_reduce.py")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from flowrt import toolcalls as TC
+from flowrt.llm import toolcalls as TC
 from flowrt.server import structured as S
 
 PERSON = '<tool_call>\n{"name": "Person", "arguments": {"name": "}}</tool_call>  # 31", "age": 31}}\n</tool_call>'

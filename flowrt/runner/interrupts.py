@@ -46,7 +46,7 @@ current_interrupts: ContextVar[InterruptScope | None] = ContextVar("flowrt_inter
 
 async def interrupt(payload: Any = None) -> Any:
     """Pause the run and ask for a value (see the module docstring); returns the answer on resume."""
-    from .trace import current_step
+    from ..context import current_step
 
     scope = current_interrupts.get()
     label = current_step.get()

@@ -12,7 +12,6 @@ record the engine's KV blocks in use after each LLM call.
 
 from __future__ import annotations
 
-import contextvars
 import json
 import os
 import threading
@@ -21,10 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-__all__ = ["Tracer", "Span", "current_tracer", "current_step", "LLM_TOTAL_KEYS"]
+__all__ = ["Tracer", "Span", "LLM_TOTAL_KEYS"]
 
-current_tracer: contextvars.ContextVar["Tracer | None"] = contextvars.ContextVar("flowrt_tracer", default=None)
-current_step: contextvars.ContextVar[str | None] = contextvars.ContextVar("flowrt_step", default=None)
 
 _PIDS = {"step": 1, "llm": 2}
 _PROCESS_NAMES = {1: "workflow steps", 2: "LLM calls"}

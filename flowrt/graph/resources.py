@@ -89,7 +89,7 @@ def _string_names(name: str) -> set[str]:
 
 
 def _is_model(ann: Any) -> bool:
-    from .model import Model
+    from ..llm.model import Model
 
     return isinstance(ann, type) and issubclass(ann, Model)
 

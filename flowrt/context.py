@@ -1,4 +1,11 @@
-"""The threads a run opens, so that a cancelled run (``asyncio.wait_for`` around ``rt.run``, a client
+"""The run a piece of code is part of, as context variables: the step running and its tracer, the threads
+the run opened and the sink its events go to.
+
+The runner sets them (flowrt.runner.executor) and the LLM handles read them (flowrt.llm: a Model tags its
+requests with the step, a Thread registers with its run and streams its tokens), so both import this module
+and neither imports the other for it.
+
+The threads a run opens are kept so that a cancelled run (``asyncio.wait_for`` around ``rt.run``, a client
 that went away) releases their engine sequences and KV blocks at once, not whenever garbage collection
 gets to the frames its cancellation left in reference cycles."""
 
@@ -8,9 +15,24 @@ import itertools
 import os
 import weakref
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["RunThreads", "current_run_threads", "track"]
+if TYPE_CHECKING:
+    from .events import EventSink
+    from .runner.trace import Tracer
+
+__all__ = ["current_step", "current_tracer", "RunThreads", "current_run_threads", "track", "current_sink",
+           "token_sink"]
+
+current_tracer: ContextVar[Tracer | None] = ContextVar("flowrt_tracer", default=None)
+current_step: ContextVar[str | None] = ContextVar("flowrt_step", default=None)
+current_sink: ContextVar[EventSink | None] = ContextVar("flowrt_event_sink", default=None)
+
+
+def token_sink() -> EventSink | None:
+    """The run's event sink, when it wants token events (else None)."""
+    sink = current_sink.get()
+    return sink if sink is not None and sink.tokens else None
 
 
 class RunThreads:
@@ -23,8 +45,6 @@ class RunThreads:
         self._steps: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
 
     def add(self, thread: Any) -> None:
-        from .trace import current_step
-
         self._threads.add(thread)
         self._steps[thread] = current_step.get()
 

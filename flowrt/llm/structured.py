@@ -39,7 +39,7 @@ class Constraint:
     and ``parse(text)`` (the call's return value)."""
 
     def __init__(self, keyword: str, value: Any) -> None:
-        from .engine import StructuredOutputsParams
+        from ..engine import StructuredOutputsParams
 
         self.keyword, self.value = keyword, value
         self._adapter = None
@@ -69,10 +69,10 @@ class Constraint:
 
         if isinstance(value, type) and issubclass(value, BaseModel):
             self._model = value
-            return _closed(value.model_json_schema())
+            return value.model_json_schema()
         try:
             self._adapter = TypeAdapter(value)
-            return _closed(self._adapter.json_schema())
+            return self._adapter.json_schema()
         except Exception as e:  # noqa: BLE001 - PydanticSchemaGenerationError, PydanticUserError, ...
             raise ValueError(f"cannot make a JSON schema of {value!r} (give a pydantic model class, a type, "
                              f"or a JSON schema dict): {e}") from None
@@ -139,18 +139,3 @@ def _short(e: BaseException) -> str:
     s = str(e)
     s = re.sub(r"\s+", " ", s)
     return s if len(s) <= 500 else s[:497] + "..."
-
-
-def _closed(schema: Any) -> Any:
-    """A generated schema whose objects with declared properties allow no others (the model's extra keys
-    would be dropped by validation anyway; generating them only wastes tokens)."""
-    if isinstance(schema, dict):
-        out = {k: (v if k in ("const", "enum", "default", "examples") else _closed(v)) for k, v in schema.items()}
-        if "properties" in schema and "additionalProperties" not in schema:
-            out["additionalProperties"] = False
-        if "properties" in schema:
-            out["properties"] = {k: _closed(v) for k, v in schema["properties"].items()}
-        return out
-    if isinstance(schema, list):
-        return [_closed(x) for x in schema]
-    return schema

@@ -12,10 +12,13 @@
 
 Exit status of ``run``: 0 when every step succeeded, 1 when a step failed (its dependents are skipped;
 every other result is still printed), 2 for a bad command line, workflow file, input, model or checkpoint
-database, 3 when a step called ``fr.interrupt`` (the payload is printed; ``flowrt resume`` continues).
+database (and for ``resume``, a run that another process holds: it is named), 3 when a step called
+``fr.interrupt`` (the payload is printed; ``flowrt resume`` continues). ``flowrt runs`` only reads: it opens
+the database read-only and never creates one.
 
 The engine options (``run`` and ``serve``) are generated from ``flowrt.engine.EngineArgs``: one
-``--kebab-case`` option per field, documented where the field is (``flowrt run --help`` lists them).
+``--kebab-case`` option per field, its help the field's description (``flowrt.engine.cli_args``;
+``flowrt run --help`` lists them).
 """
 
 from __future__ import annotations
@@ -31,13 +34,11 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .options import add_engine_arguments, engine_kwargs_from_args, replica_kwargs_from_args
+
 __all__ = ["main", "build_parser", "add_engine_arguments", "engine_kwargs_from_args", "parse_inputs"]
 
 EXIT_OK, EXIT_STEP_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 3
-
-ENGINE_GROUP_DESCRIPTION = ("the fields of flowrt.engine.EngineArgs (engine/API.md); an option left out keeps the "
-                            "engine's default")
-
 
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser that adds the engine's options only when it is used (parsing or help).
@@ -74,162 +75,6 @@ class _Parser(argparse.ArgumentParser):
         return super().format_help()
 
 
-def _engine_fields() -> dict[str, Any]:
-    """EngineArgs' fields (pydantic FieldInfo) but ``model`` (``--model``, handled apart)."""
-    from .engine import EngineArgs
-
-    return {n: f for n, f in EngineArgs.model_fields.items() if n != "model"}
-
-
-_ENGINE_FIELD_NAMES: list[str] | None = None  # filled when the options are first added
-
-
-def _engine_field_names() -> list[str]:
-    global _ENGINE_FIELD_NAMES
-    if _ENGINE_FIELD_NAMES is None:
-        _ENGINE_FIELD_NAMES = list(_engine_fields())
-    return _ENGINE_FIELD_NAMES
-
-
-def _field_comments() -> dict[str, str]:
-    """The ``# comment`` of each EngineArgs field in engine/config.py (trailing the field, else the comment
-    lines right above it): the help of a field that has no ``Field(description=...)``."""
-    import ast
-    import inspect
-    import io
-    import textwrap
-    import tokenize
-
-    try:
-        from .engine import EngineArgs
-
-        src = textwrap.dedent(inspect.getsource(EngineArgs))
-        lines = src.splitlines()
-        comments = {tok.start[0]: tok.string.lstrip("#").strip()
-                    for tok in tokenize.generate_tokens(io.StringIO(src).readline) if tok.type == tokenize.COMMENT}
-        cls = ast.parse(src).body[0]
-        out = {}
-        for node in getattr(cls, "body", []):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                text = comments.get(node.end_lineno or node.lineno)
-                if not text:  # a block of comment-only lines right above the field
-                    above, n = [], node.lineno - 1
-                    while n in comments and lines[n - 1].lstrip().startswith("#"):
-                        above.insert(0, comments[n])
-                        n -= 1
-                    text = " ".join(above)
-                if text:
-                    out[node.target.id] = text
-        return out
-    except Exception:  # noqa: BLE001 - source unavailable (zipped install, ...): help without the comments
-        return {}
-
-
-def _unwrap_optional(ann: Any) -> Any:
-    import types
-    import typing
-
-    if typing.get_origin(ann) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(ann) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return ann
-
-
-def _engine_option_help(name: str, field: Any, comment: str | None) -> tuple[str, str | None]:
-    """(help, metavar) of one EngineArgs field."""
-    import typing
-
-    ann = _unwrap_optional(field.annotation)
-    kind = ""
-    if typing.get_origin(ann) is typing.Literal:
-        metavar = "{" + ",".join(str(c) for c in typing.get_args(ann)) + "}"
-    else:
-        metavar = {int: "N", float: "X", str: "TEXT"}.get(ann)
-        kind = getattr(ann, "__name__", str(ann))
-        lo = next((getattr(m, "ge", None) for m in field.metadata if getattr(m, "ge", None) is not None), None)
-        hi = next((getattr(m, "le", None) for m in field.metadata if getattr(m, "le", None) is not None), None)
-        if lo is not None and hi is not None:
-            kind += f" in {lo}..{hi}"
-        elif lo is not None:
-            kind += f" >= {lo}"
-        elif hi is not None:
-            kind += f" <= {hi}"
-    default = "default: the engine's choice" if field.default is None else f"default {field.default}"
-    details = f"{kind}; {default}" if kind else default
-    lead = field.description or comment
-    help_ = f"{lead} ({details})" if lead else details
-    return help_.replace("%", "%%"), metavar
-
-
-def _engine_value(name: str) -> Callable[[str], Any]:
-    """argparse ``type=``: the value as EngineArgs validates it (a bad one is a usage error naming the option)."""
-
-    def convert(raw: str) -> Any:
-        from pydantic import ValidationError
-
-        from .engine import EngineArgs
-
-        try:
-            return getattr(EngineArgs(**{name: raw}), name)
-        except ValidationError as e:
-            raise argparse.ArgumentTypeError(f"{raw!r}: {e.errors()[0]['msg']}") from None
-
-    convert.__name__ = name  # argparse names the type in some messages
-    return convert
-
-
-def _add_engine_options(g: Any) -> None:
-    global _ENGINE_FIELD_NAMES
-    fields = _engine_fields()
-    _ENGINE_FIELD_NAMES = list(fields)
-    comments = _field_comments()
-    for name, field in fields.items():
-        flag = "--" + name.replace("_", "-")
-        help_, metavar = _engine_option_help(name, field, comments.get(name))
-        if _unwrap_optional(field.annotation) is bool:
-            g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
-        else:
-            g.add_argument(flag, dest=name, type=_engine_value(name), default=None, metavar=metavar, help=help_)
-    if "enable_prefix_caching" in fields:  # the historical spelling
-        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
-                       help=argparse.SUPPRESS)
-
-
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """``--model`` and one ``--kebab-case`` option per ``EngineArgs`` field (shared by ``flowrt run`` and
-    ``flowrt serve``; read back with ``engine_kwargs_from_args``). On a parser of this CLI the engine
-    options are generated when the parser is first used, so building the CLI does not load the engine."""
-    g = p.add_argument_group("engine", ENGINE_GROUP_DESCRIPTION)
-    g.add_argument("--model", metavar="PATH", default=None,
-                   help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    defer = getattr(p, "defer_engine_options", None)  # duck-typed: `python -m flowrt.cli` has two _Parser classes
-    if defer is not None:
-        defer(lambda: _add_engine_options(g))
-    else:
-        _add_engine_options(g)
-    r = p.add_argument_group("replicas", "scale out: engine replicas as Ray actors (needs `pip install 'flowrt[ray]'`)")
-    r.add_argument("--replicas", type=int, default=None, metavar="N",
-                   help="run N engine replicas as Ray actors on a local Ray instance; each workflow run stays on "
-                        "one replica, new runs go where their prefix is cached")
-    r.add_argument("--ray-address", default=None, metavar="ADDRESS",
-                   help="join this Ray cluster (e.g. auto, ray://host:10001) instead of starting one")
-    r.add_argument("--routing", choices=["prefix", "round_robin"], default="prefix",
-                   help="how new runs pick a replica (default: prefix, with a load fallback)")
-
-
-def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``EngineArgs`` keywords given on the command line (options left out are not included)."""
-    return {n: getattr(args, n) for n in _engine_field_names() if getattr(args, n, None) is not None}
-
-
-def replica_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """``fr.Runtime`` keywords for ``--replicas`` / ``--ray-address`` / ``--routing`` (empty without them)."""
-    if not getattr(args, "replicas", None) and not getattr(args, "ray_address", None):
-        return {}
-    return {"replicas": args.replicas, "ray_address": args.ray_address, "routing": args.routing}
-
-
 # ---------------------------------------------------------------------------------------------- inputs
 class UsageError(Exception):
     pass
@@ -240,8 +85,8 @@ def _is_str_annotation(ann: Any) -> bool:
 
 
 def _fits(wf: Any, name: str, value: Any) -> bool:
-    from .inputs import coerce_input
-    from .workflow import WorkflowError
+    from ..graph.inputs import coerce_input
+    from ..graph.workflow import WorkflowError
 
     try:
         coerce_input(wf, name, value)
@@ -290,7 +135,7 @@ def _print_result_human(result: Any, show_tb: bool) -> None:
     from rich.pretty import Pretty
     from rich.text import Text
 
-    from .render import printable, unrenderable
+    from ..render import printable, unrenderable
 
     out = Console(soft_wrap=True, highlight=False)
     err = Console(stderr=True, highlight=False)
@@ -345,8 +190,8 @@ def _show_engine_log() -> None:
 
 def _load(args: argparse.Namespace, cmd: str) -> Any:
     """The workflow of args.file; errors raised by the user's module get its traceback and exit 2."""
-    from .loader import format_load_error, load_workflow
-    from .workflow import WorkflowError
+    from ..graph.loader import format_load_error, load_workflow
+    from ..graph.workflow import WorkflowError
 
     try:
         return load_workflow(args.file, args.workflow)
@@ -360,7 +205,7 @@ def _load(args: argparse.Namespace, cmd: str) -> Any:
 
 def _load_valid(args: argparse.Namespace, cmd: str) -> Any:
     """The validated workflow of args.file, or None after printing why (flowrt resume / graph: exit 2)."""
-    from .workflow import WorkflowError
+    from ..graph.workflow import WorkflowError
 
     try:
         wf = _load(args, cmd)
@@ -374,7 +219,7 @@ def _load_valid(args: argparse.Namespace, cmd: str) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .workflow import WorkflowError
+    from ..graph.workflow import WorkflowError
 
     if args.stream and args.json:
         print("flowrt run: error: --stream prints text as it is generated; it cannot go with --json", file=sys.stderr)
@@ -398,13 +243,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _make_runtime(args: argparse.Namespace, cmd: str, model: Any, engine_kwargs: dict[str, Any],
                   index: str | None) -> Any:
-    from .runtime import Runtime
+    from ..runner.runtime import Runtime
 
     try:
         return Runtime(model, index=index, checkpoint=getattr(args, "checkpoint", None),
+                       checkpoint_kv=getattr(args, "checkpoint_kv", False),
                        **replica_kwargs_from_args(args), **engine_kwargs)
     except Exception as e:  # a checkpoint database that cannot be used: corrupt, newer format, ...
-        from .checkpoint import CheckpointError
+        from ..checkpoint import CheckpointError
 
         if isinstance(e, CheckpointError):
             print(f"flowrt {cmd}: error: {e}", file=sys.stderr)
@@ -451,11 +297,11 @@ class _CliEvents:
 def _run_cli(args: argparse.Namespace, cmd: str, wf: Any, runtime: Any, start: Callable[..., Any]) -> int:
     import anyio
 
-    from .checkpoint import CheckpointError
-    from .events import EventSink
-    from .executor import RunObserver
-    from .trace import Tracer
-    from .workflow import WorkflowError
+    from ..checkpoint import CheckpointError
+    from ..events import EventSink
+    from ..runner.executor import RunObserver
+    from ..runner.trace import Tracer
+    from ..graph.workflow import WorkflowError
 
     observer = RunObserver(wf)
     tracer = Tracer(stats_fn=runtime.stats)
@@ -509,14 +355,49 @@ def _run_cli(args: argparse.Namespace, cmd: str, wf: Any, runtime: Any, start: C
     if result.interrupted:
         it = result.interrupt or {}
         if not args.json:
-            from .render import to_jsonable
+            from ..render import to_jsonable
 
-            print(json.dumps(to_jsonable(it.get("payload")), ensure_ascii=False, indent=2))
-        print(f"flowrt {cmd}: run {result.run_id} is waiting for an answer (step {it.get('step')!r}); continue "
-              f"it with: flowrt resume {result.run_id} --checkpoint {args.checkpoint} --answer '...'",
-              file=sys.stderr)
+            shown = {i["step"]: i.get("payload") for i in result.interrupts} if len(result.interrupts) > 1 \
+                else it.get("payload")
+            print(json.dumps(to_jsonable(shown), ensure_ascii=False, indent=2))
+        steps = [i["step"] for i in result.interrupts] if len(result.interrupts) > 1 else []
+        if steps:
+            print(f"flowrt {cmd}: run {result.run_id} is waiting for {len(steps)} answers (steps "
+                  f"{', '.join(map(repr, steps))}); continue it with: flowrt resume {result.run_id} --checkpoint "
+                  f"{args.checkpoint} " + " ".join(f"--answer '{s}=...'" for s in steps), file=sys.stderr)
+        else:
+            print(f"flowrt {cmd}: run {result.run_id} is waiting for an answer (step {it.get('step')!r}); continue "
+                  f"it with: flowrt resume {result.run_id} --checkpoint {args.checkpoint} --answer '...'",
+                  file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_OK if result.ok else EXIT_STEP_FAILED
+
+
+def _add_checkpoint_kv(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint-kv", nargs="?", const=True, default=False, metavar="DIR",
+                   help="save the KV blocks of live threads with every checkpoint (in DIR; default: beside the "
+                        "SQLite database, DB.kv), so that a resume in a fresh process does not compute them again")
+
+
+def _parse_answers(raws: list[str], state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``--answer VALUE`` (the run's one pending interrupt) or ``--answer STEP=VALUE`` for each of several
+    (STEP a pending interrupt's step; anything else with a '=' is a plain value)."""
+    from ..checkpoint.run import NO_ANSWER
+
+    pending = [p["step"] for p in (state.get("interrupts") or ([state["interrupt"]] if state.get("interrupt") else []))]
+    answer, answers = NO_ANSWER, {}
+    for raw in raws:
+        step, sep, value = raw.partition("=")
+        if sep and step in pending:
+            answers[step] = _parse_answer(value)
+        elif answer is NO_ANSWER:
+            answer = _parse_answer(raw)
+        else:
+            raise UsageError(f"--answer VALUE given twice; a run waiting at several steps takes --answer STEP=VALUE "
+                             f"for each (it waits at: {', '.join(pending) or 'none'})")
+    if answer is not NO_ANSWER and answers:
+        raise UsageError("give either one --answer VALUE or --answer STEP=VALUE for each step, not both")
+    return answer, answers
 
 
 def _parse_answer(raw: str) -> Any:
@@ -526,45 +407,72 @@ def _parse_answer(raw: str) -> Any:
         return raw
 
 
-def cmd_resume(args: argparse.Namespace) -> int:
-    from .checkpoint import CheckpointError, open_store
+def _stored_run(args: argparse.Namespace, cmd: str, *, with_state: bool) -> Any:
+    """The run ``args.run_id`` of ``--checkpoint`` (never a new database), or None after printing why."""
+    from ..checkpoint import CheckpointError, open_store
 
     try:
-        store = open_store(args.checkpoint)
-        record = store.get_run(args.run_id, with_state=False)
-        store.close()
+        store = open_store(args.checkpoint, create=False)
+        try:
+            return store.get_run(args.run_id, with_state=with_state)
+        finally:
+            store.close()
     except CheckpointError as e:
+        print(f"flowrt {cmd}: error: {e}", file=sys.stderr)
+        return None
+
+
+def _stored_run_setup(args: argparse.Namespace, cmd: str, record: Any) -> tuple[Any, Any] | None:
+    """A stored run's workflow (``--file``, else the file it recorded) and a runtime with its model and engine
+    options (the command line's on top), for ``resume`` and ``runs fork``; None after printing why."""
+    file = args.file or record.file
+    if not file:
+        print(f"flowrt {cmd}: error: run {record.run_id} recorded no workflow file; pass --file", file=sys.stderr)
+        return None
+    args.file, args.workflow = file, record.workflow
+    wf = _load_valid(args, cmd)
+    if wf is None:
+        return None
+    meta = record.meta or {}
+    engine_kwargs = {**(meta.get("engine") or {}), **engine_kwargs_from_args(args)}
+    model = args.model if args.model is not None else meta.get("model")
+    runtime = _make_runtime(args, cmd, model, engine_kwargs, args.index or meta.get("index"))
+    return None if runtime is None else (wf, runtime)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from ..checkpoint.lease import live_holder
+
+    record = _stored_run(args, "resume", with_state=True)
+    if record is None:
+        return EXIT_USAGE
+    try:
+        answer, answers = _parse_answers(args.answer or [], record.state or {})
+    except UsageError as e:
         print(f"flowrt resume: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if record.status == "done":
         print(f"flowrt resume: run {record.run_id} already finished; `flowrt runs show {record.run_id} --checkpoint "
               f"{args.checkpoint}` shows its results", file=sys.stderr)
         return EXIT_USAGE
-    file = args.file or record.file
-    if not file:
-        print(f"flowrt resume: error: run {record.run_id} recorded no workflow file; pass --file", file=sys.stderr)
+    holder = live_holder(record)
+    if holder is not None:   # before loading anything; the claim when the run starts is what decides
+        print(f"flowrt resume: error: run {record.run_id} is held by {holder}, which is running it (a run or a "
+              f"resume that came first)", file=sys.stderr)
         return EXIT_USAGE
-    args.file, args.workflow = file, record.workflow
-    wf = _load_valid(args, "resume")
-    if wf is None:
+    setup = _stored_run_setup(args, "resume", record)
+    if setup is None:
         return EXIT_USAGE
-    meta = record.meta or {}
-    engine_kwargs = {**(meta.get("engine") or {}), **engine_kwargs_from_args(args)}
-    model = args.model if args.model is not None else meta.get("model")
-    runtime = _make_runtime(args, "resume", model, engine_kwargs, args.index or meta.get("index"))
-    if runtime is None:
-        return EXIT_USAGE
-    from .checkpoint.run import NO_ANSWER
-
-    answer = _parse_answer(args.answer) if args.answer is not None else NO_ANSWER
+    wf, runtime = setup
     return _run_cli(args, "resume", wf, runtime,
-                    lambda **kw: runtime.resume(args.run_id, answer=answer, workflow=wf, **kw))
+                    lambda **kw: runtime.resume(args.run_id, answer=answer, answers=answers, workflow=wf, **kw))
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
     import datetime
 
-    from .checkpoint import CheckpointError, open_store
+    from ..checkpoint import CheckpointError, open_store
+    from ..checkpoint.lease import live_holder
 
     def when(t: float) -> str:
         return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
@@ -572,19 +480,20 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if args.action == "fork":
         return cmd_fork(args)
     try:
-        store = open_store(args.checkpoint)
+        store = open_store(args.checkpoint, readonly=True)   # reading: never creates or changes the file
         if args.action == "list":
             runs = store.list_runs(args.limit)
             if args.json:
                 print(json.dumps([{"run_id": r.run_id, "workflow": r.workflow, "status": r.status, "file": r.file,
-                                   "created": r.created, "updated": r.updated, "checkpoints": r.checkpoints}
-                                  for r in runs], indent=2))
+                                   "created": r.created, "updated": r.updated, "checkpoints": r.checkpoints,
+                                   "holder": live_holder(r)} for r in runs], indent=2))
                 return EXIT_OK
             if not runs:
                 print(f"no runs in {args.checkpoint}", file=sys.stderr)
             for r in runs:
+                held = live_holder(r)
                 print(f"{r.run_id}  {r.status:<11}  {r.workflow:<20}  {when(r.created)}  {r.checkpoints} checkpoints"
-                      f"  {r.file or ''}")
+                      f"  {r.file or ''}{f'  held by {held}' if held else ''}")
             return EXIT_OK
         if not args.run_id:
             print(f"flowrt runs {args.action}: error: which run? `flowrt runs {args.action} RUN_ID --checkpoint DB`",
@@ -603,7 +512,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
             "created": when(r.created), "updated": when(r.updated), "outputs": outputs,
             "errors": {k: e["message"] for k, e in state.get("errors", {}).items()},
             "skipped": state.get("not_routed", {}), "routes": state.get("routes", []),
-            "interrupt": r.interrupt, "steps": [{k: h[k] for k in ("seq", "step", "visit", "status")} for h in hist]}
+            "interrupt": r.interrupt, "holder": live_holder(r),
+            "steps": [{k: h[k] for k in ("seq", "step", "visit", "status")} for h in hist]}
     print(json.dumps(info, indent=2, ensure_ascii=False, default=str))
     return EXIT_OK
 
@@ -631,37 +541,19 @@ def _print_history(hist: list[dict[str, Any]], as_json: bool, when: Callable[[fl
 
 def cmd_fork(args: argparse.Namespace) -> int:
     """``flowrt runs fork RUN_ID --at STEP [--input name=value ...]``: a new run from before STEP."""
-    from .checkpoint import CheckpointError, open_store
-
     if not args.run_id or not args.at:
         print("flowrt runs fork: error: which run and step? `flowrt runs fork RUN_ID --at STEP --checkpoint DB`",
               file=sys.stderr)
         return EXIT_USAGE
-    try:
-        store = open_store(args.checkpoint)
-        record = store.get_run(args.run_id, with_state=False)
-        store.close()
-    except CheckpointError as e:
-        print(f"flowrt runs fork: error: {e}", file=sys.stderr)
+    record = _stored_run(args, "runs fork", with_state=False)
+    setup = None if record is None else _stored_run_setup(args, "runs fork", record)
+    if setup is None:
         return EXIT_USAGE
-    file = args.file or record.file
-    if not file:
-        print(f"flowrt runs fork: error: run {record.run_id} recorded no workflow file; pass --file", file=sys.stderr)
-        return EXIT_USAGE
-    args.file, args.workflow = file, record.workflow
-    wf = _load_valid(args, "runs fork")
-    if wf is None:
-        return EXIT_USAGE
+    wf, runtime = setup
     try:
         inputs = parse_inputs(args.input or [], args.input_file or [], wf)
     except UsageError as e:
         print(f"flowrt runs fork: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    meta = record.meta or {}
-    engine_kwargs = {**(meta.get("engine") or {}), **engine_kwargs_from_args(args)}
-    model = args.model if args.model is not None else meta.get("model")
-    runtime = _make_runtime(args, "runs fork", model, engine_kwargs, args.index or meta.get("index"))
-    if runtime is None:
         return EXIT_USAGE
     forked: list[Any] = []
 
@@ -748,8 +640,18 @@ def _register_external(sub: Any, module: str) -> None:
         add(sub)
 
 
+def _add_stored_run_options(g: Any, prefix: str = "") -> None:
+    """The options of the commands that run a stored run again (``resume``, ``runs fork``)."""
+    g.add_argument("--file", metavar="FILE.py", help=f"{prefix}the workflow file (default: the one the run recorded)")
+    g.add_argument("--stream", action="store_true", help=f"{prefix}print generated text live")
+    g.add_argument("--trace", metavar="FILE", help=f"{prefix}write a Chrome trace")
+    g.add_argument("--index", metavar="DIR", help=f"{prefix}retrieval index directory (default: the run's)")
+    g.add_argument("--no-progress", action="store_true", help=f"{prefix}no live progress display")
+    g.add_argument("--traceback", action="store_true", help=f"{prefix}print full tracebacks of failed steps")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     parser = _Parser(prog="flowrt", description="Run multi-step LLM workflows on an in-process "
                                      "engine with copy-on-write KV sharing.")
@@ -772,6 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(created if missing) or postgresql:// URL; prints the run id; `flowrt resume RUN_ID "
                    "--checkpoint DB` continues it")
     p.add_argument("--stream", action="store_true", help="print generated text live as the steps produce it")
+    _add_checkpoint_kv(p)
     add_engine_arguments(p)
     p.set_defaults(func=cmd_run)
 
@@ -781,14 +684,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "call returning --answer.")
     rs.add_argument("run_id", metavar="RUN_ID")
     rs.add_argument("--checkpoint", metavar="DB", required=True, help="the run's checkpoint database")
-    rs.add_argument("--answer", metavar="VALUE", help="the answer to the run's interrupt (JSON, else a string)")
-    rs.add_argument("--file", metavar="FILE.py", help="the workflow file (default: the one the run recorded)")
+    rs.add_argument("--answer", metavar="[STEP=]VALUE", action="append",
+                    help="the answer to the run's interrupt (JSON, else a string); STEP=VALUE answers the interrupt "
+                         "of that step, for a run waiting at several (parallel branches); repeat for each")
+    _add_checkpoint_kv(rs)
     rs.add_argument("--json", action="store_true", help="print the result as JSON and nothing else on stdout")
-    rs.add_argument("--stream", action="store_true", help="print generated text live")
-    rs.add_argument("--trace", metavar="FILE", help="write a Chrome trace")
-    rs.add_argument("--index", metavar="DIR", help="retrieval index directory (default: the run's)")
-    rs.add_argument("--no-progress", action="store_true", help="no live progress display")
-    rs.add_argument("--traceback", action="store_true", help="print full tracebacks of failed steps")
+    _add_stored_run_options(rs)
     add_engine_arguments(rs)
     rs.set_defaults(func=cmd_resume, workflow=None)
 
@@ -808,12 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
     fk.add_argument("--at", metavar="STEP", help="fork: the step to run again (with everything downstream)")
     fk.add_argument("--input", "-i", action="append", metavar="NAME=VALUE", help="fork: an input to change")
     fk.add_argument("--input-file", action="append", metavar="NAME=PATH", help="fork: an input read from a file")
-    fk.add_argument("--file", metavar="FILE.py", help="fork: the workflow file (default: the one the run recorded)")
-    fk.add_argument("--stream", action="store_true", help="fork: print generated text live")
-    fk.add_argument("--trace", metavar="FILE", help="fork: write a Chrome trace")
-    fk.add_argument("--index", metavar="DIR", help="fork: retrieval index directory (default: the run's)")
-    fk.add_argument("--no-progress", action="store_true", help="fork: no live progress display")
-    fk.add_argument("--traceback", action="store_true", help="fork: print full tracebacks of failed steps")
+    _add_stored_run_options(fk, "fork: ")
     add_engine_arguments(ru)
     ru.set_defaults(func=cmd_runs, workflow=None)
 
@@ -844,7 +740,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     code = args.func(args)
     return int(code or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

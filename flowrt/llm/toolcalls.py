@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MAX_CALLS = 8  # calls in one response unless the caller says otherwise (max_tool_calls): a response ends
 # Compact JSON inside the blocks (", " and ": " separators, no free whitespace): small models otherwise pad.
 _JSON_OPTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -40,10 +41,13 @@ class ToolSpec:
     name: str
     description: str = ""
     parameters: dict = field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None  # OpenAI's function.strict: False lets objects take keys their schema omits
 
     def to_openai(self) -> dict:
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
+        fn = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        if self.strict is not None:
+            fn["strict"] = self.strict
+        return {"type": "function", "function": fn}
 
     @classmethod
     def from_openai(cls, d: dict) -> "ToolSpec":
@@ -67,7 +71,10 @@ class ToolSpec:
         desc = fn.get("description") or ""
         if not isinstance(desc, str):
             raise ValueError(f"tool {name!r}: description must be a string")
-        return cls(name=name, description=desc, parameters=params)
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ValueError(f"tool {name!r}: strict must be true or false")
+        return cls(name=name, description=desc, parameters=params, strict=strict)
 
 
 @dataclass
@@ -102,31 +109,60 @@ def _specs(tools: Iterable[Any]) -> list[ToolSpec]:
     return out
 
 
-def _args_schema(spec: ToolSpec) -> dict:
+def _args_schema(spec: ToolSpec, bound_numbers: bool = True) -> dict:
+    """The arguments' schema as generated: objects take only the keys they name (unless the tool says
+    ``strict: false``) and numbers are bounded (engine/json_bounds.py), as for response_format schemas."""
+    from flowrt.engine import json_bounds
+
     s = dict(spec.parameters) if spec.parameters else {}
     if not s or ("type" not in s and not any(k in s for k in ("anyOf", "oneOf", "allOf", "$ref", "enum", "const"))):
         s.setdefault("type", "object")
-    s["x-guidance"] = dict(_JSON_OPTS)
+    if spec.strict is not False:
+        s = json_bounds.close_objects(s)
+    if bound_numbers:
+        s = json_bounds.bound_integers(s)
     return s
+
+
+def _args_rule(spec: ToolSpec, i: int, bound_numbers: bool) -> tuple[str, str]:
+    """(the Lark expression for one tool's arguments, rules it needs)."""
+    from flowrt.engine import json_bounds
+
+    s = _args_schema(spec, bound_numbers)
+    if bound_numbers and json_bounds.needs_lark(s):
+        return json_bounds.to_lark(s, compact=True, prefix=f"args{i}")
+    return f"%json {json.dumps({**s, 'x-guidance': dict(_JSON_OPTS)})}", ""
 
 
 def _lark_str(s: str) -> str:
     return json.dumps(s)  # a JSON string literal is a valid Lark string literal
 
 
-def _call_rules(specs: list[ToolSpec]) -> str:
+def _call_rules(specs: list[ToolSpec], bound_numbers: bool = True) -> str:
     """Rules `call` (one JSON call object for any of `specs`) and `block` (it wrapped in the tags)."""
     lines = ["block: " + _lark_str(OPEN + "\n") + " call " + _lark_str("\n" + CLOSE),
              "call: " + " | ".join(f"call_{i}" for i in range(len(specs)))]
+    extra = ""
     for i, spec in enumerate(specs):
         head = '{"name": ' + json.dumps(spec.name) + ', "arguments": '
-        lines.append(f"call_{i}: {_lark_str(head)} %json {json.dumps(_args_schema(spec))} " + _lark_str("}"))
-    return "\n".join(lines) + "\n"
+        args, rules = _args_rule(spec, i, bound_numbers)
+        lines.append(f"call_{i}: {_lark_str(head)} {args} " + _lark_str("}"))
+        extra += rules
+    return "\n".join(lines) + "\n" + extra
 
 
-def call_constraint(tools: list, choice: str = "required", parallel: bool = True):
-    """A StructuredOutputsParams making the output exactly one call block (parallel: one or more, newline
-    separated) of any tool ("required") or of the tool named `choice`. ValueError for an unknown name."""
+def _max_calls(max_calls: int | None) -> int:
+    n = MAX_CALLS if max_calls is None else max_calls
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"max_tool_calls must be a positive integer, got {max_calls!r}")
+    return n
+
+
+def call_constraint(tools: list, choice: str = "required", parallel: bool = True, max_calls: int | None = None,
+                    bound_numbers: bool = True):
+    """A StructuredOutputsParams making the output exactly one call block (parallel: one to `max_calls`
+    (default MAX_CALLS), newline separated, so the response ends) of any tool ("required") or of the tool
+    named `choice`. ValueError for an unknown name."""
     from flowrt.engine import StructuredOutputsParams
 
     specs = _specs(tools)
@@ -134,23 +170,25 @@ def call_constraint(tools: list, choice: str = "required", parallel: bool = True
         specs = [s for s in specs if s.name == choice]
         if not specs:
             raise ValueError(f"tool_choice names {choice!r}, which is not one of the tools")
-    start = 'start: block ("\\n" block)*' if parallel else "start: block"
-    grammar = "%llguidance {}\n" + start + "\n" + _call_rules(specs)
+    n = _max_calls(max_calls) if parallel else 1
+    start = "start: block" + (f' ("\\n" block){{0,{n - 1}}}' if n > 1 else "")
+    grammar = "%llguidance {}\n" + start + "\n" + _call_rules(specs, bound_numbers)
     return StructuredOutputsParams(grammar=grammar)
 
 
-def auto_constraint(tools: list):
+def auto_constraint(tools: list, max_calls: int | None = None, bound_numbers: bool = True):
     """tool_choice "auto": free text; once the model writes ``<tool_call>``, the block that follows is a
-    valid call of one of the tools (then free text again; any number of blocks). Built on llguidance's lazy
-    lexemes (the free text ends at the first ``<tool_call>``), as its own StructTag helper does."""
+    valid call of one of the tools (then free text again; up to `max_calls` blocks). Built on llguidance's
+    lazy lexemes (the free text ends at the first ``<tool_call>``), as its own StructTag helper does."""
     from flowrt.engine import StructuredOutputsParams
 
     specs = _specs(tools)
+    n = _max_calls(max_calls)
     grammar = ("%llguidance {}\n"
-               "start: (trigger tail)* TEXT\n"
+               f"start: (trigger tail){{0,{n}}} TEXT\n"
                f"trigger[lazy]: TEXT {_lark_str(OPEN)}\n"
                f"tail: {_lark_str(chr(10))} call {_lark_str(chr(10) + CLOSE)}\n"
-               "TEXT: /(.|\\n)*/\n" + _call_rules(specs))
+               "TEXT: /(.|\\n)*/\n" + _call_rules(specs, bound_numbers))
     return StructuredOutputsParams(grammar=grammar)
 
 

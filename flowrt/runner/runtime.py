@@ -9,19 +9,21 @@ every run on the runtime, so concurrent runs are batched together by the one eng
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import anyio
 
+from ..aio import _BaseExceptionGroup, _leaves
 from .executor import RunObserver, RunResult, execute
-from .model import Model
-from .resources import resource_kinds
+from ..llm.model import Model
+from ..graph.resources import resource_kinds
 from .trace import Tracer
-from .workflow import Workflow
+from ..graph.workflow import Workflow
 
 if TYPE_CHECKING:
-    from .engine import EngineClient
+    from ..engine import EngineClient
 
 __all__ = ["Runtime"]
 
@@ -39,6 +41,9 @@ class Runtime:
     ``enable_prefix_caching=False``). Other keywords go to ``AsyncLLM`` (dtype, num_kv_blocks, ...).
     ``checkpoint``: a database path (SQLite; ``":memory:"``) or a ``flowrt.checkpoint.CheckpointStore``:
     every run is saved after each step and can be resumed (``rt.resume``), and steps may ``fr.interrupt``.
+    ``checkpoint_kv``: True (a directory beside the SQLite file, ``runs.db.kv``) or a directory: the KV blocks
+    of live threads are saved with every checkpoint, so that a resume in a fresh process loads them instead of
+    computing them again (flowrt.checkpoint.kv).
     ``replicas=N``: N engine replicas as Ray actors (flowrt.replicas; ``ray_address`` joins a cluster,
     ``routing="prefix"|"round_robin"``, ``replica_options``: more ``ReplicaSet`` keywords); each run is bound
     to one replica.
@@ -48,10 +53,17 @@ class Runtime:
                  resources: dict[str, Any] | None = None, share_kv: bool = True, replicas: int | None = None,
                  ray_address: str | None = None, routing: str = "prefix",
                  replica_options: dict[str, Any] | None = None, checkpoint: Any = None,
-                 **engine_kwargs: Any) -> None:
-        from .checkpoint import open_store
+                 checkpoint_kv: bool | str | os.PathLike[str] = False, **engine_kwargs: Any) -> None:
+        from ..checkpoint import CheckpointError, open_store
 
         self.checkpointer = open_store(checkpoint)   # a CheckpointStore (flowrt.checkpoint), or None
+        self.kv_checkpoint = None                    # a flowrt.checkpoint.kv.KVCheckpoint, or None
+        if checkpoint_kv:
+            if self.checkpointer is None:
+                raise CheckpointError("checkpoint_kv saves KV with checkpoints: it needs checkpoint=")
+            from ..checkpoint.kv import KVCheckpoint, kv_dir_for
+
+            self.kv_checkpoint = KVCheckpoint(kv_dir_for(getattr(self.checkpointer, "path", checkpoint), checkpoint_kv))
         self._replicas = replicas if (replicas or ray_address) else None
         if self._replicas is not None:
             if not isinstance(model, (str, bytes, os.PathLike, type(None))):
@@ -67,7 +79,7 @@ class Runtime:
         if isinstance(model, Model):
             self._resources.setdefault("llm", model)
         elif model is not None and not isinstance(model, (str, bytes, os.PathLike)):
-            from .engine.protocol import EngineClient  # only here: a path must not load the engine yet
+            from ..engine.protocol import EngineClient  # only here: a path must not load the engine yet
 
             if not isinstance(model, EngineClient):
                 raise TypeError(f"model must be a path, an engine (flowrt.engine.EngineClient, e.g. AsyncLLM) "
@@ -99,13 +111,13 @@ class Runtime:
 
     # ------------------------------------------------------------------ resources
     def _create_engine(self) -> EngineClient:
-        from .engine import AsyncLLM
+        from ..engine import AsyncLLM
 
         path = self._model_spec
         if isinstance(path, (bytes, os.PathLike)):
             path = os.fsdecode(path)
         if self._replicas is not None:
-            from .replicas.client import ReplicaSet, RouterClient
+            from ..replicas.client import ReplicaSet, RouterClient
 
             rs = ReplicaSet(path, self._replicas or 1, **self._replica_options, **self._engine_kwargs)
             return RouterClient(rs, owns=True)  # type: ignore[return-value]
@@ -122,7 +134,7 @@ class Runtime:
                 self._owned_engine = engine
                 value: Any = Model(engine, share_kv=self._share_kv)
             elif name == "retriever" and self._index is not None:
-                from .retrieval import Retriever  # imported only when a step asks for it (faiss)
+                from ..retrieval import Retriever  # imported only when a step asks for it (faiss)
 
                 index = self._index
                 value = await anyio.to_thread.run_sync(lambda: Retriever.load(index))
@@ -154,26 +166,35 @@ class Runtime:
     async def execute(self, wf: Workflow, inputs: dict[str, Any], *, tracer: Tracer | None = None,
                       observer: RunObserver | None = None, events: Any = None, run: Any = None,
                       file: str | None = None) -> RunResult:
-        """Run ``wf``. With a checkpointer the run is recorded (``result.run_id``); ``run``: a
-        ``RunCheckpoint`` to continue (``resume`` makes it); ``events``: an ``flowrt.events.EventSink``."""
+        """Run ``wf``. With a checkpointer the run is recorded (``result.run_id``) and held by this process
+        while it runs (a lease, renewed in the background); ``run``: a ``RunCheckpoint`` to continue
+        (``resume`` makes it); ``events``: an ``flowrt.events.EventSink``."""
         if not isinstance(wf, Workflow):
             raise TypeError(f"expected a flowrt Workflow, got {type(wf).__name__}")
         if run is None and self.checkpointer is not None:
-            from .checkpoint import RunCheckpoint
+            from ..checkpoint import RunCheckpoint
 
             wf.validate()
             checked = wf.check_inputs(inputs)   # a bad input records no run
             run = RunCheckpoint.new(self.checkpointer, wf.name, checked, file=file or _workflow_file(wf),
+                                    kv=self.kv_checkpoint,
                                     meta=self._run_meta())
         kw: dict[str, Any] = dict(tracer=tracer, observer=observer, stats_fn=self.stats, checkpoint=run,
                                   events=events)
-        if "llm" not in wf.resources or not self._binds_runs():
-            return await execute(wf, inputs, self, **kw)
-        res = _RunResources(self)  # replicas: this run's fr.Model is bound to one replica (affinity)
-        try:
-            return await execute(wf, inputs, res, **kw)
-        finally:
-            res.release()
+        with run.held() if run is not None else contextlib.nullcontext():
+            try:
+                if "llm" not in wf.resources or not self._binds_runs():
+                    return _kv_stats(await execute(wf, inputs, self, **kw), run)
+                res = _RunResources(self)  # replicas: this run's fr.Model is bound to one replica (affinity)
+                try:
+                    return _kv_stats(await execute(wf, inputs, res, **kw), run)
+                finally:
+                    res.release()
+            except _BaseExceptionGroup as group:   # a checkpoint that failed in a step's task: the error itself
+                error = _checkpoint_error(group)
+                if error is None:
+                    raise
+                raise error from None
 
     def _binds_runs(self) -> bool:
         """Replicas: each run gets its own ``fr.Model``, bound to one replica (also for a router passed in)."""
@@ -181,7 +202,7 @@ class Runtime:
         return self._replicas is not None or hasattr(getattr(llm, "engine", None), "bind")
 
     def _run_meta(self) -> dict[str, Any]:
-        from .render import to_jsonable
+        from ..render import to_jsonable
 
         spec = self._model_spec
         model = os.fsdecode(spec) if isinstance(spec, (str, bytes, os.PathLike)) else None
@@ -189,29 +210,45 @@ class Runtime:
 
     async def resume(self, run_id: str, *, answer: Any = _NO_ANSWER, workflow: Workflow | None = None,
                      tracer: Tracer | None = None, observer: RunObserver | None = None,
-                     events: Any = None) -> RunResult:
+                     events: Any = None, answers: dict[str, Any] | None = None) -> RunResult:
         """Continue a checkpointed run (after a crash, or an interrupt: ``answer`` is what the interrupted
-        ``fr.interrupt`` call returns). Steps that finished are not run again. ``workflow``: the workflow
-        (default: loaded from the file the run recorded)."""
-        from .checkpoint import CheckpointError, RunCheckpoint
+        ``fr.interrupt`` call returns; ``answers``: ``{step: answer}`` for a run waiting at several, from
+        parallel branches, ``result.interrupts``). Steps that finished are not run again.
+
+        ``workflow``: the workflow; by default the one of the file the run recorded, taken as it is when that
+        file is already imported (the running script, a module), imported only when it is not. The run is
+        claimed first (``claim``): while another process or task executes it, this raises
+        ``flowrt.checkpoint.RunBusyError`` naming that holder."""
+        wf, run = self.claim(run_id, answer=answer, answers=answers, workflow=workflow)
+        return await self.execute(wf, dict(run.record.inputs), tracer=tracer, observer=observer, events=events,
+                                  run=run)
+
+    def claim(self, run_id: str, *, answer: Any = _NO_ANSWER, answers: dict[str, Any] | None = None,
+              workflow: Workflow | None = None) -> tuple[Workflow, Any]:
+        """What ``resume`` does before it runs: the run's workflow, and the run claimed for this process in one
+        atomic transition of the store (a ``RunCheckpoint``; ``execute(wf, inputs, run=...)`` runs it and
+        gives it back). Refusals are ``CheckpointError`` s: ``UnknownRunError``, ``RunNotResumableError``
+        (finished; an answer for a run not waiting for one), ``RunBusyError`` (held by another, named)."""
+        from ..checkpoint import CheckpointError, RunCheckpoint, RunNotResumableError
+        from ..checkpoint.run import NO_ANSWER
 
         if self.checkpointer is None:
             raise CheckpointError("resume needs a checkpointer: fr.Runtime(checkpoint=\"runs.db\")")
-        from .checkpoint.run import NO_ANSWER
-
-        run = RunCheckpoint.resume(self.checkpointer, run_id, answer=NO_ANSWER if answer is _NO_ANSWER else answer)
+        record = self.checkpointer.get_run(run_id, with_state=False)
+        if record.status == "done":
+            raise RunNotResumableError(f"run {run_id} already finished (status done); nothing to resume")
         wf = workflow
         if wf is None:
-            if not run.record or not run.record.file:
+            if not record.file:
                 raise CheckpointError(f"run {run_id} recorded no workflow file; pass workflow=")
-            from .loader import load_workflow
+            from ..graph.loader import load_workflow, loaded_workflow
 
-            wf = load_workflow(run.record.file, run.record.workflow)
-        elif run.record is not None and wf.name != run.record.workflow:
-            raise CheckpointError(f"run {run_id} is of workflow {run.record.workflow!r}, not {wf.name!r}")
-        assert run.record is not None
-        return await self.execute(wf, dict(run.record.inputs), tracer=tracer, observer=observer, events=events,
-                                  run=run)
+            wf = loaded_workflow(record.file, record.workflow) or load_workflow(record.file, record.workflow)
+        elif wf.name != record.workflow:
+            raise CheckpointError(f"run {run_id} is of workflow {record.workflow!r}, not {wf.name!r}")
+        run = RunCheckpoint.resume(self.checkpointer, run_id, answer=NO_ANSWER if answer is _NO_ANSWER else answer,
+                                   kv=self.kv_checkpoint, answers=answers)
+        return wf, run
 
     async def stream(self, wf: Workflow, inputs: dict[str, Any] | None = None, /, *, tokens: bool = True,
                      **kw_inputs: Any) -> AsyncIterator[Any]:
@@ -221,7 +258,7 @@ class Runtime:
         import asyncio
         from collections import deque
 
-        from .events import EventSink, RunFinished
+        from ..events import EventSink, RunFinished
 
         # A deque and a wake-up event, not a memory stream: events are drained in batches, without a trip
         # through the event loop for each one (token events come by the hundred per second).
@@ -265,8 +302,8 @@ class Runtime:
         replacing its inputs of those names. ``at`` and the steps downstream of it run again, the steps
         upstream keep their results (their threads reuse the engine's cached KV where it is still there).
         The source run is unchanged; the result's ``run_id`` is the new run's (flowrt.checkpoint.fork)."""
-        from .checkpoint import CheckpointError
-        from .checkpoint.fork import fork_run
+        from ..checkpoint import CheckpointError
+        from ..checkpoint.fork import fork_run
 
         if self.checkpointer is None:
             raise CheckpointError("fork needs a checkpointer: fr.Runtime(checkpoint=\"runs.db\")")
@@ -275,13 +312,32 @@ class Runtime:
         if wf is None:
             if not record.file:
                 raise CheckpointError(f"run {run_id} recorded no workflow file; pass workflow=")
-            from .loader import load_workflow
+            from ..graph.loader import load_workflow, loaded_workflow
 
-            wf = load_workflow(record.file, record.workflow)
+            wf = loaded_workflow(record.file, record.workflow) or load_workflow(record.file, record.workflow)
         wf.validate()
         checked = wf.check_inputs({**record.inputs, **inputs})
         run = fork_run(self.checkpointer, run_id, wf, at, checked)
+        run.kv = self.kv_checkpoint   # with KV checkpoints, the source run's saved blocks are loaded
         return await self.execute(wf, checked, tracer=tracer, observer=observer, events=events, run=run)
+
+
+def _kv_stats(result: RunResult, run: Any) -> RunResult:
+    """A resume with KV checkpoints: how many saved KV blocks it loaded, and how many it could not use
+    (by reason: missing, corrupt, foreign), in ``result.stats``."""
+    if getattr(run, "kv_load", None) is not None:
+        result.stats["kv_blocks_loaded"] = run.kv_load.loaded
+        result.stats["kv_blocks_rejected"] = dict(run.kv_load.rejected)
+    return result
+
+
+def _checkpoint_error(group: BaseException) -> BaseException | None:
+    """The first of ``group``'s errors when they all are checkpoint errors (a lost lease, a store that cannot
+    be written), else None."""
+    from ..checkpoint import CheckpointError
+
+    leaves = _leaves(group)
+    return leaves[0] if leaves and all(isinstance(e, CheckpointError) for e in leaves) else None
 
 
 def _workflow_file(wf: Workflow) -> str | None:

@@ -3,7 +3,7 @@
 A step's parameters name
 
 * another step -> that step's result (an edge in the DAG),
-* a resource -> injected (``llm: fr.Model``, ``retriever: fr.Retriever``; see flowrt.resources),
+* a resource -> injected (``llm: fr.Model``, ``retriever: fr.Retriever``; see flowrt.graph.resources),
 * anything else -> a workflow input, given to ``run`` (a parameter default makes the input optional).
 
 The graph is a networkx DiGraph, validated every time a step is added: a duplicate step, a cycle, an
@@ -110,7 +110,7 @@ _UNSET: Any = _Unset()
 
 class SubgraphCall:
     """The function of a subgraph step (``wf.step(sub)``): runs ``sub`` inside the parent run (its steps
-    are the parent's, under the step's path; flowrt.executor.run_subgraph) and returns the result of its
+    are the parent's, under the step's path; flowrt.runner.executor.run_subgraph) and returns the result of its
     last step, or of the step named ``output``."""
 
     def __init__(self, sub: "Workflow", output: str | None) -> None:
@@ -119,7 +119,7 @@ class SubgraphCall:
         self.__name__ = sub.name
 
     async def __call__(self, **kwargs: Any) -> Any:
-        from .executor import run_subgraph
+        from ..runner.executor import run_subgraph
 
         skip = set(self.sub.resources)
         inputs = {k: v for k, v in kwargs.items() if v is not _UNSET and k not in skip}
@@ -167,7 +167,7 @@ class Workflow:
         list of the per-item results, in order. ``retries``: extra attempts after a failure (per item
         when mapped). ``timeout``: seconds per attempt. ``after``: steps that must finish first although
         their result is not a parameter. ``routes``: successors the step chooses among by returning
-        ``fr.goto(name, value)`` (flowrt.routing); a route back to an earlier step makes a loop, and
+        ``fr.goto(name, value)`` (flowrt.graph.routing); a route back to an earlier step makes a loop, and
         ``max_visits`` bounds how often the step runs in one run.
 
         ``wf.step(sub, name="research")`` with a ``Workflow`` adds it as a subgraph: its inputs are matched
@@ -443,7 +443,7 @@ class Workflow:
 
     def check_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """The inputs, validated (none unknown or missing) and converted to the steps' annotations
-        (flowrt.inputs); a ``WorkflowError`` naming the culprit otherwise."""
+        (flowrt.graph.inputs); a ``WorkflowError`` naming the culprit otherwise."""
         specs = self.inputs
         unknown = [k for k in inputs if k not in specs]
         if unknown:
@@ -484,7 +484,7 @@ class Workflow:
                    **kw_inputs: Any) -> Any:
         """``wf.run`` for async code: ``result = await wf.arun(question="...")`` (on ``runtime``, or a
         fresh ``fr.Runtime`` that is closed afterwards)."""
-        from .runtime import Runtime
+        from ..runner.runtime import Runtime
 
         all_inputs = {**(inputs or {}), **kw_inputs}
         if runtime is not None:
@@ -494,7 +494,7 @@ class Workflow:
 
     # ------------------------------------------------------------------ rendering
     def render(self, fmt: str = "text") -> str:
-        """The graph as text, mermaid or dot (flowrt.drawing; subgraphs are clusters)."""
+        """The graph as text, mermaid or dot (flowrt.graph.drawing; subgraphs are clusters)."""
         from .drawing import render
 
         return render(self, fmt)

@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Iterator
 
 import anyio
 
-from .aio import gather
-from .events import Token, token_sink
-from .runscope import track
+from ..aio import gather
+from ..context import current_step, token_sink, track
+from ..events import Token
 from .structured import split_constraint
 
 if TYPE_CHECKING:
-    from .engine import Logprob, RequestOutput, SamplingParams, SequenceHandle
+    from ..engine import Logprob, RequestOutput, SamplingParams, SequenceHandle
     from .model import Model
 
 __all__ = ["Thread", "ChatThread", "DEFAULT_CHAT_TEMPLATE"]
@@ -235,7 +235,7 @@ class Thread:
     def append(self, text: str) -> "Thread":
         if not isinstance(text, str):
             raise TypeError(f"can only append str to a thread, got {type(text).__name__}")
-        from .engine.tokenizer import check_text
+        from ..engine.tokenizer import check_text
 
         check_text(text, "text appended to the thread")  # fails here, not at the next model call
         self._check_usable()
@@ -341,7 +341,7 @@ class Thread:
         return self._seq
 
     def _params(self, sampling: dict[str, Any]) -> SamplingParams:
-        from .engine import SamplingParams
+        from ..engine import SamplingParams
 
         params = sampling.pop("sampling_params", None)
         if params is not None:
@@ -364,7 +364,7 @@ class Thread:
         stop, seed, top_p, ...). Returns the generated text without the stop string; the thread keeps
         every generated token.
 
-        Constrained (flowrt/structured.py): ``json=`` a pydantic model class (returns a validated
+        Constrained (flowrt/llm/structured.py): ``json=`` a pydantic model class (returns a validated
         instance), a type such as ``list[Record]`` (the validated value) or a JSON schema dict (the parsed
         value); ``regex=``, ``choice=[...]``, ``grammar=`` (Lark) return the text. Output cut off by
         max_tokens raises ``IncompleteOutputError``; a bad constraint, ValueError naming the keyword."""
@@ -419,8 +419,6 @@ class Thread:
             final = None
             sink, step, n_ids = token_sink(), None, 0
             if sink is not None:
-                from .trace import current_step
-
                 step = current_step.get()
             self._live = (seq, n_before, n_before)
             # aclosing: when this stream is closed, the engine request is aborted then, not at finalization
@@ -468,7 +466,7 @@ class Thread:
         copy-on-write) with ``score`` (cum_logprob / generated length ** length_penalty) and ``cum_logprob``
         set. The thread itself is unchanged. ``json=`` / ``regex=`` / ``choice=`` / ``grammar=`` constrain every
         beam (each beam forks its grammar state); the beams' text is then the constrained output."""
-        from .engine import BeamSearchParams
+        from ..engine import BeamSearchParams
 
         con, rest = split_constraint(constraint)
         if rest:
@@ -510,7 +508,7 @@ class Thread:
         return max(scores, key=lambda o: scores[o])  # dicts keep option order; max keeps the first
 
     async def _score(self, options: list[str], *, by: str, keep: bool) -> tuple[dict[str, float], str]:
-        from .engine import SamplingParams
+        from ..engine import SamplingParams
 
         if by not in ("total", "mean"):
             raise ValueError(f"by must be 'total' or 'mean', got {by!r}")
@@ -698,7 +696,7 @@ class ChatThread(Thread):
     def message(self, role: str, content: str) -> "ChatThread":
         if not isinstance(content, str):
             raise TypeError(f"message content must be a str, got {type(content).__name__}")
-        from .engine.tokenizer import check_text
+        from ..engine.tokenizer import check_text
 
         check_text(content, f"{role} message content")
         self._check_usable()
@@ -750,7 +748,8 @@ class ChatThread(Thread):
         return sampling
 
     async def assistant(self, *, tools: Iterable[Any] | None = None, tool_choice: str | None = None,
-                        parallel_tool_calls: bool = True, **sampling: Any) -> Any:
+                        parallel_tool_calls: bool = True, max_tool_calls: int | None = None,
+                        **sampling: Any) -> Any:
         """Generate the assistant's reply to the conversation so far and record it.
 
         ``json=`` / ``regex=`` / ``choice=`` / ``grammar=`` constrain the reply as in ``Thread.gen`` (``json=``
@@ -759,7 +758,8 @@ class ChatThread(Thread):
         (``c.tools``; ``tools=[]`` removes them). With tools the reply is an ``AssistantReply`` (a str, plus
         ``.content`` and ``.tool_calls``); ``tool_choice``: "auto" (default: the model may call; a call it
         starts is constrained to the tools' schemas), "required" (at least one call, constrained),
-        a tool's name (a call of that tool), "none" (no calls: generation stops at a ``<tool_call>``)."""
+        a tool's name (a call of that tool), "none" (no calls: generation stops at a ``<tool_call>``).
+        A reply makes at most ``max_tool_calls`` calls (default ``toolcalls.MAX_CALLS``), so it always ends."""
         from . import toolcalls
         from .tools import TOOL_CHOICES, AssistantReply, as_tools, assistant_message
 
@@ -791,14 +791,14 @@ class ChatThread(Thread):
         if choice == "none":
             if not user_constraint and "sampling_params" not in sampling and "structured_outputs" not in sampling:
                 # Free text that never opens a call block (a stop string would leave the turn empty).
-                from .engine import StructuredOutputsParams
+                from ..engine import StructuredOutputsParams
 
                 sampling["structured_outputs"] = StructuredOutputsParams(grammar=_NO_TOOL_CALL_GRAMMAR)
         elif "sampling_params" in sampling:
             raise ValueError("tool calls need sampling keywords, not sampling_params=")
         else:
-            constraint = (toolcalls.call_constraint(tool_specs, choice, parallel=parallel_tool_calls)
-                          if choice != "auto" else toolcalls.auto_constraint(tool_specs))
+            constraint = (toolcalls.call_constraint(tool_specs, choice, parallel_tool_calls, max_tool_calls)
+                          if choice != "auto" else toolcalls.auto_constraint(tool_specs, max_tool_calls))
             if constraint is not None:
                 sampling["structured_outputs"] = constraint
                 sampling.setdefault("max_tokens", 256)
@@ -872,7 +872,7 @@ class ChatThread(Thread):
         copy-on-write) with ``score`` (cum_logprob / generated length ** length_penalty) and ``cum_logprob``
         set. The thread itself is unchanged. ``json=`` / ``regex=`` / ``choice=`` / ``grammar=`` constrain every
         beam (each beam forks its grammar state); the beams' text is then the constrained output."""
-        from .engine import BeamSearchParams
+        from ..engine import BeamSearchParams
 
         con, rest = split_constraint(constraint)
         if rest:

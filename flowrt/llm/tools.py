@@ -21,7 +21,7 @@ answer = await c.assistant(tool_choice="none")
 The JSON schema of a tool's arguments comes from its signature (pydantic: types, defaults, ``Optional``,
 ``Annotated[..., Field(description=...)]``), its description from the docstring's first paragraph, and
 per-parameter descriptions from a Google-style ``Args:`` section. Calling the tool object calls the function.
-The wire format (``<tool_call>`` blocks), the constraints and the parser live in flowrt/toolcalls.py.
+The wire format (``<tool_call>`` blocks), the constraints and the parser live in flowrt/llm/toolcalls.py.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable
 
 import anyio
 
-from .worker import run_sync_abandonable
+from ..worker import run_sync_abandonable
 from .toolcalls import ToolCall, ToolSpec, format_call, template_supports_tools, tools_system_prompt
 
 __all__ = ["Tool", "tool", "ToolTimeoutError", "AssistantReply", "as_tools", "run_tool_calls", "messages_for_template"]
@@ -259,7 +259,7 @@ def _args(a: Any) -> Any:
 async def run_tool_calls(calls: list[ToolCall], tools: list[Any]) -> list[str]:
     """Run ``calls`` concurrently; each result (or the error it raised, or why its arguments are invalid)
     as the text of its tool message."""
-    from .aio import gather
+    from ..aio import gather
 
     by_name = {t.name: t for t in tools}
 

@@ -11,7 +11,7 @@ from types import ModuleType
 
 from .workflow import Workflow, WorkflowError
 
-__all__ = ["load_module", "find_workflows", "load_workflow", "format_load_error"]
+__all__ = ["load_module", "find_workflows", "load_workflow", "loaded_workflow", "format_load_error"]
 
 
 def load_module(path: str | Path) -> ModuleType:
@@ -71,6 +71,26 @@ def load_workflow(path: str | Path, name: str | None = None) -> Workflow:
         raise WorkflowError(f"{path} defines several workflows ({', '.join(found)}); choose one with "
                             f"--workflow NAME")
     return unique[0]
+
+
+def loaded_workflow(path: str | Path, name: str) -> Workflow | None:
+    """The workflow named ``name`` (variable or ``Workflow.name``) of ``path`` when that file is already
+    imported (``sys.modules``: the running script's ``__main__``, a module, or one ``load_module`` loaded),
+    by identity; None when it is not. Importing a script again would run its top level a second time."""
+    target = Path(path).resolve()
+    for module in list(sys.modules.values()):
+        f = getattr(module, "__file__", None)
+        if not isinstance(f, str) or Path(f).name != target.name:
+            continue
+        try:
+            if Path(f).resolve() != target:
+                continue
+        except OSError:
+            continue
+        for var, wf in find_workflows(module).items():
+            if name in (var, wf.name):
+                return wf
+    return None
 
 
 def format_load_error(e: BaseException, path: str | Path) -> str:

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 
 import anyio
 
-from .runscope import current_run_threads
-from .trace import current_step, current_tracer
+from ..context import current_run_threads, current_step, current_tracer
 
 if TYPE_CHECKING:
-    from .engine import CompletionOutput, EngineClient, RequestOutput, SamplingParams, SequenceHandle
-    from .trace import Tracer
+    from ..engine import CompletionOutput, EngineClient, RequestOutput, SamplingParams, SequenceHandle
+    from ..runner.trace import Tracer
+    from .thread import ChatThread, Thread
 
 __all__ = ["Model"]
 
@@ -133,12 +133,12 @@ class Model:
     @staticmethod
     def program_context(thread_id: Any = None) -> Any:
         """What the engine's scheduler is told about a call (engine/program.py): the executing run, the
-        step (flowrt.trace.current_step) and the thread; None outside a workflow run."""
+        step (flowrt.context.current_step) and the thread; None outside a workflow run."""
         run = current_run_threads.get()
         step = current_step.get()
         if run is None and step is None:
             return None
-        from .engine.program import ProgramContext
+        from ..engine import ProgramContext
 
         return ProgramContext(run_id=getattr(run, "run_id", None), step=step, thread_id=thread_id)
 
@@ -223,9 +223,7 @@ class Model:
 
     async def prefill(self, seq: SequenceHandle, uncomputed: int = 0) -> RequestOutput:
         """Compute a sequence's pending tokens without generating (before it is forked)."""
-        from .engine import SamplingParams
+        from ..engine import SamplingParams
 
         return await self.run(seq, SamplingParams(max_tokens=0), kind="prefill", uncomputed=uncomputed)
 
-
-from .thread import ChatThread, Thread  # noqa: E402  (used in annotations above)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from .executor import RunObserver
+from ..runner.executor import RunObserver
 
 __all__ = ["ProgressDisplay", "summary_line"]
 

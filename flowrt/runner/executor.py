@@ -25,16 +25,15 @@ import anyio
 
 import networkx as nx
 
-from . import events as ev
-from .events import EventSink, current_sink
-from .interrupts import Interrupt, InterruptScope
-from .interrupts import current_interrupts
-from .render import to_jsonable, unrenderable
-from .routing import Goto
-from .runscope import RunThreads, current_run_threads
-from .trace import Tracer, current_step, current_tracer
-from .worker import run_sync_abandonable
-from .workflow import Step, Workflow
+from .. import events as ev
+from ..context import RunThreads, current_run_threads, current_sink, current_step, current_tracer
+from ..events import EventSink
+from ..graph.routing import Goto
+from ..graph.workflow import Step, Workflow
+from ..render import to_jsonable, unrenderable
+from ..worker import run_sync_abandonable
+from .interrupts import Interrupt, InterruptScope, current_interrupts
+from .trace import Tracer
 
 __all__ = ["RunResult", "StepError", "StepFailed", "RunObserver", "WorkflowRun", "execute", "load_resources",
            "ResourceProvider", "to_jsonable", "subflow", "run_subgraph", "SubgraphFailed"]
@@ -77,7 +76,8 @@ class RunResult:
     visits: dict[str, int] = field(default_factory=dict)           # steps that ran more than once
     status: str = "done"                # "done", "failed" or "interrupted"
     run_id: str | None = None           # with a checkpointer
-    interrupt: dict[str, Any] | None = None   # {"step", "payload"} of an interrupted run
+    interrupt: dict[str, Any] | None = None   # {"step", "payload"} of an interrupted run (its first)
+    interrupts: list[dict[str, Any]] = field(default_factory=list)   # every pending one (parallel branches)
 
     @property
     def ok(self) -> bool:
@@ -123,7 +123,8 @@ class RunResult:
         if self.routes:
             out["routes"] = to_jsonable(self.routes)
         if self.interrupted:
-            out.update(status=self.status, run_id=self.run_id, interrupt=to_jsonable(self.interrupt))
+            out.update(status=self.status, run_id=self.run_id, interrupt=to_jsonable(self.interrupt),
+                       interrupts=to_jsonable(self.interrupts))
         return out
 
     def to_json(self, indent: int | None = None) -> str:
@@ -202,7 +203,8 @@ class _RunState:
         self.loop_values: dict[str, dict[str, Any]] = {}   # target -> {router: value}
         self.route_log: list[dict[str, Any]] = []
         self.timings: dict[str, float] = {}
-        self.interrupt: dict[str, Any] | None = None
+        self.interrupt: dict[str, Any] | None = None        # the first pending interrupt
+        self.interrupts: list[dict[str, Any]] = []          # all of them (branches running in parallel)
         # the root run's: the states of subgraphs in flight, by path (saved nested in its checkpoints), and
         # those a resume found, which the subgraph takes when it starts again
         self.children: dict[str, _RunState] = {}
@@ -566,7 +568,9 @@ class WorkflowRun:
         st = self.st
         st.status[step.name] = "interrupted"
         st.not_routed.pop(step.name, None)
-        st.interrupt = {"step": e.step, "index": e.index, "payload": to_jsonable(e.payload)}
+        info = {"step": e.step, "index": e.index, "payload": to_jsonable(e.payload)}
+        st.interrupts.append(info)
+        st.interrupt = st.interrupt or info
         self.halted = True
         self.set_status(step.name, "interrupted")
         if self.parent is None:   # a subgraph's interrupt reaches the parent's step, which reports it
@@ -655,7 +659,7 @@ class WorkflowRun:
                          skipped={n: st.not_routed[n] for n in order if n in st.not_routed},
                          routes=list(st.route_log), visits={n: v for n, v in st.visits.items() if v > 1},
                          status=self.status(), run_id=getattr(self.checkpoint, "run_id", None),
-                         interrupt=st.interrupt)
+                         interrupt=st.interrupt, interrupts=list(st.interrupts))
 
 
 async def load_resources(wf: Workflow, provider: ResourceProvider | None, observer: RunObserver | None = None,

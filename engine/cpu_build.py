@@ -1,0 +1,201 @@
+"""Builds and loads the CPU kernel library from its sources in kernels/cpu/ (shipped as package data).
+
+One library per instruction-set variant (ISAS: generic, AVX2 + FMA, AVX-512, AVX-512 + BF16), each compiled with
+that variant's flags (and -mtune=native), so one set of sources serves every x86 CPU and a run can be forced onto a
+lower variant (FLOWRT_CPU_ISA=avx2) to test or compare it. The library is compiled lazily with the system's C++
+compiler ($CXX or g++), the translation units in parallel, and cached under ~/.cache/flowrt/cpu_ops/ keyed by the
+sources, the variant's flags, the compiler's version and the CPU's flags; an exclusive file lock around the build
+means N processes starting on one host (Ray replicas) compile once and the others load the result. The ctypes
+signatures come from the one header that declares every exported function (flowrt_cpu.h), so Python and C++ cannot
+disagree on an argument list: a function missing from the library, or a type the loader cannot map, is an error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCE_DIR = Path(__file__).resolve().parent.parent / "kernels" / "cpu"
+HEADER = "flowrt_cpu.h"
+ENV_ISA = "FLOWRT_CPU_ISA"
+
+COMMON_FLAGS = ("-O3", "-mtune=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+                "-fPIC", "-std=c++17")
+
+
+@dataclass(frozen=True)
+class Isa:
+    """An instruction-set variant: the compiler flags it is built with and the /proc/cpuinfo flags it needs."""
+
+    name: str
+    flags: tuple[str, ...]
+    cpu: tuple[str, ...]
+
+
+_AVX2 = Isa("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"))
+_AVX512 = Isa("avx512", _AVX2.flags + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+              _AVX2.cpu + ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+#: lowest first; the default is the highest the CPU runs
+ISAS: tuple[Isa, ...] = (
+    Isa("generic", (), ()),
+    _AVX2,
+    _AVX512,
+    Isa("avx512bf16", _AVX512.flags + ("-mavx512bf16",), _AVX512.cpu + ("avx512_bf16",)),
+)
+ISA_NAMES = tuple(i.name for i in ISAS)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (empty where /proc/cpuinfo is unreadable: then only the generic variant runs)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def supported() -> list[Isa]:
+    """The variants this CPU runs, lowest first."""
+    have = cpu_flags()
+    return [i for i in ISAS if all(f in have for f in i.cpu)]
+
+
+def get_isa(name: str) -> Isa:
+    try:
+        return ISAS[ISA_NAMES.index(name)]
+    except ValueError:
+        raise ValueError(f"unknown CPU instruction set {name!r} (choose one of {', '.join(ISA_NAMES)})") from None
+
+
+def choose(requested: str | None = None) -> Isa:
+    """The variant to load: `requested` (default: $FLOWRT_CPU_ISA), else the highest this CPU runs. Raises
+    ValueError for an unknown name or one the CPU lacks (its code would die on an illegal instruction)."""
+    requested = requested or os.environ.get(ENV_ISA) or None
+    if requested is None:
+        return supported()[-1]
+    isa = get_isa(requested)
+    missing = [f for f in isa.cpu if f not in cpu_flags()]
+    if missing:
+        raise ValueError(f"{ENV_ISA}={requested}: this CPU lacks {', '.join(missing)}")
+    return isa
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("FLOWRT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "flowrt")
+    return Path(base) / "cpu_ops"
+
+
+@functools.cache
+def compiler_version(cxx: str) -> str:
+    proc = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    return (proc.stdout or proc.stderr).strip().splitlines()[0] if proc.returncode == 0 else f"{cxx} (no --version)"
+
+
+def sources() -> list[Path]:
+    files = sorted(p for p in SOURCE_DIR.glob("*") if p.suffix in (".cpp", ".h"))
+    if not any(p.suffix == ".cpp" for p in files):
+        raise RuntimeError(f"no CPU kernel sources in {SOURCE_DIR}")
+    return files
+
+
+def _key(isa: Isa, cxx: str) -> str:
+    h = hashlib.sha256()
+    for p in sources():
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    h.update("\0".join([cxx, compiler_version(cxx), *COMMON_FLAGS, *isa.flags, " ".join(sorted(cpu_flags()))])
+             .encode())
+    return h.hexdigest()[:16]
+
+
+def build(isa: Isa, force: bool = False) -> Path:
+    """Compiles the variant's library (or finds it cached) and returns its path. Raises RuntimeError on failure."""
+    cxx = os.environ.get("CXX") or "g++"
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler ({cxx!r} not found)")
+    out = cache_dir() / f"flowrt_cpu_{isa.name}_{_key(isa, cxx)}.so"
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{isa.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
+        if out.exists() and not force:
+            return out  # another process built it while this one waited
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            flags = [*COMMON_FLAGS, *isa.flags, "-I", str(SOURCE_DIR)]
+            cpps = [p for p in sources() if p.suffix == ".cpp"]
+            objs = [Path(tmp) / (p.stem + ".o") for p in cpps]
+            procs = [subprocess.Popen([cxx, *flags, "-c", str(src), "-o", str(obj)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for src, obj in zip(cpps, objs)]
+            errors = []
+            for src, proc in zip(cpps, procs):
+                _, err = proc.communicate(timeout=300)
+                if proc.returncode != 0:
+                    errors.append(f"{src.name}:\n{err[-2000:]}")
+            if errors:
+                raise RuntimeError(f"compiling the CPU kernels ({isa.name}) failed:\n" + "\n".join(errors))
+            so = Path(tmp) / out.name
+            proc = subprocess.run([cxx, *flags, "-shared", *map(str, objs), "-o", str(so)], capture_output=True,
+                                  text=True, timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"linking the CPU kernels ({isa.name}) failed:\n{proc.stderr[-2000:]}")
+            os.replace(so, out)
+    return out
+
+
+_CTYPES = {"void": None, "int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
+           "float": ctypes.c_float}
+
+
+def _ctype(decl: str):
+    """The ctypes type of one C type (a parameter with or without its name, or a return type)."""
+    decl = decl.replace("const ", "").strip()
+    if "*" in decl:
+        return ctypes.c_char_p if decl.split("*")[0].strip() == "char" else ctypes.c_void_p
+    base = decl.split()[0]
+    if base not in _CTYPES:
+        raise ValueError(f"{HEADER}: no ctypes mapping for C type {decl!r}")
+    return _CTYPES[base]
+
+
+def declarations(text: str | None = None) -> dict[str, tuple[object, list]]:
+    """name -> (restype, argtypes) of every function declared in the header's extern "C" block."""
+    text = (SOURCE_DIR / HEADER).read_text() if text is None else text
+    text = re.sub(r"//[^\n]*", "", text)
+    body = text[text.index('extern "C" {') + len('extern "C" {'):text.rindex("}")]
+    out = {}
+    for m in re.finditer(r"([\w\s\*]+?)\s*\b(\w+)\s*\(([^)]*)\)\s*;", body):
+        ret, name, params = m.group(1), m.group(2), m.group(3).strip()
+        args = [] if params in ("", "void") else [_ctype(p) for p in params.split(",")]
+        out[name] = (_ctype(ret), args)
+    if not out:
+        raise ValueError(f"{HEADER}: no declarations found")
+    return out
+
+
+def load(isa: Isa, force_build: bool = False) -> ctypes.CDLL:
+    """The variant's library, built if needed, with every header declaration applied; checks that the library is
+    the variant asked for."""
+    lib = ctypes.CDLL(str(build(isa, force=force_build)))
+    for name, (restype, argtypes) in declarations().items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            raise RuntimeError(f"the CPU kernel library lacks {name}, which {HEADER} declares")
+        fn.restype, fn.argtypes = restype, argtypes
+    got = lib.flowrt_cpu_isa().decode()
+    if got != isa.name:
+        raise RuntimeError(f"the CPU kernel library built for {isa.name} reports {got}")
+    return lib

@@ -1,0 +1,208 @@
+"""KV saved with checkpoints (``fr.Runtime(checkpoint=..., checkpoint_kv=True)``, ``--checkpoint-kv``): at
+every checkpoint the full KV blocks of the run's live threads go to a directory beside the database, and a
+resume in a fresh process loads them into the engine's prefix cache before any prefill, so it computes
+what a warm resume computes (each thread's last partial block).
+
+* Blocks are content-addressed: ``DIR/<model fingerprint>/<hash[:2]>/<hash>.kv``, the hash being the
+  engine's prefix hash (the token ids of the whole prefix), so a prompt that a thousand runs share is
+  stored once, and a block is written once however many checkpoints refer to it.
+* A file holds a header (fingerprint, hash, size, BLAKE2b of the content) and the content. A block whose
+  file is missing, truncated, corrupt or of another model (fingerprint) is not loaded: the engine computes
+  it, as it would without KV checkpoints.
+* A checkpoint's state refers to its blocks (``state["kv"]``: fingerprint and each live thread's chain of
+  hashes), in the checkpoint store. ``collect`` deletes the files that no unfinished run refers to (a run
+  that is done drops its references), sparing files younger than ``grace_s`` (another process may have
+  written them for a checkpoint it has not saved yet).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from .store import CheckpointError
+
+__all__ = ["KVBlockStore", "KVCheckpoint", "kv_dir_for"]
+
+_MAGIC = b"flowrt-kv 1\n"
+
+
+def kv_dir_for(spec: Any, kv: Any) -> str:
+    """The block directory for ``checkpoint=spec, checkpoint_kv=kv``: a directory path as given, or for
+    True ``<database file>.kv`` beside an SQLite file."""
+    if isinstance(kv, (str, bytes, os.PathLike)):
+        return os.fsdecode(kv)
+    path = os.fsdecode(spec) if isinstance(spec, (str, bytes, os.PathLike)) else None
+    if path is None or path == ":memory:" or "://" in path:
+        raise CheckpointError("checkpoint_kv=True keeps KV blocks beside an SQLite database file; with "
+                              f"{'an in-memory store' if path == ':memory:' else 'this store'} give it a directory "
+                              "(--checkpoint-kv DIR; shared storage for several machines)")
+    return path + ".kv"
+
+
+class KVBlockStore:
+    """Block files under one directory (see the module docstring)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._dirs: set[str] = set()   # folders made (or found) already
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot create the KV block directory {root}: {e}") from None
+
+    def path(self, fingerprint: str, h: bytes) -> str:
+        x = h.hex()
+        return os.path.join(self.root, fingerprint, x[:2], x + ".kv")
+
+    def has(self, fingerprint: str, h: bytes) -> bool:
+        return os.path.exists(self.path(fingerprint, h))
+
+    def write(self, fingerprint: str, h: bytes, data: bytes) -> None:
+        """Atomically (a temporary file renamed): a crash leaves the block whole or absent."""
+        p = self.path(fingerprint, h)
+        folder = os.path.dirname(p)
+        if folder not in self._dirs:
+            os.makedirs(folder, exist_ok=True)
+            self._dirs.add(folder)
+        header = json.dumps({"fingerprint": fingerprint, "hash": h.hex(), "bytes": len(data),
+                             "blake2b": hashlib.blake2b(data, digest_size=16).hexdigest()}).encode()
+        tmp = f"{p}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(_MAGIC + header + b"\n")
+            f.write(data)
+        os.replace(tmp, p)
+
+    def read(self, fingerprint: str, h: bytes) -> tuple[bytes | None, str]:
+        """The block's content, or None and why not (missing, corrupt, foreign)."""
+        try:
+            with open(self.path(fingerprint, h), "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return None, "missing"
+        except OSError as e:
+            return None, f"unreadable ({e})"
+        end = raw.find(b"\n", len(_MAGIC))
+        if not raw.startswith(_MAGIC) or end < 0:
+            return None, "corrupt"
+        head, data = raw[len(_MAGIC):end], raw[end + 1:]
+        try:
+            meta = json.loads(head)
+        except ValueError:
+            return None, "corrupt"
+        if meta.get("fingerprint") != fingerprint or meta.get("hash") != h.hex():
+            return None, "foreign"
+        if meta.get("bytes") != len(data) or meta.get("blake2b") != hashlib.blake2b(data, digest_size=16).hexdigest():
+            return None, "corrupt"
+        return data, ""
+
+    def touch(self, fingerprint: str, h: bytes) -> None:
+        try:
+            os.utime(self.path(fingerprint, h))
+        except OSError:
+            pass
+
+    def collect(self, referenced: dict[str, set[str]], grace_s: float) -> int:
+        """Delete block files no reference names (by fingerprint and hash) and older than ``grace_s``."""
+        now, removed = time.time(), 0
+        for dirpath, _, files in os.walk(self.root):
+            fingerprint = os.path.relpath(dirpath, self.root).split(os.sep)[0]
+            keep = referenced.get(fingerprint, set())
+            for name in files:
+                p = os.path.join(dirpath, name)
+                if name.endswith(".kv") and name[:-3] in keep:
+                    continue
+                try:
+                    if now - os.path.getmtime(p) >= grace_s:
+                        os.remove(p)
+                        removed += 1
+                except OSError:
+                    pass
+        return removed
+
+
+@dataclass
+class KVLoad:
+    """What a resume loaded: blocks put into the prefix cache, and those not used (and why)."""
+
+    loaded: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+
+
+class KVCheckpoint:
+    """KV checkpoints of a runtime's runs: one block store, bound to the engine on a run's first use."""
+
+    def __init__(self, root: str, *, grace_s: float = 600.0) -> None:
+        self.blocks = KVBlockStore(root)
+        self.grace_s = grace_s
+        self._engine: Any = None
+        self.fingerprint = ""
+
+    def bind(self, engine: Any) -> None:
+        if self._engine is engine:
+            return
+        from ..engine.protocol import KVTransfer
+
+        if not isinstance(engine, KVTransfer):
+            raise CheckpointError(f"checkpoint_kv needs an engine that exports its KV blocks (AsyncLLM); "
+                                  f"{type(engine).__name__} does not")
+        self._engine, self.fingerprint = engine, engine.kv_fingerprint()
+
+    @property
+    def bound(self) -> bool:
+        return self._engine is not None
+
+    def save(self, threads: Iterable[list[int]]) -> dict[str, Any]:
+        """Write the new full blocks of each thread; the reference a checkpoint state keeps."""
+        fp, chains = self.fingerprint, []
+        for token_ids in threads:
+            chain = []
+            for h, data in self._engine.kv_export(token_ids, skip=lambda h: self.blocks.has(fp, h)):
+                if data is not None:
+                    self.blocks.write(fp, h, data)
+                else:
+                    self.blocks.touch(fp, h)   # referenced again: young for collect's grace period
+                chain.append(h.hex())
+            if chain:
+                chains.append(chain)
+        return {"fingerprint": fp, "threads": chains}
+
+    def load(self, ref: dict[str, Any] | None) -> KVLoad:
+        """Load a checkpoint's blocks into the prefix cache, each chain up to its first unusable block."""
+        out = KVLoad()
+        if not ref or not self.bound:
+            return out
+        if ref.get("fingerprint") != self.fingerprint:
+            out.rejected["foreign"] = sum(len(c) for c in ref.get("threads", []))
+            return out
+        seen: set[str] = set()
+        blocks = []   # every chain's usable blocks in chain order, imported at once (the engine's budget)
+        for chain in ref.get("threads", []):
+            for x in chain:
+                if x in seen:
+                    continue   # loaded with an earlier chain (a shared prefix)
+                h = bytes.fromhex(x)
+                data, why = self.blocks.read(self.fingerprint, h)
+                if data is None:
+                    out.rejected[why] = out.rejected.get(why, 0) + 1
+                    break
+                seen.add(x)
+                blocks.append((h, data))
+        out.loaded = self._engine.kv_import(blocks)
+        return out
+
+    def collect(self, store: Any) -> int:
+        """Delete the blocks that no unfinished run of ``store`` refers to."""
+        referenced: dict[str, set[str]] = {}
+        for rec in store.list_runs(limit=2**31 - 1):
+            if rec.status == "done":
+                continue
+            kv = (store.get_run(rec.run_id).state or {}).get("kv") or {}
+            keep = referenced.setdefault(kv.get("fingerprint", ""), set())
+            for chain in kv.get("threads", []):
+                keep.update(chain)
+        return self.blocks.collect(referenced, self.grace_s)

@@ -1,0 +1,54 @@
+"""The engine's command-line options come from flowrt.engine.cli_args (built from EngineArgs' field
+descriptions, not from source comments); `flowrt run`, `flowrt resume` and `flowrt serve` offer the same
+flags as before the builder moved, and the server no longer imports flowrt.cli.commands."""
+
+import argparse
+import subprocess
+import sys
+
+# the engine and replica flags of `flowrt run` / `resume` / `serve` before the builder moved into engine/
+ENGINE_FLAGS = {
+    "--model", "--tokenizer", "--dtype", "--kv-cache-dtype", "--block-size", "--max-num-seqs",
+    "--max-num-batched-tokens", "--kv-cache-memory", "--num-kv-blocks", "--max-model-len", "--attention-backend",
+    "--device", "--seed", "--enable-prefix-caching", "--no-enable-prefix-caching", "--num-threads",
+    "--scheduling-policy", "--max-wait-steps", "--enable-forced-tokens", "--no-enable-forced-tokens",
+    "--enforce-eager", "--no-enforce-eager", "--no-prefix-caching", "--replicas", "--ray-address", "--routing",
+}
+
+
+def _flags(parser: argparse.ArgumentParser, group_titles=("engine", "replicas")) -> set[str]:
+    parser.format_help()  # adds the deferred engine options
+    return {o for g in parser._action_groups if g.title in group_titles for a in g._group_actions
+            for o in a.option_strings}
+
+
+def test_front_ends_offer_the_same_engine_flags_as_before():
+    from flowrt.cli.commands import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for cmd in ("run", "resume", "serve"):
+        assert _flags(sub.choices[cmd]) == ENGINE_FLAGS, cmd
+
+
+def test_help_comes_from_the_field_descriptions():
+    from flowrt.engine import EngineArgs
+    from flowrt.engine.cli_args import add_cli_args, engine_kwargs_from_args
+
+    p = argparse.ArgumentParser()
+    add_cli_args(p)
+    helps = {a.dest: a.help for a in p._actions if a.help != argparse.SUPPRESS}
+    assert helps["max_wait_steps"] == "program policy: no request waits more steps than this (int >= 1; default 256)"
+    for name, field in EngineArgs.model_fields.items():
+        if field.description:
+            assert helps[name].startswith(field.description.replace("%", "%%")), name
+    args = p.parse_args(["--max-wait-steps", "7", "--no-enforce-eager"])
+    assert engine_kwargs_from_args(args) == {"max_wait_steps": 7, "enforce_eager": False}
+
+
+def test_server_builds_its_options_without_the_cli():
+    code = ("import argparse, sys\n"
+            "import flowrt.server.cli as c\n"
+            "p = argparse.ArgumentParser(); c.add_arguments(p)\n"
+            "assert 'flowrt.cli.commands' not in sys.modules, 'flowrt.cli.commands was imported'\n"
+            "assert '--scheduling-policy' in p.format_help()\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
