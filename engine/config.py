@@ -63,6 +63,22 @@ class EngineArgs(BaseModel):
     enforce_eager: bool = Field(False, description=(
         "True: never capture CUDA graphs (every step runs eagerly). False: on CUDA with the triton backend, pure "
         "decode steps replay a graph captured per batch-size bucket on first use (engine/cuda_graphs.py)."))
+    speculative_config: dict | None = Field(None, description=(
+        'speculative decoding from the context (engine/spec_decode.py), vLLM\'s keys: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; None: off'))
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _spec(cls, v):
+        if v is None:
+            return None
+        if isinstance(v, str):
+            import json
+
+            v = json.loads(v)
+        from .spec_decode import SpeculativeConfig
+
+        return SpeculativeConfig.model_validate(v).model_dump()
 
     @field_validator("dtype", "kv_cache_dtype", mode="before")
     @classmethod

@@ -145,11 +145,12 @@ class KVCacheManager:
         self._ensure_hashes(seq, full)
         return seq.block_hashes[first:full]
 
-    def register_full_blocks(self, seq: Sequence) -> None:
-        """After a step: make newly completed full blocks findable by later requests."""
+    def register_full_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """After a step: make newly completed full blocks (of the first `num_tokens` computed tokens: all
+        by default) findable by later requests."""
         if not self.pool.enable_prefix_caching:
             return
-        full = seq.num_computed_tokens // self.block_size
+        full = (seq.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
         if full <= seq.num_registered_blocks:
             return
         self._ensure_hashes(seq, full)

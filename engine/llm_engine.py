@@ -37,6 +37,7 @@ from .outputs import RequestOutput
 from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .spec_decode import NgramSpeculator, SpeculativeConfig, Verified
 from .sequence import Request, Sequence, SeqStatus
 from .structured_output import StructuredOutputManager
 
@@ -87,6 +88,9 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.kv, bs, make_backend(self.backend_name), self.device, graphs)
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_ids)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, max_len, num_blocks, bs, self.structured)
+        self.spec = None
+        if args.speculative_config is not None:
+            self.spec = NgramSpeculator(SpeculativeConfig(**args.speculative_config), self.kv_manager, max_len)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.eos_ids, max_len, self.structured,
                                        args.enable_forced_tokens)
         self.generator = torch.Generator().manual_seed(args.seed)
@@ -224,6 +228,8 @@ class LLMEngine:
         with self._step_lock:
             with self.lock:
                 self.open_seqs.drain()
+                if self.spec is not None:
+                    self.spec.propose(self.scheduler.running)
                 so = self.scheduler.schedule()
                 for seq in self.scheduler.take_unfit():
                     self.outputs.fail_unfit(seq)
@@ -240,7 +246,21 @@ class LLMEngine:
                     if any(s.matcher is not None for s in live):
                         self.structured.apply(lg, live)  # grammar masks, before penalties and sampling
                     result = sample(lg, live, self.eos_ids, self.generator)
-                return self.outputs.process(so, computed, mo, live, result)
+                verified = self._verify_drafts(so, mo, live, result) if so.spec_rows else None
+                return self.outputs.process(so, computed, mo, live, result, verified)
+
+    def _verify_drafts(self, so: SchedulerOutput, mo, live: list[Sequence], result) -> dict[int, Verified]:
+        """Speculative decoding: each drafting sequence's drafts checked against its rows (spec_decode.py);
+        {index in live: what it emits}."""
+        index = {seq.seq_id: i for i, seq in enumerate(live)}
+        out = {}
+        for seq, first, m in so.spec_rows:
+            i = index.get(seq.seq_id)
+            if i is None or seq.num_draft_tokens != m:  # aborted while the model ran (finishing stripped it)
+                continue
+            want = seq.request.params.logprobs is not None
+            out[i] = self.spec.verify(seq, mo.logits[first:first + m + 1], result.token_ids[i], want, self.generator)
+        return out
 
     def _sampling_rows(self, so: SchedulerOutput) -> tuple[list[Sequence], list[int]]:
         """The sequences that sample this step and their logit rows; n > 1 forks its samples here, once
@@ -298,6 +318,9 @@ class LLMEngine:
                 "kv_evicted_in_use_later": kvs.kv_evicted_in_use_later,
                 "program_runs": len(self.scheduler.tracker.runs),
                 "beam_peak_blocks": self.beam_peak_blocks,
+                "spec_draft_tokens": self.spec.draft_tokens if self.spec is not None else 0,
+                "spec_accepted_tokens": self.spec.accepted_tokens if self.spec is not None else 0,
+                "spec_acceptance_rate": self.spec.acceptance_rate if self.spec is not None else 0.0,
             }
 
     def reset_prefix_cache(self) -> int:

@@ -23,6 +23,7 @@ from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampler import SampleResult
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, Sequence, SeqStatus
+from .spec_decode import Verified, strip_drafts
 
 logger = logging.getLogger("flowrt.engine")
 
@@ -75,6 +76,10 @@ class OutputProcessor:
         """A sample is done (its finish_reason set, or `reason`): final text, and it leaves the batch."""
         if reason is not None:
             seq.finish_reason = reason
+        if seq.num_draft_tokens:  # aborted with speculative drafts in flight: they were never its tokens
+            strip_drafts(seq, 0, self.scheduler.kv.block_size)
+            if seq.num_computed_tokens > seq.num_tokens - 1:
+                self.scheduler.kv.truncate_computed(seq, max(0, seq.num_tokens - 1))
         req = seq.request
         if not req.needs_text_each_step and seq.finish_reason != "abort":
             detokenizer.update(self.tokenizer, seq, req.params.skip_special_tokens)
@@ -111,14 +116,17 @@ class OutputProcessor:
 
     # ---- one step's results ------------------------------------------------------------------------
     def process(self, so: SchedulerOutput, computed: list[tuple[Sequence, int]], mo: ModelRunnerOutput,
-                sampled: list[Sequence], result: SampleResult | None) -> list[Request]:
-        """Applies a step; returns the requests that made progress. `sampled[i]` drew result.token_ids[i]."""
+                sampled: list[Sequence], result: SampleResult | None,
+                verified: dict[int, Verified] | None = None) -> list[Request]:
+        """Applies a step; returns the requests that made progress. `sampled[i]` drew result.token_ids[i];
+        `verified[i]`, where given (speculative decoding), replaces it: accepted drafts, then a final token."""
         self.counters["steps"] += 1
         touched: dict[str, Request] = {}
+        drafting = {seq.seq_id for seq, _, _ in so.spec_rows}
         for seq, n in computed:
-            # A decode computes one just-sampled token; everything else (prompts, appended text,
-            # recomputation after preemption) is prefill.
-            decode = n == 1 and seq.num_computed_tokens - 1 >= seq.prompt_len
+            # A decode computes one just-sampled token (and its drafts); everything else (prompts, appended
+            # text, recomputation after preemption) is prefill.
+            decode = (n == 1 and seq.num_computed_tokens - 1 >= seq.prompt_len) or seq.seq_id in drafting
             self.counters["decode_tokens_computed" if decode else "prefill_tokens_computed"] += n
             touched[seq.request.request_id] = seq.request
         for seq, first_row, pos in so.prompt_logprob_rows:
@@ -130,14 +138,17 @@ class OutputProcessor:
                 req = seq.request
                 if req.first_token_time is None:
                     req.first_token_time = now
-                seq.token_ids.append(tok)
-                self.counters["generated_tokens"] += 1
-                if seq.output_logprobs is not None:
-                    seq.output_logprobs.append(self._logprob_entry(result.logprobs[i], tok, req.params.logprobs))
-                    seq.cumulative_logprob += float(result.logprobs[i, tok])
-                if seq.matcher is not None:
-                    self._consume(seq, tok)
-                self._check_stop(seq, tok)
+                v = verified.get(i) if verified else None
+                if v is None:
+                    self._emit(seq, tok, result.logprobs[i] if result.logprobs is not None else None)
+                    continue
+                rows = v.logprob_rows
+                for j, t in enumerate([*v.accepted, v.final]):
+                    self._emit(seq, t, rows[j] if rows is not None else None)
+                    if seq.finish_reason is not None:
+                        break
+                if seq.block_table and seq.num_computed_tokens > seq.num_tokens - 1:  # stopped on a draft
+                    self.scheduler.kv.truncate_computed(seq, seq.num_tokens - 1)
             if self.structured is not None:
                 self._next_masks([s for s in sampled if s.matcher is not None and s.finish_reason is None])
         for req in touched.values():
@@ -150,6 +161,17 @@ class OutputProcessor:
             elif req.on_output is not None:
                 req.on_output(req)
         return list(touched.values())
+
+    def _emit(self, seq: Sequence, tok: int, logprobs: torch.Tensor | None) -> None:
+        """One generated token: appended, its logprobs recorded, its grammar advanced, stops checked."""
+        seq.token_ids.append(tok)
+        self.counters["generated_tokens"] += 1
+        if seq.output_logprobs is not None:
+            seq.output_logprobs.append(self._logprob_entry(logprobs, tok, seq.request.params.logprobs))
+            seq.cumulative_logprob += float(logprobs[tok])
+        if seq.matcher is not None:
+            self._consume(seq, tok)
+        self._check_stop(seq, tok)
 
     # ---- structured outputs ------------------------------------------------------------------------
     def _consume(self, seq: Sequence, tok: int) -> None:

@@ -39,6 +39,7 @@ from .kv_cache_manager import KVCacheManager, SlotPlan
 from .program import ProgramState, ProgramTracker
 from .sched_policy import POLICIES
 from .sequence import Sequence, SeqStatus
+from .spec_decode import strip_drafts
 
 @dataclass
 class SchedulerOutput:
@@ -57,6 +58,9 @@ class SchedulerOutput:
     logit_rows: list[int] = field(default_factory=list)
     prompt_logprob_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
     sample_rows: list[tuple[Sequence, int]] = field(default_factory=list)
+    # speculative decoding: (seq, first logit row, drafts): the rows predicting each draft, right before the
+    # sequence's sample row (which predicts the token after the last draft)
+    spec_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
     @property
     def block_copies(self) -> list[tuple[int, int]]:
@@ -199,8 +203,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         batch = SchedulerOutput()
         self._schedule(batch)
+        self._trim_drafts(batch)
         self._plan_logit_rows(batch)
         return batch
+
+    def _trim_drafts(self, batch: SchedulerOutput) -> None:
+        """Speculative drafts (engine/spec_decode.py) that this step does not compute are dropped: all of an
+        unscheduled sequence's, those past a partly scheduled one's chunk."""
+        scheduled = {seq.seq_id: seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_new_tokens)}
+        for seq in [*self.running, *self.waiting]:
+            if seq.num_draft_tokens:
+                end = scheduled.get(seq.seq_id, seq.num_tokens - seq.num_draft_tokens)
+                strip_drafts(seq, max(0, seq.num_draft_tokens - (seq.num_tokens - end)), self.kv.block_size)
 
     def _schedule(self, batch: SchedulerOutput) -> None:
         """One step: starved sequences (the program policy's bound), then running ones, then admission."""
@@ -338,6 +352,10 @@ class Scheduler:
                     batch.prompt_logprob_rows.append((seq, len(rows), lo))
                     rows.extend(range(flat + lo - c0, flat + hi - c0))
             if c0 + n == seq.num_tokens and req.params.max_tokens > seq.num_output_tokens:
+                m = seq.num_draft_tokens
+                if m:
+                    batch.spec_rows.append((seq, len(rows), m))
+                    rows.extend(range(flat + n - 1 - m, flat + n - 1))
                 batch.sample_rows.append((seq, len(rows)))
                 rows.append(flat + n - 1)
             flat += n
@@ -356,6 +374,6 @@ class Scheduler:
                 rec.service_tokens += n
                 rec.prefill_tokens_recomputed += recomputed
             seq.num_computed_tokens += n
-            self.kv.register_full_blocks(seq)
+            self.kv.register_full_blocks(seq, seq.num_computed_tokens - seq.num_draft_tokens)  # verified only
             done.append((seq, n))
         return done

@@ -38,6 +38,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # content hashes of full blocks (prefix-named)
     num_registered_blocks: int = 0  # leading blocks of block_table already in the prefix cache
+    num_draft_tokens: int = 0  # speculative decoding: the last tokens are unverified drafts (spec_decode.py)
     status: SeqStatus = SeqStatus.IDLE
     persistent: bool = False  # an open handle: keeps its blocks between requests
     # --- program-aware scheduling (engine/program.py) ---

@@ -42,6 +42,9 @@ _ENGINE_STATS: dict[str, tuple[str, str, str]] = {
     "cow_copies": ("flowrt_engine_cow_copies", "Copy-on-write block copies.", "counter"),
     "evictions": ("flowrt_engine_evictions", "Prefix-cache blocks evicted.", "counter"),
     "steps": ("flowrt_engine_steps", "Engine steps run.", "counter"),
+    "spec_draft_tokens": ("flowrt_engine_spec_draft_tokens", "Speculative draft tokens verified.", "counter"),
+    "spec_accepted_tokens": ("flowrt_engine_spec_accepted_tokens", "Speculative draft tokens accepted.", "counter"),
+    "spec_acceptance_rate": ("flowrt_engine_spec_acceptance_rate", "Accepted over verified draft tokens.", "gauge"),
 }
 
 

@@ -350,6 +350,9 @@ def _sample_flag_values():
         elif ann is int:
             argv += [flag, "3"]
             expected[name] = 3
+        elif ann is dict:  # JSON on the command line (speculative_config)
+            argv += [flag, '{"method": "ngram"}']
+            expected[name] = getattr(EngineArgs(**{name: {"method": "ngram"}}), name)
         else:
             argv += [flag, "x"]
             expected[name] = "x"

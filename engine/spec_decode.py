@@ -1,0 +1,183 @@
+"""Speculative decoding from the context: n-gram prompt lookup (vLLM's `ngram` method), verified exactly.
+
+Before a step, a decoding sequence whose last `n` tokens (prompt_lookup_max down to prompt_lookup_min) occurred
+earlier in its own tokens (prompt and output, so a fork drafts from its own history) gets the tokens that
+followed that occurrence appended as drafts (at most num_speculative_tokens). The step computes the pending
+token and the drafts together, with logits for every one of them (the scheduler plans the rows, and trims
+drafts it could not schedule). Then, per draft in order, against the target distribution p of its row:
+- greedy: accepted while it is the argmax; the first mismatch is replaced by the argmax. Output is token for
+  token what decoding without drafts gives.
+- sampled: the standard rule for a deterministic proposal: accepted with probability p(draft); on rejection
+  the token is drawn from p without the draft, renormalized. If every draft passes, the last row's sample
+  (the ordinary one) follows them. Each token's distribution is exactly p.
+Rejected drafts' KV is rolled back (num_computed_tokens truncated, blocks past it released, block hashes
+trimmed); blocks holding unverified drafts are never registered in the prefix cache.
+
+Sequences draft only where every row's distribution is the plain one: no structured-output constraint, no
+repetition/presence/frequency penalty, min_tokens already reached. Others decode as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .sampler import filter_logits
+
+if TYPE_CHECKING:
+    from .kv_cache_manager import KVCacheManager
+    from .sequence import Sequence
+
+
+class SpeculativeConfig(BaseModel):
+    """vLLM's speculative_config keys for the ngram method."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = Field(4, ge=1, le=32)
+    prompt_lookup_min: int = Field(2, ge=1)
+    prompt_lookup_max: int = Field(4, ge=1)
+
+    @model_validator(mode="after")
+    def _range(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
+
+
+def strip_drafts(seq: Sequence, keep: int, block_size: int) -> None:
+    """Drop all but the first `keep` drafts from seq's tokens, and the hashes of blocks they reached (the
+    caller rolls back their KV, if any was computed)."""
+    drop = seq.num_draft_tokens - keep
+    if drop > 0:
+        del seq.token_ids[-drop:]
+        del seq.block_hashes[seq.num_tokens // block_size:]
+    seq.num_draft_tokens = keep
+
+
+def ngram_draft(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The (up to) k tokens that followed the latest earlier occurrence of the longest suffix of `tokens` of
+    n_min..n_max tokens; [] if none occurred."""
+    L = len(tokens)
+    if L <= n_min:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        suffix = arr[L - n:]
+        # candidate starts i < L - n whose n tokens equal the suffix (the suffix itself excluded)
+        hits = np.flatnonzero(arr[: L - n] == suffix[0])
+        for j in range(1, n):
+            if not len(hits):
+                break
+            hits = hits[arr[np.minimum(hits + j, L - 1)] == suffix[j]]
+        hits = hits[hits + n < L]
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start:start + k]
+    return []
+
+
+@dataclass
+class Verified:
+    """One drafting sequence's step result: the accepted drafts (their rows' log-probabilities, when asked)
+    and the token that follows them (replacing the ordinary sample)."""
+
+    accepted: list[int]
+    final: int
+    logprob_rows: torch.Tensor | None  # [len(accepted) + 1, V]: rows of the accepted tokens, then the final
+
+
+class NgramSpeculator:
+    def __init__(self, cfg: SpeculativeConfig, kv: KVCacheManager, max_model_len: int):
+        self.cfg = cfg
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.draft_tokens = 0  # drafts verified (computed by a step)
+        self.accepted_tokens = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over verified drafts (0 before any)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    # ---- before the step ---------------------------------------------------------------------------
+    def eligible(self, seq: Sequence) -> bool:
+        req = seq.request
+        if req is None or seq.matcher is not None or seq.num_computed_tokens != seq.num_tokens - 1:
+            return False
+        p = req.params
+        return (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+                and seq.num_output_tokens >= p.min_tokens)
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Appends drafts to the eligible running sequences (seq.num_draft_tokens of them)."""
+        cfg = self.cfg
+        free = self.kv.pool.num_free
+        for seq in running:
+            if not self.eligible(seq):
+                continue
+            p = seq.request.params
+            # every accepted draft plus the token after them must fit max_tokens and max_model_len
+            room = min(cfg.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
+                       self.max_model_len - seq.num_tokens - 1)
+            if room <= 0:
+                continue
+            draft = ngram_draft(seq.token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if not draft:
+                continue
+            need = self.kv.blocks_needed(seq, 1 + len(draft)) - self.kv.blocks_needed(seq, 1)
+            if need > free:  # drafts never take memory that would force a preemption
+                continue
+            free -= need
+            seq.token_ids.extend(draft)
+            seq.num_draft_tokens = len(draft)
+
+
+    # ---- after the step ----------------------------------------------------------------------------
+    def verify(self, seq: Sequence, rows: torch.Tensor, sampled: int, want_logprobs: bool,
+               generator: torch.Generator) -> Verified:
+        """rows: [m + 1, V] processed logits: row j predicts the token after draft j (row 0: after the
+        pending token). `sampled`: the ordinary sample of the last row. Leaves seq without drafts, its
+        KV rolled back to the pending token and the accepted drafts."""
+        m = seq.num_draft_tokens
+        drafts = seq.token_ids[seq.num_tokens - m:]
+        p = seq.request.params
+        accepted: list[int] = []
+        final = sampled
+        if p.greedy:
+            best = rows[:m].argmax(dim=-1).tolist()
+            for d, b in zip(drafts, best):
+                if d != b:
+                    final = b
+                    break
+                accepted.append(d)
+        else:
+            probs = torch.softmax(filter_logits(rows[:m].clone(), [seq] * m), dim=-1)
+            g = seq.generator if seq.generator is not None else generator
+            for j, d in enumerate(drafts):
+                if float(torch.rand(1, generator=g)) < float(probs[j, d]):
+                    accepted.append(d)
+                    continue
+                residual = probs[j].clone()
+                residual[d] = 0.0
+                cdf = residual.cumsum(0)
+                u = torch.rand(1, generator=g) * cdf[-1]
+                final = int(torch.searchsorted(cdf, u, right=True).clamp_(max=len(cdf) - 1))
+                break
+        a = len(accepted)
+        self.draft_tokens += m
+        self.accepted_tokens += a
+        lps = torch.log_softmax(rows[: a + 1], dim=-1) if want_logprobs else None
+        # back to [.., pending]: process() appends the accepted drafts and the final token; the KV of the
+        # pending token and the accepted drafts stays, the rest is rolled back
+        strip_drafts(seq, 0, self.kv.block_size)
+        keep = seq.num_tokens + a
+        if seq.num_computed_tokens > keep:
+            self.kv.truncate_computed(seq, keep)
+        return Verified(accepted, final, lps)
