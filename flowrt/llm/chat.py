@@ -6,7 +6,6 @@ from __future__ import annotations
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 
-from .structured import split_constraint
 from .thread import Thread
 
 if TYPE_CHECKING:
@@ -240,42 +239,6 @@ class ChatThread(Thread):
         if append:
             self.messages.append({"role": "assistant", "content": choice})
         return choice
-
-    async def beam(self, *, width: int = 4, max_tokens: int = 16, length_penalty: float = 1.0,
-                   ignore_eos: bool = False, **constraint: Any) -> list["Thread"]:
-        """Beam search from the thread (flowrt.engine's beam search): the ``width`` best continuations of
-        ``max_tokens`` tokens at most, best first, as threads forked from this one (sharing its KV
-        copy-on-write) with ``score`` (cum_logprob / generated length ** length_penalty) and ``cum_logprob``
-        set. The thread itself is unchanged. ``json=`` / ``regex=`` / ``choice=`` / ``grammar=`` constrain every
-        beam (each beam forks its grammar state); the beams' text is then the constrained output."""
-        from ..engine import BeamSearchParams
-
-        con, rest = split_constraint(constraint)
-        if rest:
-            raise TypeError(f"beam() got unexpected keywords: {', '.join(rest)}")
-        search = getattr(self.model.engine, "beam_search", None)
-        if search is None:
-            raise NotImplementedError(f"{type(self.model.engine).__name__} has no beam search")
-        params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty,
-                                  ignore_eos=ignore_eos, structured_outputs=con.params if con is not None else None)
-        with self._op():
-            seq = await self._materialize()
-            n_before = len(seq)
-            if con is not None:
-                with con.translating("beam"):
-                    out = await search(seq, params, keep=True)
-            else:
-                out = await search(seq, params, keep=True)
-            self._uncomputed = min(self._uncomputed, 1)
-            beams = []
-            for i, b in enumerate(out.sequences):
-                child = self._new_like()
-                self._copy_extra_state(child)
-                child._seq, child._uncomputed, child.fork_index = b.sequence, 1, i
-                child._text = self._text + self._decode_tail(b.tokens, n_before)
-                child.score, child.cum_logprob = b.score, b.cum_logprob
-                beams.append(child)
-            return beams
 
     async def scores(self, options: Iterable[str], *, by: str = "total") -> dict[str, float]:
         self._check_usable()

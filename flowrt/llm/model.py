@@ -168,6 +168,14 @@ class Model:
                 reason = o.stop_reason if isinstance(o.stop_reason, str) else "aborted by the engine"
                 raise RuntimeError(f"generation aborted: {reason}")
 
+    async def beam_search(self, seq: SequenceHandle, params: Any, *, keep: bool = False) -> Any:
+        """The engine's beam search from ``seq`` (``BeamSearchParams``); with ``keep`` each beam's
+        sequence stays open (forks of ``seq``) for the caller to continue."""
+        search = getattr(self.engine, "beam_search", None)
+        if search is None:
+            raise NotImplementedError(f"{type(self.engine).__name__} has no beam search")
+        return await search(seq, params, keep=keep)
+
     async def run(self, seq: SequenceHandle, params: SamplingParams, *, kind: str = "gen",
                   uncomputed: int = 0, thread_id: Any = None) -> RequestOutput:
         """Run one request on ``seq`` to completion (generated tokens are appended to it), traced as a

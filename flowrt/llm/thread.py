@@ -461,9 +461,7 @@ class Thread:
         con, rest = split_constraint(constraint)
         if rest:
             raise TypeError(f"beam() got unexpected keywords: {', '.join(rest)}")
-        search = getattr(self.model.engine, "beam_search", None)
-        if search is None:
-            raise NotImplementedError(f"{type(self.model.engine).__name__} has no beam search")
+        search = self.model.beam_search
         params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty,
                                   ignore_eos=ignore_eos, structured_outputs=con.params if con is not None else None)
         with self._op():
