@@ -132,7 +132,7 @@ class SQLiteStore:
         try:
             self._conn.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
             if not memory and not readonly:
-                mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+                mode = self._wal_mode(timeout)
                 if str(mode).lower() != "wal":
                     raise CheckpointError(f"checkpoint database {self.path}: cannot use WAL mode (got {mode})")
                 self._conn.execute("PRAGMA synchronous=NORMAL")
@@ -146,6 +146,19 @@ class SQLiteStore:
         except CheckpointError:
             self._conn.close()
             raise
+
+    def _wal_mode(self, timeout: float) -> str:
+        """Switch to WAL. SQLite does not wait out a busy lock for a journal-mode change (its busy handler
+        is not called there), so processes opening a new database at once would fail with "database is
+        locked": retry until ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.005)
 
     def _read_only_message(self, reason: str) -> str:
         return (f"checkpoint database {self.path} is read-only ({reason}): reading commands (flowrt runs list, "

@@ -149,7 +149,7 @@ def test_cli_flag_and_metrics(stories_path):
     import argparse
     import json
 
-    from flowrt.cli.options import add_engine_arguments, engine_kwargs_from_args
+    from flowrt.runner.options import add_engine_arguments, engine_kwargs_from_args
     from flowrt.server.metrics import EngineCollector
 
     p = argparse.ArgumentParser()

@@ -6,13 +6,15 @@ import argparse
 import subprocess
 import sys
 
-# the engine and replica flags of `flowrt run` / `resume` / `serve` before the builder moved into engine/
+# the engine and replica flags of `flowrt run` / `resume` / `serve` before the builder moved into engine/, plus
+# the one EngineArgs field added since
 ENGINE_FLAGS = {
     "--model", "--tokenizer", "--dtype", "--kv-cache-dtype", "--block-size", "--max-num-seqs",
     "--max-num-batched-tokens", "--kv-cache-memory", "--num-kv-blocks", "--max-model-len", "--attention-backend",
     "--device", "--seed", "--enable-prefix-caching", "--no-enable-prefix-caching", "--num-threads",
     "--scheduling-policy", "--max-wait-steps", "--enable-forced-tokens", "--no-enable-forced-tokens",
     "--enforce-eager", "--no-enforce-eager", "--no-prefix-caching", "--replicas", "--ray-address", "--routing",
+    "--speculative-config",  # added since (issue 25), through EngineArgs' field like every other flag
 }
 
 

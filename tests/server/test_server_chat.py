@@ -23,7 +23,7 @@ MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "
 # 4e8 loop iterations: minutes of CPU if it were ever rendered
 HOSTILE = "{% for i in range(20000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}x"
 # a few seconds of CPU, then the last message
-SLOW = "{% for i in range(100000) %}{% for j in range(300) %}{% endfor %}{% endfor %}{{ messages[-1]['content'] }}"
+SLOW = "{% for i in range(100000) %}{% for j in range(3000) %}{% endfor %}{% endfor %}{{ messages[-1]['content'] }}"
 TEMPLATE_THREAD = "flowrt-chat-template"
 
 
