@@ -7,8 +7,9 @@ rate), so its j-th draft adds a**j expected tokens. Drafts are added, highest ga
 one per its row's cost exceeds the step's expected tokens per unit of cost so far: the step's expected tokens per
 second is as high as the model says it can be. So a step where rows are cheap (one sequence over weights streaming
 from memory) takes every likely draft; a wide batch, or a path where each row costs as much as the step's fixed
-part, takes few or none. When no draft has been taken for `explore_every` steps although some were proposed, one
-step takes them all, so that the fit and the acceptance rates see rows again.
+part, takes few or none; nor does a step that computes a prefill chunk (its drafts would delay the prompt). When no
+draft has been taken for `explore_every` steps although some were proposed, one step takes them all, so that the
+fit and the acceptance rates see rows again.
 """
 
 from __future__ import annotations
@@ -26,22 +27,29 @@ class StepCost:
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # sums of w, w*r, w*r*r, w*t, w*r*t
 
     def observe(self, rows: int, seconds: float) -> None:
+        fit = self._fit()
+        if fit is not None and seconds > 3.0 * (fit[0] + fit[1] * rows):
+            return  # a stall (another process took the cores): not what a row costs
         s = self._s
         for i, v in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
             s[i] = s[i] * self.decay + v
 
-    def ratio(self) -> float:
-        """per_row / fixed: what one more row costs in steps without it."""
+    def _fit(self) -> tuple[float, float] | None:
+        """(fixed, per_row) seconds, once at least 8 steps with rows that varied enough were seen."""
         n, sr, srr, st, srt = self._s
         if n < 8:
-            return self.prior_ratio
+            return None
         mr, mt = sr / n, st / n
         var = srr / n - mr * mr
         if var < self.min_var:
-            return self.prior_ratio
+            return None
         slope = max(0.0, (srt / n - mr * mt) / var)
-        fixed = max(mt - slope * mr, 0.05 * mt)  # a fit with no fixed part: rows cost everything
-        return slope / fixed
+        return max(mt - slope * mr, 0.05 * mt), slope  # a fit with no fixed part: rows cost everything
+
+    def ratio(self) -> float:
+        """per_row / fixed: what one more row costs in steps without it."""
+        fit = self._fit()
+        return self.prior_ratio if fit is None else fit[1] / fit[0]
 
 
 @dataclass
@@ -90,7 +98,7 @@ class DraftBudget:
         """rates: (drafts available, acceptance rate) per candidate sequence; base_rows/base_tokens: the step's rows
         and sampled tokens without drafts. Returns how many drafts each candidate keeps."""
         take = [0] * len(rates)
-        if not rates:
+        if not rates or base_rows > base_tokens:  # a prefill chunk runs: drafts would only delay it
             return take
         r = 0.0 if self._dry >= self.explore_every else self.cost.ratio()
         gains = sorted(((a ** j, i) for i, (k, a) in enumerate(rates) for j in range(1, k + 1)), reverse=True)

@@ -64,3 +64,11 @@ def test_an_explicit_off():
     add_engine_arguments(p)
     kw = engine_kwargs_from_args(p.parse_args(["--speculative-config", "off"]))
     assert EngineArgs(**kw).speculative_config is None
+
+
+def test_prefill_steps_take_no_drafts_and_stalls_do_not_teach_the_fit():
+    budget = DraftBudget(cost=_fitted(0.020, 0.00002))
+    assert budget.plan([(4, 0.9)], base_rows=300, base_tokens=2) == [0]  # a prompt chunk is in the step
+    cost = _fitted(0.010, 0.0005)
+    cost.observe(4, 5.0)  # a stall
+    assert abs(cost.ratio() - 0.05) < 1e-6
