@@ -14,6 +14,10 @@ token (the grammar forces it) gets that token appended without sampling when for
 computed as part of a prefill chunk. A forced token is exactly what sampling under the mask would have picked
 (the only allowed token), so greedy output is the same with forcing on and off.
 
+With speculative decoding (engine/spec_decode.py), a constrained sequence's drafts are cut to what its grammar
+accepts (`draft_prefix`), and `apply_drafts` masks each draft row by the grammar's state after the drafts before
+it; the matcher still advances only on the tokens emitted.
+
 Unconstrained rows pay nothing: no mask work unless some row of the step is constrained.
 """
 

@@ -122,3 +122,42 @@ def test_sampled_constrained_requests_valid_and_seeded(stories_path):
         matcher = structured.compile(so)
         assert matcher.consume_tokens(co.token_ids), (co.text, matcher.get_error())
         assert co.finish_reason == "length" or matcher.is_accepting()
+
+
+def test_sampled_verification_keeps_the_constrained_distribution(stories_path):
+    """The accept/reject rule on rows masked by apply_drafts: the first emitted token is distributed as the
+    grammar-masked p of row 0, whatever the (allowed) draft (chi-square over the allowed tokens, 2,000 draws)."""
+    import collections
+
+    from flowrt.engine.block_pool import BlockPool
+    from flowrt.engine.kv_cache_manager import KVCacheManager
+    from flowrt.engine.sequence import Request, Sequence
+    from flowrt.engine.spec_decode import NgramSpeculator, SpeculativeConfig
+
+    llm = LLM(stories_path, dtype="float32")
+    matcher = llm.engine.structured.compile(StructuredOutputsParams(regex=r"(a|b|c|ab)(a|b|c)"))
+    a, b = llm.tokenizer.convert_tokens_to_ids(["a", "b"])
+    params = SamplingParams(max_tokens=50, temperature=1.0)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 512, generator=g)
+    logits[0, a] -= 1.0  # the draft is allowed, and not row 0's most likely token
+    seq = Sequence([1, 2, 3, a, b])
+    seq.request, seq.prompt_len, seq.matcher, seq.num_draft_tokens = Request("r", params, None, [1, 2, 3], [seq]), 3, \
+        matcher, 2
+    llm.engine.structured.apply_drafts(logits, [(seq, 0, 2)])
+    p0 = torch.softmax(logits[0], 0)
+    allowed = p0.nonzero().flatten().tolist()
+    assert a in allowed and 1 < len(allowed) < 20
+    spec = NgramSpeculator(SpeculativeConfig(), KVCacheManager(BlockPool(8), 4), 100)
+    counts = collections.Counter()
+    N = 2_000
+    for _ in range(N):
+        seq.token_ids[3:] = [a, b]
+        seq.num_draft_tokens = 2
+        v = spec.verify(seq, logits, b, False, g)  # (the last row's sample: not the first token's business)
+        counts[[*v.accepted, v.final][0]] += 1
+    assert set(counts) <= set(allowed)
+    chi2 = sum((counts[t] - N * float(p0[t])) ** 2 / (N * float(p0[t])) for t in allowed)
+    k = len(allowed) - 1  # P(chi2 > bound) ~ 1e-4 (Wilson-Hilferty: z = 3.72)
+    bound = k * (1 - 2 / (9 * k) + 3.72 * (2 / (9 * k)) ** 0.5) ** 3
+    assert chi2 < bound, (counts, p0[allowed])
