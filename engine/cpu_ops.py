@@ -426,3 +426,47 @@ class PackedLinear:
         _lib.gemm_packed_f32(x.data_ptr(), x.stride(0), M, self.k, self.wp.data_ptr(), self.n, _p(self.bias),
                              y.data_ptr(), self.n)
         return y
+
+
+class PackedLinearBF16:
+    """A bfloat16 projection y = x @ W^T (+ bias) with W prepacked for gemm_packed_bf16 (AVX512-BF16's vdpbf16ps:
+    pairs of k in panels of 32 output features; float32 accumulation, one round to nearest even). Build with
+    `PackedLinearBF16.create`, which returns None where the kernel is unavailable (no AVX512-BF16 variant loaded)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        N, K = weight.shape
+        self.n, self.k = N, K
+        P, K2 = -(-N // 32), -(-K // 2)
+        size = P * K2 * 64
+        # 64-byte aligned storage for the panels (the kernel uses aligned loads)
+        raw = torch.empty(size + 32, dtype=torch.bfloat16)
+        off = (-(raw.data_ptr() // 2)) % 32
+        self.wp = raw[off:off + size]
+        w = weight.detach().contiguous()
+        if _lib.gemm_pack_bf16(w.data_ptr(), w.stride(0), N, K, self.wp.data_ptr()) != 0:
+            raise RuntimeError("gemm_pack_bf16: the loaded CPU kernels lack AVX512-BF16")
+        self.bias = None
+        if bias is not None:
+            self.bias = torch.zeros(P * 32, dtype=torch.float32)
+            self.bias[:N] = bias.detach().float()
+
+    @classmethod
+    def create(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinearBF16 | None:
+        if (lib() is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2
+                or not _lib.gemm_bf16_available()):
+            return None
+        return cls(weight, bias)
+
+    @_profiled("gemm_bf16")
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or not x.is_cpu:
+            raise ValueError(f"PackedLinearBF16: x must be a bfloat16 [M, {self.k}] CPU tensor, got {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device.type}")
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        M = x.shape[0]
+        y = torch.empty(M, self.n, dtype=torch.bfloat16)
+        if _lib.gemm_packed_bf16(x.data_ptr(), x.stride(0), M, self.k, self.wp.data_ptr(), self.n, _p(self.bias),
+                                 y.data_ptr(), self.n) != 0:
+            raise RuntimeError("gemm_packed_bf16: the loaded CPU kernels lack AVX512-BF16")
+        return y

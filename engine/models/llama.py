@@ -230,9 +230,10 @@ class LlamaModel(nn.Module):
         for the LM head and for steps of at most `small_rows` tokens (1.35-1.6x MKL at 16-64 rows), MKL beyond.
         The plain weights stay: the float32 paths fall back to them when the kernels are turned off
         (cpu_ops.set_enabled(False)).
-        bfloat16: oneDNN prepacked for every projection (~1.2-1.6x on few-row matmuls, bit-identical); the plain
-        weights are dropped (the tied embedding keeps its own copy). Returns False, changing nothing, where no
-        packing applies.
+        bfloat16: oneDNN prepacked for every projection (~1.2-1.6x on few-row matmuls, bit-identical), and with
+        AVX512-BF16 flowrt's own kernel (cpu_ops.PackedLinearBF16) for steps of up to BF16_KERNEL_ROWS rows (see
+        there); the plain weights are dropped (the tied embedding keeps its own copy). Returns False, changing
+        nothing, where no packing applies.
         """
         if self.embed.device.type != "cpu":
             return False
@@ -242,15 +243,11 @@ class LlamaModel(nn.Module):
             return False
 
         for layer in self.layers:
-            layer.mm = {
-                "qkv": _packed(layer.qkv, layer.qkv_bias, batch_hint),
-                "o": _packed(layer.o, None, batch_hint),
-                "gate_up": _packed(layer.gate_up, None, batch_hint),
-                "down": _packed(layer.down, None, batch_hint),
-            }
+            layer.mm = {name: _packed_bf16(getattr(layer, name), layer.qkv_bias if name == "qkv" else None, batch_hint)
+                        for name in ("qkv", "o", "gate_up", "down")}
             for name in ("qkv", "o", "gate_up", "down"):
                 delattr(layer, name)
-        self.mm = {"lm_head": _packed(self.lm_head, None, batch_hint)}
+        self.mm = {"lm_head": _packed_bf16(self.lm_head, None, batch_hint, BF16_KERNEL_ROWS_LM_HEAD)}
         if not self.cfg.tie_word_embeddings:
             del self.lm_head
         return True
@@ -329,6 +326,24 @@ class LlamaModel(nn.Module):
 def _packed(weight, bias, batch_hint: int):
     w = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+#: bfloat16 layer projections of at most this many rows (and LM heads of at most BF16_KERNEL_ROWS_LM_HEAD) run
+#: flowrt's AVX512-BF16 kernel, larger ones oneDNN. Measured (python bench/gemm_bf16.py, AMD EPYC with AVX512-BF16,
+#: no AMX, cold weights, in-process A/B, one thread's CPU time): every SmolLM2-135M shape at 1-64 rows 1.09-2.35x
+#: oneDNN prepacked; qkv / o / gate_up / down 1.04-1.13x at 128 and 512 rows; the LM head 1.05x at 128, 0.99x at 512.
+BF16_KERNEL_ROWS = 512
+BF16_KERNEL_ROWS_LM_HEAD = 128
+
+
+def _packed_bf16(weight, bias, batch_hint: int, rows: int = BF16_KERNEL_ROWS):
+    """oneDNN prepacked, with the AVX512-BF16 kernel in front of it for steps of at most `rows` rows while the CPU
+    kernels are on (just oneDNN where that kernel is unavailable)."""
+    onednn = _packed(weight, bias, batch_hint)
+    kernel = cpu_ops.PackedLinearBF16.create(weight, bias)
+    if kernel is None:
+        return onednn
+    return lambda x: kernel(x) if x.shape[0] <= rows and cpu_ops.enabled() else onednn(x)
 
 
 def _unless_disabled(kernel, plain):
