@@ -246,6 +246,8 @@ class LLMEngine:
             with self.lock:
                 computed = self.scheduler.update_from_output(so)
                 live, rows = self._sampling_rows(so)
+                if so.spec_rows:
+                    self.structured.apply_drafts(mo.logits, so.spec_rows)  # constrained drafts' rows
                 result = None
                 if live:
                     lg = mo.logits[torch.tensor(rows)] if rows != list(range(len(mo.logits))) else mo.logits
@@ -337,6 +339,7 @@ class LLMEngine:
                 "spec_draft_tokens": self.spec.draft_tokens if self.spec is not None else 0,
                 "spec_accepted_tokens": self.spec.accepted_tokens if self.spec is not None else 0,
                 "spec_acceptance_rate": self.spec.acceptance_rate if self.spec is not None else 0.0,
+                "spec_draft_rejected_by_grammar": self.spec.grammar_rejected_tokens if self.spec is not None else 0,
                 "cpu_threads": self.threads.threads if self.threads is not None else torch.get_num_threads(),
                 "cpu_thread_changes": self.threads.changes if self.threads is not None else 0,
             }

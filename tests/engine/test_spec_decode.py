@@ -100,14 +100,16 @@ def test_seeded_sampling_is_reproducible(stories_path):
     assert stats["spec_draft_tokens"] > 0
 
 
-def test_structured_requests_do_not_draft(stories_path):
+def test_structured_forced_tokens_unchanged(stories_path):
+    """A grammar that forces every other token (tests/engine/test_spec_structured.py: drafts under grammars)."""
     from flowrt.engine import StructuredOutputsParams
 
     params = SamplingParams(max_tokens=30, temperature=0.0,
                             structured_outputs=StructuredOutputsParams(regex=r"(ab ){3,9}"))
-    off, _ = run(stories_path, ["Say ab ab ab"], params)
-    on, _ = run(stories_path, ["Say ab ab ab"], params, speculative_config=SPEC)
+    off, off_stats = run(stories_path, ["Say ab ab ab"], params)
+    on, stats = run(stories_path, ["Say ab ab ab"], params, speculative_config=SPEC)
     assert on[0].outputs[0].token_ids == off[0].outputs[0].token_ids
+    assert stats["forced_tokens"] == off_stats["forced_tokens"] > 0
 
 
 def _drafting_seq(drafts: list[int], params: SamplingParams) -> Sequence:
@@ -164,3 +166,4 @@ def test_cli_flag_and_metrics(stories_path):
     metrics = {m.name: m.samples[0].value for m in EngineCollector(llm.stats).collect()}
     assert metrics["flowrt_engine_spec_acceptance_rate"] == st["spec_acceptance_rate"]
     assert metrics["flowrt_engine_spec_draft_tokens"] == st["spec_draft_tokens"]
+    assert metrics["flowrt_engine_spec_draft_rejected_by_grammar"] == st["spec_draft_rejected_by_grammar"] == 0
