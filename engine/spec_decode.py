@@ -23,7 +23,9 @@ Sequences draft only where every row's distribution is the plain one or a gramma
 repetition/presence/frequency penalty, min_tokens already reached. Others decode as before.
 
 How many drafts a step takes (`adaptive`, the default): engine/spec_policy.py's DraftBudget, from the measured cost
-of a step's rows and each sequence's acceptance rate; `adaptive: false` takes every draft found.
+of a step's rows and each sequence's acceptance rate; `adaptive: false` takes every draft found. Sampled requests
+with their own seed always take every draft (their draws must not depend on timing); other sampled requests stay
+distributed exactly, but which draws they get depends on the batch, as without speculation.
 """
 
 from __future__ import annotations
@@ -160,13 +162,17 @@ class NgramSpeculator:
         return draft
 
     def _budgeted(self, running: list[Sequence], found: list[tuple[Sequence, list[int]]]):
-        """The drafts cut to what the DraftBudget keeps (rows: the running sequences' uncomputed tokens)."""
+        """The drafts cut to what the DraftBudget keeps (rows: the running sequences' uncomputed tokens). A request
+        with its own seed keeps every draft: its random draws must not depend on measured times."""
         acc = self.budget.acceptance
         acc.keep_only({s.seq_id for s in running})
-        rows = sum(s.num_tokens - s.num_computed_tokens for s in running)
-        tokens = sum(s.num_tokens - s.num_computed_tokens == 1 for s in running)
-        keep = self.budget.plan([(len(d), acc.rate(seq.seq_id)) for seq, d in found], rows, tokens)
-        return [(seq, d[:k]) for (seq, d), k in zip(found, keep) if k]
+        fixed = [(seq, d) for seq, d in found if seq.generator is not None and not seq.request.params.greedy]
+        rest = [(seq, d) for seq, d in found if seq.generator is None or seq.request.params.greedy]
+        extra = sum(len(d) for _, d in fixed)  # counted as rows that pay for themselves
+        rows = sum(s.num_tokens - s.num_computed_tokens for s in running) + extra
+        tokens = sum(s.num_tokens - s.num_computed_tokens == 1 for s in running) + extra
+        keep = self.budget.plan([(len(d), acc.rate(seq.seq_id)) for seq, d in rest], rows, tokens)
+        return fixed + [(seq, d[:k]) for (seq, d), k in zip(rest, keep) if k]
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A decode step's rows (drafts included) and wall time, for the adaptive rule's cost model."""

@@ -72,3 +72,19 @@ def test_prefill_steps_take_no_drafts_and_stalls_do_not_teach_the_fit():
     cost = _fitted(0.010, 0.0005)
     cost.observe(4, 5.0)  # a stall
     assert abs(cost.ratio() - 0.05) < 1e-6
+
+
+def test_seeded_samples_do_not_depend_on_the_measured_cost(stories_path, monkeypatch):
+    """The adaptive rule reads wall times; a request with its own seed drafts the same whatever they say."""
+    from flowrt.engine import LLM, SamplingParams
+    from flowrt.engine.spec_policy import StepCost
+
+    params = SamplingParams(max_tokens=60, temperature=0.8, seed=123)
+    prompts = ["Once upon a time", "Lily and Tom"]
+    outs = []
+    for ratio in (0.0, 100.0):  # rows free / rows dearer than whole steps
+        monkeypatch.setattr(StepCost, "ratio", lambda self, r=ratio: r)
+        llm = LLM(stories_path, dtype="float32", speculative_config={"method": "ngram"})
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        assert llm.stats()["spec_draft_tokens"] > 0
+    assert outs[0] == outs[1]
