@@ -30,7 +30,7 @@ def test_cheap_rows_take_likely_drafts_wide_costly_steps_take_none():
     assert cheap.plan([(4, 0.8), (4, 0.002)], base_rows=2, base_tokens=2) == [4, 0]  # unlikely drafts still cost
     costly = DraftBudget(cost=_fitted(0.010, 0.002))  # a row: 1/5 of the step's fixed part
     assert costly.plan([(4, 0.5)] * 16, base_rows=16, base_tokens=16) == [0] * 16
-    mid = DraftBudget(cost=_fitted(0.010, 0.002))
+    mid = DraftBudget(cost=_fitted(0.010, 0.0005))
     take = mid.plan([(4, 0.9)] * 16, base_rows=16, base_tokens=16)
     assert 0 < sum(take) < 64 and max(take) - min(take) <= 1  # the first drafts of each first
 
