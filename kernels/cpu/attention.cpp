@@ -481,14 +481,14 @@ struct Flash512Scratch {
     int32_t *qp, *pp, *vp;        // (bf16 form) queries, probabilities, values as pairs
     float *qf, *kf, *vf;          // (float form) queries, keys, values widened
     void size(int ss, int D) {
-        const size_t rows = FLASH512_CHUNK + 8;  // whole score tiles past the chunk's last token
+        const size_t rows = FLASH512_CHUNK;
         const size_t need = 16 + rows * ss + (size_t)ss * D + 4 * (size_t)ss + (size_t)ss * D / 2 + (size_t)D * ss
 #ifdef FLOWRT_AVX512BF16
                             + (size_t)FLASH512_CHUNK / 2 * ss + (size_t)FLASH512_CHUNK / 2 * D;
 #else
                             + 2 * rows * D;
 #endif
-        if (buf.size() < need) buf.assign(need, 0.f);  // zeros: the padding rows of kf stay finite
+        if (buf.size() < need) buf.resize(need);
         krow.resize(rows);
         float* p = buf.data() + ((-(reinterpret_cast<uintptr_t>(buf.data()) / 4)) & 15);  // 64-byte aligned
         s = p; p += rows * ss;
