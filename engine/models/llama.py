@@ -163,6 +163,7 @@ class LlamaModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_table", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin_table", emb.sin().to(dtype), persistent=False)
+        self._norms_checked = False
 
     @torch.inference_mode()
     def forward(
@@ -176,11 +177,41 @@ class LlamaModel(nn.Module):
         """Returns the final hidden states [T, hidden] (before the last norm)."""
         h = F.embedding(input_ids, self.embed)
         fused = h.device.type == "cpu" and cpu_ops.supports(h.dtype)  # float32 or bfloat16 kernels
+        if fused and not self.cfg.qk_norm:
+            return self._forward_glued(h, positions, kv_caches, meta, backend)
         rope = _Rope(self, positions, fused)
         delta = None
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             h, delta = layer(h, delta, rope, kc, vc, meta, backend)
         return h if delta is None else h + delta
+
+    def _forward_glued(self, h, positions, kv_caches, meta, backend) -> torch.Tensor:
+        """The layers with the CPU kernels, flattened: LlamaLayer.forward's arithmetic, with the glue bound once for
+        the step (cpu_ops.StepGlue: checks once, reused norm and activation buffers, pointer calls) and no module
+        call or rotary object per layer. At batch 1 the step is mostly these calls' Python overhead outside the
+        projections and attention."""
+        cfg = self.cfg
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        T = h.shape[0]
+        if not self._norms_checked:
+            for layer in self.layers:
+                for w in (layer.input_norm, layer.post_norm):
+                    if w.dtype != h.dtype or w.shape != (cfg.hidden_size,) or not w.is_contiguous():
+                        raise ValueError(f"norm weight {tuple(w.shape)} {w.dtype} does not fit the model")
+            self._norms_checked = True
+        glue = cpu_ops.StepGlue(h, positions.contiguous(), self.cos_table, self.sin_table, cfg.rms_norm_eps, H + Hkv,
+                                D, (H + 2 * Hkv) * D, cfg.intermediate_size)
+        norm, rope_, silu_mul_, attend = glue.add_rmsnorm, glue.rope_, glue.silu_mul, backend.forward
+        heads, scale = [H, Hkv, Hkv], D**-0.5
+        delta = None
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            mm = layer.mm
+            qkv = mm["qkv"](norm(delta, layer.input_norm))
+            rope_(qkv)  # q and k heads rotated together, in place
+            q, k, v = qkv.view(T, -1, D).split(heads, dim=1)
+            x = norm(mm["o"](attend(q, k, v, kc, vc, meta, scale).reshape(T, -1)), layer.post_norm)
+            delta = mm["down"](silu_mul_(mm["gate_up"](x)))
+        return h if delta is None else h.add_(delta)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -199,9 +230,10 @@ class LlamaModel(nn.Module):
         for the LM head and for steps of at most `small_rows` tokens (1.35-1.6x MKL at 16-64 rows), MKL beyond.
         The plain weights stay: the float32 paths fall back to them when the kernels are turned off
         (cpu_ops.set_enabled(False)).
-        bfloat16: oneDNN prepacked for every projection (~1.2-1.6x on few-row matmuls, bit-identical); the plain
-        weights are dropped (the tied embedding keeps its own copy). Returns False, changing nothing, where no
-        packing applies.
+        bfloat16: oneDNN prepacked for every projection (~1.2-1.6x on few-row matmuls, bit-identical), and with
+        AVX512-BF16 flowrt's own kernel (cpu_ops.PackedLinearBF16) for steps of up to BF16_KERNEL_ROWS rows (see
+        there); the plain weights are dropped (the tied embedding keeps its own copy). Returns False, changing
+        nothing, where no packing applies.
         """
         if self.embed.device.type != "cpu":
             return False
@@ -211,15 +243,11 @@ class LlamaModel(nn.Module):
             return False
 
         for layer in self.layers:
-            layer.mm = {
-                "qkv": _packed(layer.qkv, layer.qkv_bias, batch_hint),
-                "o": _packed(layer.o, None, batch_hint),
-                "gate_up": _packed(layer.gate_up, None, batch_hint),
-                "down": _packed(layer.down, None, batch_hint),
-            }
+            layer.mm = {name: _packed_bf16(getattr(layer, name), layer.qkv_bias if name == "qkv" else None, batch_hint)
+                        for name in ("qkv", "o", "gate_up", "down")}
             for name in ("qkv", "o", "gate_up", "down"):
                 delattr(layer, name)
-        self.mm = {"lm_head": _packed(self.lm_head, None, batch_hint)}
+        self.mm = {"lm_head": _packed_bf16(self.lm_head, None, batch_hint, BF16_KERNEL_ROWS_LM_HEAD)}
         if not self.cfg.tie_word_embeddings:
             del self.lm_head
         return True
@@ -298,6 +326,24 @@ class LlamaModel(nn.Module):
 def _packed(weight, bias, batch_hint: int):
     w = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+#: bfloat16 layer projections of at most this many rows (and LM heads of at most BF16_KERNEL_ROWS_LM_HEAD) run
+#: flowrt's AVX512-BF16 kernel, larger ones oneDNN. Measured (python bench/gemm_bf16.py, AMD EPYC with AVX512-BF16,
+#: no AMX, cold weights, in-process A/B, one thread's CPU time): every SmolLM2-135M shape at 1-64 rows 1.09-2.35x
+#: oneDNN prepacked; qkv / o / gate_up / down 1.04-1.13x at 128 and 512 rows; the LM head 1.05x at 128, 0.99x at 512.
+BF16_KERNEL_ROWS = 512
+BF16_KERNEL_ROWS_LM_HEAD = 128
+
+
+def _packed_bf16(weight, bias, batch_hint: int, rows: int = BF16_KERNEL_ROWS):
+    """oneDNN prepacked, with the AVX512-BF16 kernel in front of it for steps of at most `rows` rows while the CPU
+    kernels are on (just oneDNN where that kernel is unavailable)."""
+    onednn = _packed(weight, bias, batch_hint)
+    kernel = cpu_ops.PackedLinearBF16.create(weight, bias)
+    if kernel is None:
+        return onednn
+    return lambda x: kernel(x) if x.shape[0] <= rows and cpu_ops.enabled() else onednn(x)
 
 
 def _unless_disabled(kernel, plain):

@@ -21,6 +21,11 @@ int gemm_packed_available();
 void gemm_pack_f32(const float* w, int64_t w_st, int64_t N, int64_t K, float* wp);
 int gemm_packed_f32(const float* x, int64_t x_st, int64_t M, int64_t K, const float* wp, int64_t N, const float* bias, float* y, int64_t y_st);
 
+// ---- bfloat16 projections, AVX512-BF16 only (gemm_bf16.cpp)
+int gemm_bf16_available();
+int gemm_pack_bf16(const bf16_t* w, int64_t w_st, int64_t N, int64_t K, bf16_t* wp);
+int gemm_packed_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, const bf16_t* wp, int64_t N, const float* bias, bf16_t* y, int64_t y_st);
+
 // ---- attention over the paged KV pool, read in place (attention.cpp)
 int paged_decode_f32(const float* q, int64_t q_st, const float* kc, const float* vc, const int32_t* tables, int64_t tab_st, const int32_t* seq_lens, const int64_t* rows, int32_t start, float* out, int64_t o_st, float* lse, int B, int H, int Hkv, int D, int bs, float scale, int heads_outer);
 int paged_decode_bf16(const bf16_t* q, int64_t q_st, const bf16_t* kc, const bf16_t* vc, const int32_t* tables, int64_t tab_st, const int32_t* seq_lens, const int64_t* rows, int32_t start, bf16_t* out, int64_t o_st, float* lse, int B, int H, int Hkv, int D, int bs, float scale, int heads_outer);

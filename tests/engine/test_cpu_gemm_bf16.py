@@ -1,0 +1,88 @@
+"""The AVX512-BF16 projection kernel (kernels/cpu/gemm_bf16.cpp, cpu_ops.PackedLinearBF16) against torch, and the
+bfloat16 model's dispatch to it: only for steps of at most BF16_KERNEL_ROWS rows while the kernels are on, oneDNN
+otherwise. Skipped, saying why, where the CPU lacks AVX512-BF16; lower variants report the kernel unavailable."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flowrt.engine import LLM, cpu_build, cpu_ops
+from flowrt.engine.models import llama
+
+pytestmark = pytest.mark.skipif(cpu_ops.lib() is None, reason=f"CPU kernels unavailable: {cpu_ops._error}")
+
+
+def _kernel_or_skip(w, b=None):
+    lin = cpu_ops.PackedLinearBF16.create(w, b)
+    if lin is None:
+        pytest.skip(f"the loaded CPU kernels ({cpu_ops.isa()}) lack AVX512-BF16 (CPU has avx512_bf16: "
+                    f"{'avx512_bf16' in cpu_build.cpu_flags()})")
+    return lin
+
+
+@pytest.mark.parametrize("N,K", [(960, 576), (100, 37), (33, 64), (70, 1), (7, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_torch_for_every_row_count(N, K, with_bias):
+    """Rows 1-70 (every row-tile and panel-group size, partial last tiles), a partial last panel of 32, odd K (the
+    lone last k), a bias, strided rows: within one bf16 rounding of the exact product."""
+    g = torch.Generator().manual_seed(N * K)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16() if with_bias else None
+    lin = _kernel_or_skip(w, b)
+    for M in range(1, 71):
+        x = torch.randn(M, K + 5, generator=g).bfloat16()[:, :K]  # rows with a stride larger than K
+        exact = x.double() @ w.double().T + (b.double() if with_bias else 0)
+        y = lin(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (M, N) and y.is_contiguous()
+        # one bf16 rounding (2^-8 relative, at most) plus float32 accumulation error
+        torch.testing.assert_close(y.double(), exact, rtol=2**-8, atol=1e-5 * K, msg=f"M={M}")
+
+
+def test_close_to_onednn_and_checks_input():
+    w = (torch.randn(96, 160) * 0.05).bfloat16()
+    lin = _kernel_or_skip(w)
+    x = torch.randn(9, 160).bfloat16()
+    torch.testing.assert_close(lin(x), F.linear(x, w), rtol=2**-7, atol=1e-3)
+    for bad in (x.float(), x[:, :100], x[None]):
+        with pytest.raises(ValueError, match="PackedLinearBF16"):
+            lin(bad)
+
+
+def test_lower_variants_report_it_unavailable():
+    """The kernel is compiled only into the avx512bf16 variant: the others say so and the model keeps oneDNN."""
+    lower = [i.name for i in cpu_build.supported() if i.name != "avx512bf16"]
+    with cpu_ops.use_isa(lower[-1]) as lib:
+        assert lib.gemm_bf16_available() == 0
+        assert cpu_ops.PackedLinearBF16.create(torch.zeros(32, 8, dtype=torch.bfloat16)) is None
+
+
+def test_model_uses_it_only_where_configured(stories_path):
+    """A bfloat16 model's projections run the kernel for steps of at most BF16_KERNEL_ROWS rows (the LM head
+    BF16_KERNEL_ROWS_LM_HEAD), oneDNN beyond that and while the kernels are turned off."""
+    llm = LLM(stories_path, dtype="bfloat16")
+    model = llm.engine.runner.model
+    _kernel_or_skip(torch.zeros(32, 8, dtype=torch.bfloat16))
+    calls = []
+    orig = cpu_ops.PackedLinearBF16.__call__
+    cpu_ops.PackedLinearBF16.__call__ = lambda self, v: calls.append(v.shape[0]) or orig(self, v)
+    hidden = model.cfg.hidden_size
+    limit, lm_limit = llama.BF16_KERNEL_ROWS, llama.BF16_KERNEL_ROWS_LM_HEAD
+    try:
+        for rows in (1, 7, lm_limit, lm_limit + 1, limit):
+            model.layers[0].mm["qkv"](torch.randn(rows, hidden).bfloat16())
+            model.mm["lm_head"](torch.randn(rows, hidden).bfloat16())
+        assert calls == [1, 1, 7, 7, lm_limit, lm_limit, lm_limit + 1, limit]
+        calls.clear()
+        x = torch.randn(limit + 1, hidden).bfloat16()
+        big = model.layers[0].mm["gate_up"](x)
+        assert not calls
+        small = model.layers[0].mm["gate_up"](x[:limit])
+        assert calls == [limit]
+        torch.testing.assert_close(small, big[:limit], rtol=2**-7, atol=1e-2)
+        calls.clear()
+        cpu_ops.set_enabled(False)
+        model.layers[0].mm["down"](torch.randn(3, model.cfg.intermediate_size).bfloat16())
+        assert not calls
+    finally:
+        cpu_ops.PackedLinearBF16.__call__ = orig
+        cpu_ops.set_enabled(True)
