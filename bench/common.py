@@ -164,6 +164,9 @@ def drive(script: str, doc: str, workers: dict, vllm_task: str | None = None,
                         help="keep flowrt and vLLM-CPU alive and run them alternately N times each (instead of "
                              "--repeats one after the other): the fair ratio on a machine whose speed drifts")
         ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--background-load", type=int, default=0, metavar="N",
+                    help="N busy-looping processes run alongside for the whole benchmark: how each engine copes "
+                         "when other jobs take cores (a shared server)")
     ap.add_argument("--worker", choices=sorted(workers))
     args = ap.parse_args()
     if args.quick:
@@ -174,6 +177,9 @@ def drive(script: str, doc: str, workers: dict, vllm_task: str | None = None,
     args.dtype = engine_dtype(args.dtype)
     args.model_dir = args.model_dir or ensure_smollm2_hf_dir()
     print(banner(args.dtype, f"model {args.model_dir}"), flush=True)
+    if args.background_load:
+        start_background_load(args.background_load)
+        print(f"# background load: {args.background_load} busy-looping processes", flush=True)
     common = ["--dtype", args.dtype, "--repeats", str(args.repeats), "--model-dir", args.model_dir]
     if args.quick:
         common.append("--quick")
@@ -190,6 +196,20 @@ def drive(script: str, doc: str, workers: dict, vllm_task: str | None = None,
         if r is not None:
             results.append(r)
     return args, results
+
+
+def start_background_load(n: int) -> None:
+    """n processes that spin on a core each until this one exits."""
+    import atexit
+
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+    def stop() -> None:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+    atexit.register(stop)
 
 
 class Served:

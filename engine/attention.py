@@ -30,6 +30,10 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     prepared: dict = field(default_factory=dict)  # backend-specific, built once per step
+    # sequences whose new tokens are a speculative verify chunk (the pending token and its drafts: flat rows
+    # qsl[b] + j at positions seq_lens[b] - query_lens[b] + j). Their rows predict tokens that plain decoding
+    # computes one step at a time, so a backend may attend them as decode rows to round as decode does.
+    verify: frozenset[int] = frozenset()
 
 
 def _attend(q, k, v, scale: float, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +118,26 @@ class FlashPlan:
 # 30 layers: 1 x 32 members over 512 tokens 18.1 vs 23.4 ms, 4 x 8 over 256 14.3 vs 16.3; 4 x 8 over 96 9.5 vs 8.6,
 # 1 x 8 over 256 6.9 vs 5.7, 8 x 2 over 256 17.7 vs 15.5.
 FLASH_DECODE_MIN_SHARED = 8192
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """The step's decode rows, one item each: a sequence's single new token, or one row of a verify chunk (row j
+    attends as the decode of position ctx - q + j would, over the first ctx - q + 1 + j keys)."""
+
+    rows: list[int]  # flat row
+    seqs: list[int]  # batch index (its block table)
+    lens: list[int]  # keys it attends (its own included)
+
+
+def _decode_rows(meta: AttentionMetadata, qsl: list[int]) -> DecodeRows:
+    rows, seqs, lens = [], [], []
+    for b, (q, ctx) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        if q == 1 or b in meta.verify:
+            rows.extend(range(qsl[b], qsl[b] + q))
+            seqs.extend([b] * q)
+            lens.extend(range(ctx - q + 1, ctx + 1))
+    return DecodeRows(rows, seqs, lens)
 
 
 def _flash_plan(meta: AttentionMetadata, qsl: list[int], seqs: list[int], key_start: int = 0) -> FlashPlan:
@@ -221,22 +245,22 @@ class TorchAttentionBackend:
         bs = meta.block_size
         qlens = meta.query_lens_list
         slens = meta.seq_lens_list
-        dec = [b for b, q in enumerate(qlens) if q == 1]
         p = meta.prepared
         dev = meta.seq_lens.device
-        plain = dec
-        cascade = []
-        if len(dec) > 1:
+        qsl = meta.query_start_loc.tolist()
+        d = _decode_rows(meta, qsl)
+        plain = list(range(len(d.rows)))
+        cascade, shared = [], 0
+        if len(d.rows) > 1:
             plain = []
-            for members, n_common in self._shared_prefix_groups(meta, dec):
+            for members, n_common in self._shared_prefix_groups(meta, d.seqs, [n - 1 for n in d.lens]):
                 if n_common == 0:
                     plain.extend(members)
                     continue
-                m_t = torch.tensor(members, dtype=torch.long, device=dev)
-                rows = meta.query_start_loc[m_t].long()
-                lens = meta.seq_lens[m_t]
-                nblk = (max(slens[b] for b in members) + bs - 1) // bs
-                tables = meta.block_tables[m_t, :nblk]
+                rows = torch.tensor([d.rows[i] for i in members], dtype=torch.long, device=dev)
+                lens = torch.tensor([d.lens[i] for i in members], dtype=torch.int32, device=dev)
+                nblk = (max(d.lens[i] for i in members) + bs - 1) // bs
+                tables = meta.block_tables[torch.tensor([d.seqs[i] for i in members], device=dev), :nblk]
                 suffix = tables[:, n_common:].long().reshape(-1)
                 pos = n_common * bs + torch.arange((nblk - n_common) * bs, device=dev)
                 bias = torch.zeros(len(members), 1, 1, pos.shape[0], device=dev)
@@ -244,26 +268,32 @@ class TorchAttentionBackend:
                 common = tables[0, :n_common].long()
                 cascade.append(CascadeDecodePlan(rows, common, tables, lens, suffix, nblk - n_common, bias,
                                                  n_common * bs, _span(common.tolist())))
+                # the path is chosen by the sequences, as in plain decode: a verify chunk's extra rows don't count
+                shared += len({d.seqs[i] for i in members}) * n_common * bs
         p["cascade"] = tuple(cascade)
-        shared = sum(cp.rows.shape[0] * cp.n_prefix for cp in cascade)
         p["cascade_prefixes"] = _prefixes_flash_plan(
             [(cp.rows, cp.tables[0, : cp.n_prefix // bs]) for cp in cascade], bs
         ) if dev.type == "cpu" and shared >= FLASH_DECODE_MIN_SHARED else None
         if plain:
-            all_rows = len(plain) == len(qlens)  # a pure decode step: rows are 0..B-1 in order
-            dec_t = torch.tensor(plain, dtype=torch.long, device=dev)
-            nblk = (max(slens[b] for b in plain) + bs - 1) // bs
-            tables = meta.block_tables[:, :nblk] if all_rows else meta.block_tables[dec_t, :nblk]
-            lens = meta.seq_lens if all_rows else meta.seq_lens[dec_t]
+            all_rows = len(plain) == qsl[-1]  # every row is a decode row, in order: the kernel writes them all
+            seqs = [d.seqs[i] for i in plain]
+            nblk = (max(d.lens[i] for i in plain) + bs - 1) // bs
+            if all_rows and not meta.verify:
+                tables, lens = meta.block_tables[:, :nblk], meta.seq_lens
+            else:
+                tables = meta.block_tables[torch.tensor(seqs, dtype=torch.long, device=dev), :nblk]
+                lens = torch.tensor([d.lens[i] for i in plain], dtype=torch.int32, device=dev)
             valid = torch.arange(nblk * bs, device=dev)[None, :] < lens.long()[:, None]
-            p["decode"] = DecodePlan(None if all_rows else meta.query_start_loc[dec_t].long(), tables.contiguous(),
-                                     lens.contiguous(), tables.long().reshape(-1), nblk, valid[:, None, None, :])
+            rows = None if all_rows else torch.tensor([d.rows[i] for i in plain], dtype=torch.long, device=dev)
+            p["decode"] = DecodePlan(rows, tables.contiguous(), lens.contiguous(), tables.long().reshape(-1), nblk,
+                                     valid[:, None, None, :])
         cascade_prefill = []
-        qsl = meta.query_start_loc.tolist()
-        chunks = [b for b, q in enumerate(qlens) if q > 1 and slens[b] > q]
-        alone = set(b for b, q in enumerate(qlens) if q > 1) - set(chunks)
+        multi = [b for b, q in enumerate(qlens) if q > 1 and b not in meta.verify]
+        chunks = [b for b in multi if slens[b] > qlens[b]]
+        alone = set(multi) - set(chunks)
         if len(chunks) > 1:
-            for members, n_common in self._shared_prefix_groups(meta, chunks):
+            for items, n_common in self._shared_prefix_groups(meta, chunks, [slens[b] - qlens[b] for b in chunks]):
+                members = [chunks[i] for i in items]
                 if n_common == 0 or len(members) < 2:
                     alone.update(members)
                 else:
@@ -314,23 +344,24 @@ class TorchAttentionBackend:
         return p["prefill"]
 
     @staticmethod
-    def _shared_prefix_groups(meta: AttentionMetadata, dec: list[int]) -> list[tuple[list[int], int]]:
-        """Sequences grouped by their first KV block, with the number of leading full blocks that every
-        member holds in common (the same physical blocks: forks and prefix-cache hits), before its new tokens."""
+    def _shared_prefix_groups(meta: AttentionMetadata, seqs: list[int],
+                              before: list[int]) -> list[tuple[list[int], int]]:
+        """Items (item i: sequence seqs[i], with before[i] tokens preceding its new ones) grouped by their sequence's
+        first KV block, with the number of leading full blocks that every member holds in common (the same physical
+        blocks: forks and prefix-cache hits) before its new tokens."""
         bs = meta.block_size
         tables = meta.block_tables
         firsts = tables[:, 0].tolist()  # one conversion per step, not one tensor read per sequence
         by_first: dict[int, list[int]] = {}
-        for b in dec:
-            by_first.setdefault(firsts[b], []).append(b)
+        for i, b in enumerate(seqs):
+            by_first.setdefault(firsts[b], []).append(i)
         groups = []
         for members in by_first.values():
-            if len(members) < 2:
+            if len({seqs[i] for i in members}) < 2:
                 groups.append((members, 0))
                 continue
-            # full blocks that precede every member's new tokens
-            limit = min(meta.seq_lens_list[b] - meta.query_lens_list[b] for b in members) // bs
-            t = tables[members, :limit]
+            limit = min(before[i] for i in members) // bs  # full blocks that precede every member's new tokens
+            t = tables[[seqs[i] for i in members], :limit]
             same = (t == t[:1]).all(dim=0).int().cumprod(0)
             groups.append((members, int(same.sum()) if limit else 0))
         return groups

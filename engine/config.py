@@ -54,6 +54,9 @@ class EngineArgs(BaseModel):
     seed: int = Field(0, ge=0, le=2**63 - 1)
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(None, ge=1)
+    adaptive_threads: bool = Field(True, description=(
+        "CPU: while other processes take the cores the steps' threads need, run with fewer threads, and probe back "
+        "up when they free (engine/cpu_threads.py); never more than the count the engine started with"))
     scheduling_policy: Literal["fcfs", "program"] = Field("program", description=(
         '"fcfs": request by request (vLLM). "program": uses requests\' ProgramContext (run, step, thread, state) '
         "to rank work and keep KV (engine/program.py, engine/scheduler.py); plain requests work the same."))

@@ -321,6 +321,73 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class StepGlue:
+    """One forward step's glue between the projections (residual + RMSNorm, rotary, SiLU x up), bound once for the
+    step: the residual stream h (updated in place), the rotary tables and positions are checked here once, and the
+    norm output and activation buffers are allocated once and reused by every layer (each is read by the next
+    projection before the following layer writes it again). Per layer the calls then pass pointers, checking only
+    what a projection hands over; a step of 30 layers makes ~120 such calls, ~4 us each fewer than the wrappers."""
+
+    def __init__(self, h: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                 eps: float, rot_heads: int, head_dim: int, qkv_width: int, inter: int):
+        dt = h.dtype
+        _check("glue", "h", h, dt, 2, contiguous=True)
+        _check("glue", "cos_table", cos_table, dt, 2, contiguous=True)
+        _check("glue", "sin_table", sin_table, dt, 2, contiguous=True)
+        _check("glue", "positions", positions, torch.int64, 1, contiguous=True)
+        T, E = h.shape
+        if (positions.shape[0] != T or cos_table.shape[1] != head_dim or sin_table.shape != cos_table.shape
+                or head_dim % 2 or qkv_width < rot_heads * head_dim):
+            raise ValueError(f"glue: h {tuple(h.shape)}, positions {tuple(positions.shape)}, tables "
+                             f"{tuple(cos_table.shape)}, {rot_heads} heads of {head_dim} in rows of {qkv_width} do "
+                             f"not fit together")
+        self.h, self.dtype, self.T, self.E, self.inter, self.eps = h, dt, T, E, inter, eps
+        self.x = torch.empty(T, E, dtype=dt)  # every norm's output, the next projection's input
+        self.act = torch.empty(T, inter, dtype=dt)  # SiLU x up, the down projection's input
+        self._keep = (positions, cos_table, sin_table)
+        self._rope_args = (T, rot_heads, head_dim, cos_table.data_ptr(), sin_table.data_ptr(), positions.data_ptr())
+        self._rows = {"delta": ((T, E), (E, 1)), "qkv": ((T, qkv_width), (qkv_width, 1)),
+                      "gate_up": ((T, 2 * inter), (2 * inter, 1))}
+        self._norm, self._rope, self._silu = (_kernel(k, dt) for k in ("add_rmsnorm", "rope", "silu_mul"))
+
+    def _fits(self, name: str, t: torch.Tensor) -> None:
+        shape, strides = self._rows[name]
+        if t.dtype != self.dtype or t.shape != shape or t.stride() != strides:
+            raise ValueError(f"glue: {name} must be a contiguous {self.dtype} tensor of shape {shape}, got "
+                             f"{t.dtype} {tuple(t.shape)} with strides {t.stride()}")
+
+    def add_rmsnorm(self, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """h += delta (when given); returns self.x = rms_norm(h) * weight (weight: [E], checked by the caller once)."""
+        if delta is not None:
+            self._fits("delta", delta)
+        if _profiling():
+            with torch.profiler.record_function("flowrt::add_rmsnorm"):
+                self._norm(self.h.data_ptr(), _p(delta), weight.data_ptr(), self.x.data_ptr(), self.T, self.E,
+                           self.eps)
+        else:
+            self._norm(self.h.data_ptr(), _p(delta), weight.data_ptr(), self.x.data_ptr(), self.T, self.E, self.eps)
+        return self.x
+
+    def rope_(self, qkv: torch.Tensor) -> None:
+        """Rotates the q and k heads at the start of each row of the qkv projection's output in place."""
+        self._fits("qkv", qkv)
+        if _profiling():
+            with torch.profiler.record_function("flowrt::rope"):
+                self._rope(qkv.data_ptr(), qkv.shape[1], *self._rope_args)
+        else:
+            self._rope(qkv.data_ptr(), qkv.shape[1], *self._rope_args)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Returns self.act = silu(gate) * up of the gate+up projection's output."""
+        self._fits("gate_up", gate_up)
+        if _profiling():
+            with torch.profiler.record_function("flowrt::silu_mul"):
+                self._silu(gate_up.data_ptr(), 2 * self.inter, self.act.data_ptr(), self.T, self.inter)
+        else:
+            self._silu(gate_up.data_ptr(), 2 * self.inter, self.act.data_ptr(), self.T, self.inter)
+        return self.act
+
+
 class PackedLinear:
     """A float32 projection y = x @ W^T (+ bias) with W prepacked for gemm_packed_f32: what every float32 step
     runs on a CPU with AVX2 + FMA. Build with `PackedLinear.create`, which returns None where it is unavailable."""

@@ -37,6 +37,7 @@ from .outputs import RequestOutput
 from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .cpu_threads import StepClock, ThreadGovernor
 from .spec_decode import NgramSpeculator, SpeculativeConfig, Verified
 from .sequence import Request, Sequence, SeqStatus
 from .structured_output import StructuredOutputManager
@@ -54,6 +55,8 @@ class LLMEngine:
         if self.device.type == "cpu":
             tune_malloc()  # activations reuse heap memory instead of faulting in fresh pages every step
         self.dtype = args.resolved_dtype(self.device)
+        n = torch.get_num_threads()
+        self.threads = ThreadGovernor(n) if self.device.type == "cpu" and args.adaptive_threads and n > 1 else None
         path = args.resolved_model()
         loaded = load_model(path, self.dtype, self.device, args.max_model_len, args.tokenizer)
         self.model_path = path
@@ -236,10 +239,13 @@ class LLMEngine:
                 if not so.seqs:
                     return []
                 inputs = self.runner.prepare(so, so.logit_rows)
-            mo = self.runner.execute(inputs)
+            with StepClock(self.threads):
+                mo = self.runner.execute(inputs)
             with self.lock:
                 computed = self.scheduler.update_from_output(so)
                 live, rows = self._sampling_rows(so)
+                if so.spec_rows:
+                    self.structured.apply_drafts(mo.logits, so.spec_rows)  # constrained drafts' rows
                 result = None
                 if live:
                     lg = mo.logits[torch.tensor(rows)] if rows != list(range(len(mo.logits))) else mo.logits
@@ -321,6 +327,9 @@ class LLMEngine:
                 "spec_draft_tokens": self.spec.draft_tokens if self.spec is not None else 0,
                 "spec_accepted_tokens": self.spec.accepted_tokens if self.spec is not None else 0,
                 "spec_acceptance_rate": self.spec.acceptance_rate if self.spec is not None else 0.0,
+                "spec_draft_rejected_by_grammar": self.spec.grammar_rejected_tokens if self.spec is not None else 0,
+                "cpu_threads": self.threads.threads if self.threads is not None else torch.get_num_threads(),
+                "cpu_thread_changes": self.threads.changes if self.threads is not None else 0,
             }
 
     def reset_prefix_cache(self) -> int:

@@ -49,6 +49,14 @@ def make_backend(name: str):
     raise ValueError(f"unknown attention_backend {name!r} (choose auto, torch or triton)")
 
 
+def _verify_chunks(batch: SchedulerOutput) -> frozenset[int]:
+    """Batch indices of the sequences whose chunk is their pending token and speculative drafts."""
+    if not batch.spec_rows:
+        return frozenset()
+    drafting = {seq.seq_id for seq, _, _ in batch.spec_rows}
+    return frozenset(b for b, seq in enumerate(batch.seqs) if seq.seq_id in drafting)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: torch.Tensor, block_size: int, backend, device: torch.device,
                  graphs: GraphConfig | None = None):
@@ -116,6 +124,7 @@ class ModelRunner:
             max_query_len=max(qlens),
             max_seq_len=max(slens),
             block_size=bs,
+            verify=_verify_chunks(batch),
         )
         self.backend.prepare(meta)
         return StepInputs(

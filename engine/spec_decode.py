@@ -13,7 +13,13 @@ drafts it could not schedule). Then, per draft in order, against the target dist
 Rejected drafts' KV is rolled back (num_computed_tokens truncated, blocks past it released, block hashes
 trimmed); blocks holding unverified drafts are never registered in the prefix cache.
 
-Sequences draft only where every row's distribution is the plain one: no structured-output constraint, no
+Structured output: a constrained sequence's draft is cut at the first token its grammar does not accept (and
+after one that completes it); `grammar_rejected_tokens` counts the tokens cut. Each row of its drafts is then
+masked by the grammar state after the drafts before it (StructuredOutputManager.apply_drafts), so both rules
+above see the constrained distribution decoding without drafts samples from; the emitted tokens advance the
+matcher as usual (and a token the grammar then forces is appended without the model, as without drafts).
+
+Sequences draft only where every row's distribution is the plain one or a grammar's: no
 repetition/presence/frequency penalty, min_tokens already reached. Others decode as before.
 """
 
@@ -27,6 +33,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .sampler import filter_logits
+from .structured_output import draft_prefix
 
 if TYPE_CHECKING:
     from .kv_cache_manager import KVCacheManager
@@ -100,6 +107,7 @@ class NgramSpeculator:
         self.max_model_len = max_model_len
         self.draft_tokens = 0  # drafts verified (computed by a step)
         self.accepted_tokens = 0
+        self.grammar_rejected_tokens = 0  # drafted tokens cut because a sequence's grammar forbids them
 
     @property
     def acceptance_rate(self) -> float:
@@ -109,7 +117,7 @@ class NgramSpeculator:
     # ---- before the step ---------------------------------------------------------------------------
     def eligible(self, seq: Sequence) -> bool:
         req = seq.request
-        if req is None or seq.matcher is not None or seq.num_computed_tokens != seq.num_tokens - 1:
+        if req is None or seq.num_computed_tokens != seq.num_tokens - 1:
             return False
         p = req.params
         return (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
@@ -129,6 +137,10 @@ class NgramSpeculator:
             if room <= 0:
                 continue
             draft = ngram_draft(seq.token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if draft and seq.matcher is not None:
+                ok = draft_prefix(seq.matcher, draft)
+                self.grammar_rejected_tokens += len(draft) - ok
+                draft = draft[:ok]
             if not draft:
                 continue
             need = self.kv.blocks_needed(seq, 1 + len(draft)) - self.kv.blocks_needed(seq, 1)

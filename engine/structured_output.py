@@ -14,6 +14,10 @@ token (the grammar forces it) gets that token appended without sampling when for
 computed as part of a prefill chunk. A forced token is exactly what sampling under the mask would have picked
 (the only allowed token), so greedy output is the same with forcing on and off.
 
+With speculative decoding (engine/spec_decode.py), a constrained sequence's drafts are cut to what its grammar
+accepts (`draft_prefix`), and `apply_drafts` masks each draft row by the grammar's state after the drafts before
+it; the matcher still advances only on the tokens emitted.
+
 Unconstrained rows pay nothing: no mask work unless some row of the step is constrained.
 """
 
@@ -266,6 +270,37 @@ class StructuredOutputManager:
             logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
         self.mask_seconds += time.perf_counter() - t0
 
+    @torch.inference_mode()
+    def apply_drafts(self, logits: torch.Tensor, spec_rows: list) -> None:
+        """Speculative decoding (engine/spec_decode.py): the rows of a constrained sequence's drafts are masked
+        by its grammar's state after the drafts before them (row j: after j drafts; the drafts were cut to
+        what the grammar accepts when proposed), so that checking a draft sees the distribution decoding
+        without drafts would; the sample row's mask (after all drafts) becomes seq.grammar_mask for apply().
+        spec_rows: (seq, first row in `logits`, drafts) as the scheduler planned them."""
+        todo = [(seq, first, m) for seq, first, m in spec_rows
+                if seq.matcher is not None and seq.num_draft_tokens == m]  # (finishing strips a seq's drafts)
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        n = sum(m + 1 for _, _, m in todo)
+        mask = torch.zeros((n, self.width), dtype=torch.int32)
+        jobs, k = [], 0
+        for seq, _, m in todo:
+            jobs.append((seq.matcher, k, seq.token_ids[seq.num_tokens - m:]))
+            k += m + 1
+        # each matcher consumes its drafts one by one, writing the mask of every state, and rolls them back
+        self._executor.unsafe_compute_mask_ptr_with_draft_token(jobs, mask.data_ptr(), self.width * 4, n)
+        allowed = unpack_mask(mask, logits.shape[1])
+        k = 0
+        for seq, first, m in todo:
+            logits[first:first + m + 1].masked_fill_(~allowed[k:k + m + 1], float("-inf"))
+            seq.grammar_mask = mask[k + m]
+            k += m + 1
+        dt = time.perf_counter() - t0
+        self.mask_seconds += dt
+        self.mask_log.append((dt, n))
+        self.mask_rows += n
+
     @staticmethod
     def single_tokens(seqs: list) -> list[int | None]:
         """For each sequence, the one token its mask allows, or None when it allows several (or none)."""
@@ -282,6 +317,15 @@ class StructuredOutputManager:
 
     def stats(self) -> dict:
         return {"structured_mask_seconds": self.mask_seconds, "structured_mask_rows": self.mask_rows}
+
+
+def draft_prefix(matcher, tokens: list[int]) -> int:
+    """How many of `tokens` (speculative drafts) the grammar accepts in a row, the last one at most the token
+    that completes it; the matcher is left as it was."""
+    n = matcher.try_consume_tokens(tokens)
+    if n:
+        matcher.rollback(n)
+    return n
 
 
 def _new_matcher(tok, grammar: str):

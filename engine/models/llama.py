@@ -163,6 +163,7 @@ class LlamaModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_table", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin_table", emb.sin().to(dtype), persistent=False)
+        self._norms_checked = False
 
     @torch.inference_mode()
     def forward(
@@ -176,11 +177,41 @@ class LlamaModel(nn.Module):
         """Returns the final hidden states [T, hidden] (before the last norm)."""
         h = F.embedding(input_ids, self.embed)
         fused = h.device.type == "cpu" and cpu_ops.supports(h.dtype)  # float32 or bfloat16 kernels
+        if fused and not self.cfg.qk_norm:
+            return self._forward_glued(h, positions, kv_caches, meta, backend)
         rope = _Rope(self, positions, fused)
         delta = None
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             h, delta = layer(h, delta, rope, kc, vc, meta, backend)
         return h if delta is None else h + delta
+
+    def _forward_glued(self, h, positions, kv_caches, meta, backend) -> torch.Tensor:
+        """The layers with the CPU kernels, flattened: LlamaLayer.forward's arithmetic, with the glue bound once for
+        the step (cpu_ops.StepGlue: checks once, reused norm and activation buffers, pointer calls) and no module
+        call or rotary object per layer. At batch 1 the step is mostly these calls' Python overhead outside the
+        projections and attention."""
+        cfg = self.cfg
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        T = h.shape[0]
+        if not self._norms_checked:
+            for layer in self.layers:
+                for w in (layer.input_norm, layer.post_norm):
+                    if w.dtype != h.dtype or w.shape != (cfg.hidden_size,) or not w.is_contiguous():
+                        raise ValueError(f"norm weight {tuple(w.shape)} {w.dtype} does not fit the model")
+            self._norms_checked = True
+        glue = cpu_ops.StepGlue(h, positions.contiguous(), self.cos_table, self.sin_table, cfg.rms_norm_eps, H + Hkv,
+                                D, (H + 2 * Hkv) * D, cfg.intermediate_size)
+        norm, rope_, silu_mul_, attend = glue.add_rmsnorm, glue.rope_, glue.silu_mul, backend.forward
+        heads, scale = [H, Hkv, Hkv], D**-0.5
+        delta = None
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            mm = layer.mm
+            qkv = mm["qkv"](norm(delta, layer.input_norm))
+            rope_(qkv)  # q and k heads rotated together, in place
+            q, k, v = qkv.view(T, -1, D).split(heads, dim=1)
+            x = norm(mm["o"](attend(q, k, v, kc, vc, meta, scale).reshape(T, -1)), layer.post_norm)
+            delta = mm["down"](silu_mul_(mm["gate_up"](x)))
+        return h if delta is None else h.add_(delta)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -231,6 +231,33 @@ class ChatThread(Thread):
         self.messages.append({"role": "assistant", "content": "".join(parts)})
         self.model.counters["chat_turns"] += 1
 
+    async def beam(self, *, width: int = 4, max_tokens: int = 16, length_penalty: float = 1.0,
+                   ignore_eos: bool = False, **constraint: Any) -> list["Thread"]:
+        """Beam search for the assistant's reply (see ``Thread.beam``): the conversation is rendered with the
+        generation prompt, and each beam is a chat thread whose last message is its reply (the beam's
+        text), ready for the next turn. This thread is unchanged."""
+        self._check_usable()
+        before = self._pending
+        self._sync(add_generation_prompt=True)
+        # The search runs on a fork holding the generation prompt (tokenized with the new messages as one
+        # piece, as assistant() does), so this thread's own tokens end where its conversation does.
+        prompt, self._pending = self._pending, ""
+        holder = self._fork_raw(1)[0]
+        self._copy_extra_state(holder)
+        holder._pending = prompt
+        self._pending = before if self._has_tokens() else ""  # (without tokens, the next sync renders it all)
+        try:
+            beams = await Thread.beam(holder, width=width, max_tokens=max_tokens, length_penalty=length_penalty,
+                                      ignore_eos=ignore_eos, **constraint)
+        finally:
+            holder.close()
+        self.model.counters["chat_turns"] += 1
+        return beams
+
+    def _record_beam(self, child: "Thread", beam: Any) -> None:
+        assert isinstance(child, ChatThread)
+        child.messages.append({"role": "assistant", "content": beam.output_text})
+
     async def select(self, options: Iterable[str], *, by: str = "total", append: bool = True) -> str:
         """The most likely assistant reply among ``options`` (recorded as the reply when ``append``)."""
         self._check_usable()

@@ -480,8 +480,12 @@ class Thread:
                 child._seq, child._uncomputed, child.fork_index = b.sequence, 1, i
                 child._text = self._text + self._decode_tail(b.tokens, n_before)
                 child.score, child.cum_logprob = b.score, b.cum_logprob
+                self._record_beam(child, b)
                 beams.append(child)
             return beams
+
+    def _record_beam(self, child: "Thread", beam: Any) -> None:
+        """What a beam thread keeps of its beam (a ``BeamSearchSequence``) besides tokens and text."""
 
     async def scores(self, options: Iterable[str], *, by: str = "total") -> dict[str, float]:
         """Log-probability of each option as a continuation of the thread (``by="total"``: sum over the

@@ -3,6 +3,7 @@
 // or bf16_t): keys, values, queries and outputs are T, every product and the softmax are float32.
 #include "flowrt_cpu.h"
 #include "gemm.h"
+#include "tile512.h"
 
 // Decode attention for one (sequence, KV head) without AVX2 (or for a head size not a multiple of 8): its G query
 // heads against tokens start .. end-1, read in place from the paged pool [N, bs, Hkv, D].
@@ -171,14 +172,7 @@ static void decode_heads(const T* qp, const T* kc, const T* vc, const int32_t* t
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-#define FLOWRT_AVX512 1
-// Sixteen bf16 as sixteen floats (exact: a shift).
-static inline __m512 load16_bf16(const bf16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
+#ifdef FLOWRT_AVX512
 // decode_heads for bf16 pools on AVX-512, head size a multiple of 32: the same work order, with 16-lane vectors. The
 // scores of a token are one 16-lane accumulator over the head (with AVX512-BF16, one dpbf16 per 32 elements: the
 // bf16 products summed in float32, no widening), folded to 8 lanes, and eight tokens' sums come out of one hsum8; the
@@ -337,6 +331,10 @@ int paged_decode(const T* q, int64_t q_st, const T* kc, const T* vc, const int32
 constexpr int FLASH_CHUNK = 256;
 // query vectors a tile at most: each packed chunk serves them all (Zen3, 2 threads: 72 was a few % ahead of 24-48)
 constexpr int FLASH_TILE_Q = 72;
+// the same for the AVX-512 bf16 form (query vectors rounded up to whole 16-lane vectors: 64 is one score tile's width)
+// (single thread, 4 x 512 causal, SmolLM2 shape: chunks of 64-256 keys and tiles of 64-128 query vectors within 3%)
+constexpr int FLASH512_CHUNK = 128;
+constexpr int FLASH512_TILE_Q = 64;
 
 #ifdef FLOWRT_AVX2
 namespace {
@@ -403,6 +401,32 @@ struct FlashScratch {
     }
 };
 
+// A work item's outputs: query vector i (row i0 + i / G, head kh * G + i % G) is o[i] / l[i] (a zero row without
+// keys), with its log-sum-exp m[i] + log(l[i]) to lse_out, or merged with the part already in out (lse_in).
+template <typename T>
+static void flash_store(const FlashArgs<T>& a, int kh, int i0, int Mq, const float* ob, const float* m,
+                        const float* l) {
+    const int D = a.D, G = a.H / a.Hkv;
+    for (int i = 0; i < Mq; ++i) {
+        const int64_t row = a.rows[i0 + i / G], h = (int64_t)kh * G + i % G, st = (int64_t)(i0 + i / G) * a.H + h;
+        T* dst = a.out + row * a.o_st + h * D;
+        const float* o = ob + (size_t)i * D;
+        const float lp = l[i] > 0.f ? m[i] + std::log(l[i]) : -INFINITY;
+        if (a.lse_in) {  // merge with the part already in dst (normalized, log-sum-exp lse_in) by their weights
+            const float lo = a.lse_in[st], mm = std::max(lp, lo);
+            if (mm == -INFINITY) continue;
+            const float pa = lp == -INFINITY ? 0.f : std::exp(lp - mm), pb = lo == -INFINITY ? 0.f : std::exp(lo - mm);
+            const float wp = pa / (pa + pb) / (l[i] > 0.f ? l[i] : 1.f), wo = pb / (pa + pb);
+            for (int d = 0; d < D; ++d) dst[d] = from_f32<T>(o[d] * wp + (wo != 0.f ? to_f32(dst[d]) * wo : 0.f));
+            continue;
+        }
+        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+        for (int d = 0; d < D; ++d) dst[d] = from_f32<T>(o[d] * inv);
+        if (a.lse_out) a.lse_out[st] = lp;
+    }
+}
+
+
 // One work item: rows idx[0..nr) (indices into rows/ends) of one group, KV head kh, keys key_start .. ends-1.
 template <typename T>
 static void flash_tile(const FlashArgs<T>& a, const int32_t* tab, int key_start, int kh, int i0, int nr,
@@ -440,24 +464,175 @@ static void flash_tile(const FlashArgs<T>& a, const int32_t* tab, int key_start,
         gemm_small(w.sc, FLASH_CHUNK, Mq, n, w.vp, D / 16, 16, w.oc, D);  // value panel dp starts at dp * n * 16
         for (size_t x = 0; x < (size_t)Mq * D; ++x) w.ob[x] += w.oc[x];
     }
-    for (int i = 0; i < Mq; ++i) {
-        const int64_t row = a.rows[i0 + i / G], h = (int64_t)kh * G + i % G, st = (int64_t)(i0 + i / G) * a.H + h;
-        T* dst = a.out + row * a.o_st + h * D;
-        const float* o = w.ob + (size_t)i * D;
-        const float lp = w.l[i] > 0.f ? w.m[i] + std::log(w.l[i]) : -INFINITY;
-        if (a.lse_in) {  // merge with the part already in dst (normalized, log-sum-exp lse_in) by their weights
-            const float lo = a.lse_in[st], mm = std::max(lp, lo);
-            if (mm == -INFINITY) continue;
-            const float pa = lp == -INFINITY ? 0.f : std::exp(lp - mm), pb = lo == -INFINITY ? 0.f : std::exp(lo - mm);
-            const float wp = pa / (pa + pb) / (w.l[i] > 0.f ? w.l[i] : 1.f), wo = pb / (pa + pb);
-            for (int d = 0; d < D; ++d) dst[d] = from_f32<T>(o[d] * wp + (wo != 0.f ? to_f32(dst[d]) * wo : 0.f));
-            continue;
-        }
-        const float inv = w.l[i] > 0.f ? 1.f / w.l[i] : 0.f;
-        for (int d = 0; d < D; ++d) dst[d] = from_f32<T>(o[d] * inv);
-        if (a.lse_out) a.lse_out[st] = lp;
-    }
+    flash_store(a, kh, i0, Mq, w.ob, w.m, w.l);
 }
+
+#ifdef FLOWRT_AVX512
+// The bf16 form on AVX-512 (tile512.h): scores come out transposed (key tokens down, query vectors across) so the
+// online softmax runs sixteen query vectors to a register and the score product reads the keys in place from the
+// pool (no packing); only the chunk's values are repacked (paired tokens with AVX512-BF16, widened without).
+
+struct Flash512Scratch {
+    std::vector<float> buf;
+    std::vector<const bf16_t*> krow;
+    float *s, *o, *m, *l, *alpha;
+    int32_t* lim;                 // each query vector's end
+    bf16_t* qtmp;                 // the query vectors side by side
+    int32_t *qp, *pp, *vp;        // (bf16 form) queries, probabilities, values as pairs
+    float *qf, *kf, *vf;          // (float form) queries, keys, values widened
+    void size(int ss, int D) {
+        const size_t rows = FLASH512_CHUNK + 8;  // whole score tiles past the chunk's last token
+        const size_t need = 16 + rows * ss + (size_t)ss * D + 4 * (size_t)ss + (size_t)ss * D / 2 + (size_t)D * ss
+#ifdef FLOWRT_AVX512BF16
+                            + (size_t)FLASH512_CHUNK / 2 * ss + (size_t)FLASH512_CHUNK / 2 * D;
+#else
+                            + 2 * rows * D;
+#endif
+        if (buf.size() < need) buf.assign(need, 0.f);  // zeros: the padding rows of kf stay finite
+        krow.resize(rows);
+        float* p = buf.data() + ((-(reinterpret_cast<uintptr_t>(buf.data()) / 4)) & 15);  // 64-byte aligned
+        s = p; p += rows * ss;
+        o = p; p += (size_t)ss * D;
+        m = p; l = m + ss; alpha = l + ss; lim = reinterpret_cast<int32_t*>(alpha + ss);
+        qtmp = reinterpret_cast<bf16_t*>(lim + ss);
+        p += 4 * (size_t)ss + (size_t)ss * D / 2;
+#ifdef FLOWRT_AVX512BF16
+        qp = reinterpret_cast<int32_t*>(p); p += (size_t)D / 2 * ss;
+        pp = reinterpret_cast<int32_t*>(p); p += (size_t)FLASH512_CHUNK / 2 * ss;
+        vp = reinterpret_cast<int32_t*>(p);
+#else
+        qf = p; p += (size_t)D * ss;
+        kf = p; p += rows * D;
+        vf = p;
+#endif
+    }
+};
+
+// flash_tile's work item in the AVX-512 form (bf16 pools only).
+static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int key_start, int kh, int i0, int nr,
+                          Flash512Scratch& w) {
+    const int D = a.D, G = a.H / a.Hkv, Mq = nr * G, ss = (Mq + 15) & ~15, nqv = ss / 16;
+    const int64_t tok_st = (int64_t)a.Hkv * D;
+    int E = key_start;
+    for (int r = 0; r < nr; ++r) E = std::max(E, a.ends[i0 + r]);
+    // the item's query vectors copied side by side (zeros for padding lanes), then as (d, d+1) pairs across query
+    // vectors: one gather (from L1) per pair and 16 vectors
+    for (int i = 0; i < ss; ++i) {
+        const bool real = i < Mq;
+        bf16_t* dst = w.qtmp + (size_t)i * D;
+        if (real)
+            std::memcpy(dst, a.q + a.rows[i0 + i / G] * a.q_st + ((int64_t)kh * G + i % G) * D, sizeof(bf16_t) * D);
+        else
+            std::memset(dst, 0, sizeof(bf16_t) * D);
+        w.lim[i] = real ? a.ends[i0 + i / G] : 0;  // a padding lane sees no keys
+        w.m[i] = -INFINITY;
+        w.l[i] = 0.f;
+    }
+    const __m512i lane_off = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                _mm512_set1_epi32(D));
+    for (int v = 0; v < ss / 16; ++v)
+        for (int k = 0; k < D / 2; ++k) {
+            const __m512i x = _mm512_i32gather_epi32(lane_off, w.qtmp + (size_t)16 * v * D + 2 * k, 2);
+#ifdef FLOWRT_AVX512BF16
+            _mm512_storeu_si512(w.qp + (size_t)k * ss + 16 * v, x);
+#else
+            _mm512_storeu_si512(w.qf + (size_t)(2 * k) * ss + 16 * v, _mm512_slli_epi32(x, 16));
+            _mm512_storeu_si512(w.qf + (size_t)(2 * k + 1) * ss + 16 * v,
+                                _mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+#endif
+        }
+    std::memset(w.o, 0, sizeof(float) * (size_t)ss * D);
+    const __m512 vscale = _mm512_set1_ps(a.scale), ninf = _mm512_set1_ps(-INFINITY);
+    for (int c0 = key_start; c0 < E; c0 += FLASH512_CHUNK) {
+        const int n = std::min(FLASH512_CHUNK, E - c0);
+        for (int t = 0; t < n; ++t) {
+            const int pos = c0 + t;
+            w.krow[t] = a.kc + ((int64_t)tab[pos / a.bs] * a.bs + pos % a.bs) * tok_st + (int64_t)kh * D;
+        }
+        // the chunk's values: token pairs (a zero token after an odd last one), or widened rows
+        for (int t = 0; t < n; t += 2) {
+            const bf16_t* v0 = w.krow[t] - a.kc + a.vc;
+            const bf16_t* v1 = t + 1 < n ? w.krow[t + 1] - a.kc + a.vc : nullptr;
+            for (int d = 0; d < D; d += 16) {
+#ifdef FLOWRT_AVX512BF16
+                const __m512i lo = zext16(v0 + d), hi = v1 ? zext16(v1 + d) : _mm512_setzero_si512();
+                _mm512_storeu_si512(w.vp + (size_t)(t / 2) * D + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+#else
+                _mm512_storeu_ps(w.vf + (size_t)t * D + d, load16_bf16(v0 + d));
+                if (v1) _mm512_storeu_ps(w.vf + (size_t)(t + 1) * D + d, load16_bf16(v1 + d));
+#endif
+            }
+        }
+#ifndef FLOWRT_AVX512BF16
+        for (int t = 0; t < n; ++t)
+            for (int d = 0; d < D; d += 16) _mm512_storeu_ps(w.kf + (size_t)t * D + d, load16_bf16(w.krow[t] + d));
+#endif
+        // scores: six tokens x up to four query vectors a tile
+        for (int t0 = 0; t0 < n; t0 += 6)
+            for (int v0 = 0; v0 < nqv; v0 += 4) {
+#ifdef FLOWRT_AVX512BF16
+                score_block(std::min(6, n - t0), std::min(4, nqv - v0), w.krow.data() + t0, w.qp + 16 * v0, ss, D,
+                            w.s + (size_t)t0 * ss + 16 * v0);
+#else
+                score_block(std::min(6, n - t0), std::min(4, nqv - v0), w.kf + (size_t)t0 * D, w.qf + 16 * v0, ss,
+                            D, w.s + (size_t)t0 * ss + 16 * v0);
+#endif
+            }
+        // online softmax, sixteen query vectors at a time; a key past a row's end (causal) gets probability 0
+        for (int v = 0; v < nqv; ++v) {
+            const __m512i lim = _mm512_sub_epi32(_mm512_loadu_si512(w.lim + 16 * v), _mm512_set1_epi32(c0));
+            const float* sv = w.s + 16 * v;
+            __m512 mx = ninf;
+            for (int t = 0; t < n; ++t) {
+                const __mmask16 ok = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(t));
+                mx = _mm512_mask_max_ps(mx, ok, mx, _mm512_loadu_ps(sv + (size_t)t * ss));
+            }
+            const __m512 m_old = _mm512_loadu_ps(w.m + 16 * v), m_new = _mm512_max_ps(m_old, _mm512_mul_ps(mx, vscale));
+            // rows without keys so far keep m = -inf; exponents are taken against 0 there (all masked anyway)
+            const __m512 m_ref = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ),
+                                                    _mm512_setzero_ps());
+            __m512 sum = _mm512_setzero_ps();
+            auto prob = [&](int t) __attribute__((always_inline)) {
+                const __mmask16 ok = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(t));
+                return exp16(_mm512_fmsub_ps(_mm512_loadu_ps(sv + (size_t)t * ss), vscale, m_ref), ok);
+            };
+#ifdef FLOWRT_AVX512BF16
+            // (P[i][t], P[i][t+1]) pairs: the two rows rounded to bf16, then interleaved
+            const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                   22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+            for (int t = 0; t < n; t += 2) {
+                const __m512 p0 = prob(t), p1 = t + 1 < n ? prob(t + 1) : _mm512_setzero_ps();
+                sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+                const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+                _mm512_storeu_si512(w.pp + (size_t)(t / 2) * ss + 16 * v, _mm512_permutexvar_epi16(inter, both));
+            }
+#else
+            for (int t = 0; t < n; ++t) {
+                const __m512 p = prob(t);
+                sum = _mm512_add_ps(sum, p);
+                _mm512_storeu_ps(w.s + (size_t)t * ss + 16 * v, p);
+            }
+#endif
+            const __m512 alpha = exp16(_mm512_sub_ps(m_old, m_ref));
+            _mm512_storeu_ps(w.alpha + 16 * v, alpha);
+            _mm512_storeu_ps(w.l + 16 * v, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(w.l + 16 * v), alpha), sum));
+            _mm512_storeu_ps(w.m + 16 * v, m_new);
+        }
+        // o <- o * alpha + P V: six query vectors x up to 64 columns a tile
+        for (int i = 0; i < Mq; i += 6)
+            for (int d = 0; d < D; d += 64) {
+#ifdef FLOWRT_AVX512BF16
+                value_block(std::min(6, Mq - i), std::min(4, (D - d) / 16), w.pp + i, ss, w.vp + d, D, n,
+                            w.o + (size_t)i * D + d, w.alpha + i);
+#else
+                value_block(std::min(6, Mq - i), std::min(4, (D - d) / 16), w.s + i, ss, w.vf + d, D, n,
+                            w.o + (size_t)i * D + d, w.alpha + i);
+#endif
+            }
+    }
+    flash_store(a, kh, i0, Mq, w.o, w.m, w.l);
+}
+#endif
 
 template <typename T>
 int paged_flash(const T* q, int64_t q_st, const int64_t* rows, const int32_t* ends, const int32_t* group_start, int NG,
@@ -465,7 +640,13 @@ int paged_flash(const T* q, int64_t q_st, const int64_t* rows, const int32_t* en
                 const float* lse_in, float* lse_out, int H, int Hkv, int D, int bs, float scale) {
     if (D % 16 != 0 || D > 256) return -1;
     const int G = H / Hkv;
-    const int rt = std::max(1, FLASH_TILE_Q / G);  // rows per tile at most: ~FLASH_TILE_Q query vectors a tile
+#ifdef FLOWRT_AVX512
+    constexpr bool wide = sizeof(T) == 2;  // bf16 on AVX-512: flash_tile512
+#else
+    constexpr bool wide = false;
+#endif
+    // rows per tile at most: ~FLASH_TILE_Q (FLASH512_TILE_Q) query vectors a tile
+    const int rt = std::max(1, (wide ? FLASH512_TILE_Q : FLASH_TILE_Q) / G);
     // items: (group, KV head, tile), numbered through a prefix sum of each group's tiles
     std::vector<int64_t> first(NG + 1, 0);
     for (int g = 0; g < NG; ++g) {
@@ -475,20 +656,31 @@ int paged_flash(const T* q, int64_t q_st, const int64_t* rows, const int32_t* en
     const FlashArgs<T> a{q, q_st, rows, ends, kc, vc, out, o_st, lse_in, lse_out, H, Hkv, D, bs, scale};
     #pragma omp parallel if (first[NG] > 1) num_threads(flowrt_threads)
     {
-        static thread_local FlashScratch w;
-        w.size(rt * G, D);
-        int g = 0;
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < first[NG]; ++item) {
-            while (first[g + 1] <= item) ++g;
-            while (first[g] > item) --g;
-            const int nr = group_start[g + 1] - group_start[g], tiles = (nr + rt - 1) / rt;
-            const int rows_t = (nr + tiles - 1) / tiles;  // the group's rows spread evenly over its tiles
-            const int64_t local = item - first[g];
-            const int kh = (int)(local / tiles), t = (int)(local % tiles);
-            const int i0 = group_start[g] + t * rows_t;
-            flash_tile(a, tables + (int64_t)g * tab_st, key_start, kh, i0, std::min(rows_t, group_start[g + 1] - i0),
-                       w);
+        auto run = [&](auto& w, auto tile) {
+            int g = 0;
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < first[NG]; ++item) {
+                while (first[g + 1] <= item) ++g;
+                while (first[g] > item) --g;
+                const int nr = group_start[g + 1] - group_start[g], tiles = (nr + rt - 1) / rt;
+                const int rows_t = (nr + tiles - 1) / tiles;  // the group's rows spread evenly over its tiles
+                const int64_t local = item - first[g];
+                const int kh = (int)(local / tiles), t = (int)(local % tiles);
+                const int i0 = group_start[g] + t * rows_t;
+                tile(a, tables + (int64_t)g * tab_st, key_start, kh, i0, std::min(rows_t, group_start[g + 1] - i0), w);
+            }
+        };
+#ifdef FLOWRT_AVX512
+        if constexpr (wide) {
+            static thread_local Flash512Scratch w;
+            w.size((rt * G + 15) & ~15, D);
+            run(w, flash_tile512);
+        } else
+#endif
+        {
+            static thread_local FlashScratch w;
+            w.size(rt * G, D);
+            run(w, flash_tile<T>);
         }
     }
     return 0;

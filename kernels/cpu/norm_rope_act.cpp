@@ -9,6 +9,124 @@
 
 namespace {
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define GLUE_AVX512 1
+// Sixteen lanes of the storage type as floats, n < 16 lanes through a mask (the rest read as zero, nothing past p
+// touched), and back. bf16 is rounded to nearest even in integer arithmetic, exactly as f32_to_bf16 (subnormals and
+// NaN included; vcvtneps2bf16 would flush subnormals), so these paths give the scalar code's bits.
+static inline __mmask16 tail16(int n) { return (__mmask16)((1u << n) - 1u); }
+static inline __m512 ld16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 ld16(const bf16_t* p, __mmask16 m) {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// the bf16 bits of each lane, in the low half of 32-bit lanes
+static inline __m512i rne16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+}
+// the sixteen bf16 values, packed. With AVX512-BF16 one vcvtneps2bf16 (the same rounding, NaN made quiet the same
+// way) unless a lane is subnormal, which it would flush to zero: then the integer rounding.
+static inline __m256i bf16x16(__m512 v) {
+#ifdef __AVX512BF16__
+    const __m512i u = _mm512_castps_si512(v);
+    const __mmask16 sub = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000)) &
+                          _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x007fffff));
+    if (!sub) return (__m256i)_mm512_cvtneps_pbh(v);
+#endif
+    return _mm512_cvtepi32_epi16(rne16(v));
+}
+static inline void st16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+static inline void st16(bf16_t* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, bf16x16(v)); }
+// v rounded through the storage type (identity for float32), as round_as
+template <typename T> static inline __m512 round16(__m512 v) {
+    if constexpr (sizeof(T) == 4) return v;
+    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(v)), 16));
+}
+
+// fexp on sixteen lanes: fexp8's operations in the same order (bit-identical to it and to the scalar fexp).
+static inline __m512 fexp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                                        _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// One row of add_rmsnorm, sixteen lanes at a time (the sum of squares in sixteen partial sums).
+template <typename T>
+void add_rmsnorm_row16(T* hr, const T* dr, const T* w, T* orow, int E, float eps) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < E; i += 16) {
+        const __mmask16 m = E - i >= 16 ? (__mmask16)0xffff : tail16(E - i);
+        __m512 x = ld16(hr + i, m);
+        if (dr) {
+            x = round16<T>(_mm512_add_ps(x, ld16(dr + i, m)));
+            st16(hr + i, x, m);
+        }
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(x, x));
+    }
+    const float r = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)E + eps);
+    const __m512 vr = _mm512_set1_ps(r);
+    for (int i = 0; i < E; i += 16) {
+        const __mmask16 m = E - i >= 16 ? (__mmask16)0xffff : tail16(E - i);
+        const __m512 x = round16<T>(_mm512_mul_ps(ld16(hr + i, m), vr));
+        st16(orow + i, _mm512_mul_ps(ld16(w + i, m), x), m);
+    }
+}
+
+// One head of rope, sixteen lanes of each half at a time: the scalar loop's operations and roundings.
+template <typename T>
+void rope_head16(T* v, const T* c, const T* s, int h) {
+    for (int i = 0; i < h; i += 16) {
+        const __mmask16 m = h - i >= 16 ? (__mmask16)0xffff : tail16(h - i);
+        const __m512 a = ld16(v + i, m), b = ld16(v + i + h, m);
+        const __m512 c0 = ld16(c + i, m), s0 = ld16(s + i, m), c1 = ld16(c + i + h, m), s1 = ld16(s + i + h, m);
+        if constexpr (sizeof(T) == 4) {
+            st16(v + i, _mm512_sub_ps(_mm512_mul_ps(a, c0), _mm512_mul_ps(b, s0)), m);
+            st16(v + i + h, _mm512_add_ps(_mm512_mul_ps(b, c1), _mm512_mul_ps(a, s1)), m);
+        } else {
+            const __m512 nb = _mm512_castsi512_ps(  // -b: the sign flipped, as the scalar negation
+                _mm512_xor_si512(_mm512_castps_si512(b), _mm512_set1_epi32((int)0x80000000u)));
+            st16(v + i, _mm512_add_ps(round16<T>(_mm512_mul_ps(a, c0)), round16<T>(_mm512_mul_ps(nb, s0))), m);
+            st16(v + i + h, _mm512_add_ps(round16<T>(_mm512_mul_ps(b, c1)), round16<T>(_mm512_mul_ps(a, s1))), m);
+        }
+    }
+}
+
+// One row of silu_mul, sixteen lanes at a time: silu8's operations (bit-identical to the scalar path).
+template <typename T>
+void silu_mul_row16(const T* g, const T* u, T* o, int I) {
+    const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 64 <= I; i += 64) {  // four vectors a step: their exp chains overlap (latency-bound otherwise)
+        __m512 gv[4], sv[4];
+        for (int j = 0; j < 4; ++j) gv[j] = ld16(g + i + 16 * j, 0xffff);
+        for (int j = 0; j < 4; ++j) sv[j] = fexp16(_mm512_sub_ps(zero, gv[j]));
+        for (int j = 0; j < 4; ++j) sv[j] = round16<T>(_mm512_div_ps(gv[j], _mm512_add_ps(one, sv[j])));
+        for (int j = 0; j < 4; ++j) st16(o + i + 16 * j, _mm512_mul_ps(sv[j], ld16(u + i + 16 * j, 0xffff)), 0xffff);
+    }
+    for (; i < I; i += 16) {
+        const __mmask16 m = I - i >= 16 ? (__mmask16)0xffff : tail16(I - i);
+        const __m512 gv = ld16(g + i, m);
+        const __m512 sv = round16<T>(_mm512_div_ps(gv, _mm512_add_ps(one, fexp16(_mm512_sub_ps(zero, gv)))));
+        st16(o + i, _mm512_mul_ps(sv, ld16(u + i, m)), m);
+    }
+}
+#endif
+
 // h += delta (when delta is not null), then out = w * (h * rsqrt(mean(h^2) + eps)). Rows of E elements.
 // bf16 as transformers: the sum is rounded to bf16 (the residual stream), the normalized row is rounded to bf16
 // before the weight multiplies it, and the product is rounded again.
@@ -17,6 +135,10 @@ void add_rmsnorm(T* h, const T* delta, const T* w, T* out, int64_t Tn, int E, fl
     #pragma omp parallel for schedule(static) if (Tn * E >= 8192) num_threads(flowrt_threads)
     for (int64_t t = 0; t < Tn; ++t) {
         T* hr = h + t * E;
+#ifdef GLUE_AVX512
+        add_rmsnorm_row16<T>(hr, delta ? delta + t * E : nullptr, w, out + t * E, E, eps);
+        continue;
+#endif
         if (delta) {
             const T* dr = delta + t * E;
             #pragma omp simd
@@ -43,6 +165,10 @@ void rope(T* x, int64_t row_st, int64_t Tn, int nh, int D, const T* cos_t, const
         const T* s = sin_t + pos[t] * D;
         for (int j = 0; j < nh; ++j) {
             T* v = x + t * row_st + (int64_t)j * D;
+#ifdef GLUE_AVX512
+            rope_head16<T>(v, c, s, h);
+            continue;
+#endif
             #pragma omp simd
             for (int i = 0; i < h; ++i) {
                 const float a = to_f32(v[i]), b = to_f32(v[i + h]);
@@ -69,6 +195,10 @@ void silu_mul(const T* gu, int64_t gu_st, T* out, int64_t Tn, int I) {
         const T* u = g + I;
         T* o = out + t * (int64_t)I;
         int i = 0;
+#ifdef GLUE_AVX512
+        silu_mul_row16<T>(g, u, o, I);
+        continue;
+#endif
 #ifdef FLOWRT_AVX2
         const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
         for (; i + 8 <= I; i += 8) {

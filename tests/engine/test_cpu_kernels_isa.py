@@ -96,20 +96,11 @@ def _check_kernels(dtype):
         out2 = torch.empty_like(q)
         cpu_ops.paged_decode(q, kc, vc, tables, seq_lens, out2, 0.17, rows=torch.arange(4), shared_prefix=True)
         assert torch.equal(out2, out)
-    # flash: a prefill chunk over a cached prefix, rows shuffled in a wider stream, with the log-sum-exp
+    # flash: prefill chunks and a shared prefix, per head size (64, and 48: not a multiple of 32)
     if cpu_ops.flash_supported(64):
-        Hkv, G, D, bs, cached, n = 2, 3, 64, 16, 260, 37
-        q, kc, vc, tables, _ = _paged(1, Hkv, G, D, bs, [cached + n], dtype, 7)
-        qs = torch.randn(n + 3, Hkv * G, D).to(dtype)
-        rows = torch.randperm(n + 3)[:n]
-        ends = torch.arange(cached + 1, cached + n + 1, dtype=torch.int32)
-        out, lse = torch.zeros_like(qs), torch.empty(n, Hkv * G)
-        cpu_ops.paged_flash(qs, kc, vc, rows, ends, torch.tensor([0, n], dtype=torch.int32), tables, out, D**-0.5,
-                            lse_out=lse)
-        ref = paged_prefill_attention_ref(qs[rows].float(), kc.float(), vc.float(), tables,
-                                          torch.tensor([0, n], dtype=torch.int32),
-                                          torch.tensor([cached + n], dtype=torch.int32), D**-0.5, n)
-        torch.testing.assert_close(out[rows].float(), ref, **tol)
+        for Hkv, G, D, bs in [(2, 3, 64, 16), (2, 2, 48, 8)]:
+            _check_flash_chunks(Hkv, G, D, bs, dtype, tol)
+            _check_flash_cascade(Hkv, G, D, bs, dtype, tol)
     # projections (float32 only: bf16 projections stay with oneDNN)
     lin = cpu_ops.PackedLinear.create(torch.randn(40, 33))
     if lin is not None:
@@ -117,6 +108,76 @@ def _check_kernels(dtype):
         lin = cpu_ops.PackedLinear.create(wt)
         xx = torch.randn(9, 33)
         torch.testing.assert_close(lin(xx), xx @ wt.T, atol=1e-4, rtol=1e-5)
+
+
+def _poison_unused(kc, vc, tables, lens):
+    """NaN in every pool slot no sequence holds (past each one's length, unused blocks): a kernel that reads a key or
+    value it should not gives NaN."""
+    bs = kc.shape[1]
+    used = torch.zeros(kc.shape[0] * bs, dtype=torch.bool)
+    for b, L in enumerate(lens):
+        pos = torch.arange(L)
+        used[tables[b][pos // bs].long() * bs + pos % bs] = True
+    kc.view(-1, *kc.shape[2:])[~used] = float("nan")
+    vc.view(-1, *vc.shape[2:])[~used] = float("nan")
+
+
+def _check_flash_chunks(Hkv, G, D, bs, dtype, tol):
+    """Prefill chunks (a fresh one, two over cached context; odd lengths ending mid-block) as three groups, their
+    rows shuffled in a wider stream, with each row's log-sum-exp."""
+    specs = [(0, 45), (260, 37), (131, 5)]  # (cached, new) per sequence
+    lens = [c + n for c, n in specs]
+    _, kc, vc, tables, _ = _paged(3, Hkv, G, D, bs, lens, dtype, D + 1)
+    _poison_unused(kc, vc, tables, lens)
+    R = sum(n for _, n in specs)
+    qs = torch.randn(R + 3, Hkv * G, D).to(dtype)
+    rows = torch.randperm(R + 3)[:R]
+    ends = torch.tensor([e for c, n in specs for e in range(c + 1, c + n + 1)], dtype=torch.int32)
+    starts = torch.tensor([0, 45, 82, 87], dtype=torch.int32)
+    out, lse = torch.zeros_like(qs), torch.empty(R, Hkv * G)
+    cpu_ops.paged_flash(qs, kc, vc, rows, ends, starts, tables, out, D**-0.5, lse_out=lse)
+    for g, (c, n) in enumerate(specs):
+        sl = rows[starts[g] : starts[g + 1]]
+        ref = paged_prefill_attention_ref(qs[sl].float(), kc.float(), vc.float(), tables[g : g + 1],
+                                          torch.tensor([0, n], dtype=torch.int32),
+                                          torch.tensor([c + n], dtype=torch.int32), D**-0.5, n)
+        torch.testing.assert_close(out[sl].float(), ref, **tol)
+        # the log-sum-exp of the group's last row, directly
+        pos = torch.arange(c + n)
+        k = kc.view(-1, Hkv, D)[tables[g][pos // bs].long() * bs + pos % bs].float().repeat_interleave(G, dim=1)
+        s = torch.einsum("hd,lhd->hl", qs[sl[-1]].float(), k) * D**-0.5
+        torch.testing.assert_close(lse[starts[g + 1] - 1], torch.logsumexp(s, -1), atol=1e-4, rtol=1e-4)
+    assert not out[[r for r in range(R + 3) if r not in set(rows.tolist())]].any()
+
+
+def _check_flash_cascade(Hkv, G, D, bs, dtype, tol):
+    """A shared prefix ending mid-block (its full blocks shared, the partial one copied per member, as forks hold it):
+    each member's own keys first (key_start = prefix, lse_out), then the prefix for every member's rows at once as
+    one group (lse_in), against each member's whole context."""
+    P, own, new = 21, [1, 9, 30], [1, 4, 30]  # prefix; each member's own tokens, the last `new` of them queried
+    lens = [P + o for o in own]
+    _, kc, vc, tables, _ = _paged(3, Hkv, G, D, bs, lens, dtype, D + 2)
+    full = P // bs
+    for m in (1, 2):
+        tables[m, :full] = tables[0, :full]
+        kc[tables[m, full], : P % bs] = kc[tables[0, full], : P % bs]
+        vc[tables[m, full], : P % bs] = vc[tables[0, full], : P % bs]
+    _poison_unused(kc, vc, tables, lens)
+    R = sum(new)
+    qs = torch.randn(R + 2, Hkv * G, D).to(dtype)
+    rows = torch.randperm(R + 2)[:R]
+    ends = torch.tensor([e for L, n in zip(lens, new) for e in range(L - n + 1, L + 1)], dtype=torch.int32)
+    own_start = torch.tensor([0, 1, 5, 35], dtype=torch.int32)
+    out, lse = torch.zeros_like(qs), torch.empty(R, Hkv * G)
+    cpu_ops.paged_flash(qs, kc, vc, rows, ends, own_start, tables, out, D**-0.5, key_start=P, lse_out=lse)
+    cpu_ops.paged_flash(qs, kc, vc, rows, torch.full((R,), P, dtype=torch.int32),
+                        torch.tensor([0, R], dtype=torch.int32), tables[:1], out, D**-0.5, lse_in=lse)
+    for m, (L, n) in enumerate(zip(lens, new)):
+        sl = rows[own_start[m] : own_start[m + 1]]
+        ref = paged_prefill_attention_ref(qs[sl].float(), kc.float(), vc.float(), tables[m : m + 1],
+                                          torch.tensor([0, n], dtype=torch.int32),
+                                          torch.tensor([L], dtype=torch.int32), D**-0.5, n)
+        torch.testing.assert_close(out[sl].float(), ref, **tol)
 
 
 @pytest.mark.slow  # builds the variant's library on a first run (cached afterwards)

@@ -54,6 +54,30 @@ def test_rope_in_place_matches_torch(T, nh, D):
     assert torch.equal(x[:, nh * D :], tail)
 
 
+@pytest.mark.parametrize("T,width", [(1, 64), (3, 100), (32, 1536), (5, 580)])
+def test_bf16_glue_matches_torch(T, width):
+    """The bf16 glue at the model's widths and at odd ones (the vector loops, their tails): rotary bit for bit as
+    transformers' bf16 ops round, the residual sum exactly, RMSNorm and SiLU x up to bf16 rounding."""
+    torch.manual_seed(width)
+    bf = torch.bfloat16
+    h, d, w = (torch.randn(T, width) * 3).to(bf), torch.randn(T, width).to(bf), torch.randn(width).to(bf)
+    ref_h = h + d
+    out = cpu_ops.add_rmsnorm(h, d, w, 1e-5)
+    assert torch.equal(h, ref_h)
+    torch.testing.assert_close(out, rms_norm(ref_h, w, 1e-5), atol=1e-2, rtol=8e-3)
+    gu = (torch.randn(T, 2 * width) * 6).to(bf)
+    torch.testing.assert_close(cpu_ops.silu_mul(gu), torch.nn.functional.silu(gu[:, :width]) * gu[:, width:],
+                               atol=1e-2, rtol=8e-3)
+    D = width if width % 2 == 0 and width <= 128 else 40
+    x = torch.randn(T, 3 * D + 8).to(bf)
+    cos, sin = torch.randn(64, D).to(bf), torch.randn(64, D).to(bf)
+    pos = torch.randint(0, 64, (T,))
+    qk = x[:, : 3 * D].view(T, 3, D)
+    ref = (qk * cos[pos].unsqueeze(1) + rotate_half(qk) * sin[pos].unsqueeze(1)).view(T, -1)
+    cpu_ops.rope_(x, 3, D, cos, sin, pos)
+    assert torch.equal(x[:, : 3 * D], ref)
+
+
 @pytest.mark.parametrize("N,K", [(960, 576), (576, 1536), (100, 37), (16, 1), (7, 64)])
 @pytest.mark.parametrize("M", [1, 5, 6, 7, 32, 96, 97, 803])
 @pytest.mark.parametrize("with_bias", [False, True])

@@ -100,14 +100,16 @@ def test_seeded_sampling_is_reproducible(stories_path):
     assert stats["spec_draft_tokens"] > 0
 
 
-def test_structured_requests_do_not_draft(stories_path):
+def test_structured_forced_tokens_unchanged(stories_path):
+    """A grammar that forces every other token (tests/engine/test_spec_structured.py: drafts under grammars)."""
     from flowrt.engine import StructuredOutputsParams
 
     params = SamplingParams(max_tokens=30, temperature=0.0,
                             structured_outputs=StructuredOutputsParams(regex=r"(ab ){3,9}"))
-    off, _ = run(stories_path, ["Say ab ab ab"], params)
-    on, _ = run(stories_path, ["Say ab ab ab"], params, speculative_config=SPEC)
+    off, off_stats = run(stories_path, ["Say ab ab ab"], params)
+    on, stats = run(stories_path, ["Say ab ab ab"], params, speculative_config=SPEC)
     assert on[0].outputs[0].token_ids == off[0].outputs[0].token_ids
+    assert stats["forced_tokens"] == off_stats["forced_tokens"] > 0
 
 
 def _drafting_seq(drafts: list[int], params: SamplingParams) -> Sequence:

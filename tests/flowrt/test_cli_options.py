@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 # the engine and replica flags of `flowrt run` / `resume` / `serve` before the builder moved into engine/, plus
-# the one EngineArgs field added since
+# the EngineArgs fields added since
 ENGINE_FLAGS = {
     "--model", "--tokenizer", "--dtype", "--kv-cache-dtype", "--block-size", "--max-num-seqs",
     "--max-num-batched-tokens", "--kv-cache-memory", "--num-kv-blocks", "--max-model-len", "--attention-backend",
@@ -15,6 +15,7 @@ ENGINE_FLAGS = {
     "--scheduling-policy", "--max-wait-steps", "--enable-forced-tokens", "--no-enable-forced-tokens",
     "--enforce-eager", "--no-enforce-eager", "--no-prefix-caching", "--replicas", "--ray-address", "--routing",
     "--speculative-config",  # added since (issue 25), through EngineArgs' field like every other flag
+    "--adaptive-threads", "--no-adaptive-threads",  # added since (issue 26: the CPU thread governor)
 }
 
 

@@ -63,3 +63,43 @@ def test_bad_keywords(llm):
         t.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("earlier_turn", [False, True], ids=["first-turn", "later-turn"])
+def test_chat_beams_are_assistant_replies(llm, engine, earlier_turn):
+    """A chat thread's beam search answers as the assistant: the conversation is rendered with the generation
+    prompt first, and each beam is a chat thread whose last message is its reply, ready for the next turn."""
+
+    async def main():
+        c = llm.chat(system="Be brief.")
+        if earlier_turn:
+            await c.user("Hi").assistant(max_tokens=3, temperature=0)
+        c.user("Tell me a story")
+        prompt = c.render(add_generation_prompt=True)
+        messages = list(c.messages)
+        beams = await c.beam(width=3, max_tokens=6, ignore_eos=True)
+        n = len(beams[0].token_ids) - 6
+        assert llm.tokenizer.decode(beams[0].token_ids[:n]) == llm.tokenizer.decode(
+            llm.encode(prompt, first=True, special_prefix=False))
+        ref = await engine.beam_search({"prompt_token_ids": beams[0].token_ids[:n]},
+                                       BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
+        assert [b.token_ids for b in beams] == [s.tokens for s in ref.sequences]
+        for b, s in zip(beams, ref.sequences):
+            assert type(b) is type(c)
+            assert b.messages == messages + [{"role": "assistant", "content": s.output_text}]
+            assert b.text == prompt + s.output_text
+        assert c.messages == messages  # the thread itself is unchanged
+        # a beam continues the conversation without re-rendering it, and so does the thread
+        rerenders = llm.counters["chat_rerenders"]
+        beams[0].user("And then?")
+        reply = await beams[0].assistant(max_tokens=4, temperature=0)
+        assert beams[0].messages[-1] == {"role": "assistant", "content": reply}
+        assert beams[0].messages[-3]["content"] == ref.sequences[0].output_text
+        c.user("Another one")
+        await c.assistant(max_tokens=3, temperature=0)
+        assert c.messages[-3:-1] == [messages[-1], {"role": "user", "content": "Another one"}]
+        assert llm.counters["chat_rerenders"] == rerenders
+        for x in (*beams, c):
+            x.close()
+
+    asyncio.run(main())

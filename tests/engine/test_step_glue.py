@@ -1,0 +1,61 @@
+"""The model's glued forward (cpu_ops.StepGlue: the glue kernels bound once per step, buffers reused across layers)
+computes LlamaLayer.forward's arithmetic bit for bit, and StepGlue rejects tensors that do not fit the step."""
+
+import pytest
+import torch
+
+from support import make_tiny_model
+from flowrt.engine import LLM, SamplingParams, cpu_ops
+from flowrt.engine.models.llama import _Rope
+
+pytestmark = pytest.mark.skipif(cpu_ops.lib() is None, reason=f"CPU kernels unavailable: {cpu_ops._error}")
+
+
+def _steps(llm, prompts):
+    """The inputs of every step that generating from `prompts` runs (a prefill step, then decode steps)."""
+    runner = llm.engine.runner
+    steps, orig = [], runner.prepare
+    runner.prepare = lambda *a, **k: steps.append(orig(*a, **k)) or steps[-1]
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    finally:
+        runner.prepare = orig
+    return steps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a qkv bias
+def test_glued_forward_matches_layer_by_layer(tmp_path, dtype, arch):
+    llm = LLM(make_tiny_model(tmp_path / arch, arch=arch), dtype=str(dtype).removeprefix("torch."))
+    runner = llm.engine.runner
+    model = runner.model
+    for inp in _steps(llm, [[1, 5, 77, 300, 12, 9], [1, 400] + list(range(20, 60))]):
+        with torch.inference_mode():
+            args = (runner.kv_caches, inp.meta, runner.backend)
+            glued = model(inp.input_ids, inp.positions, *args)
+            h = torch.nn.functional.embedding(inp.input_ids, model.embed)
+            rope, delta = _Rope(model, inp.positions, True), None
+            for layer, (kc, vc) in zip(model.layers, runner.kv_caches):
+                h, delta = layer(h, delta, rope, kc, vc, inp.meta, runner.backend)
+            assert torch.equal(glued, h + delta)
+
+
+def test_step_glue_rejects_misfits():
+    T, E, D = 3, 32, 8
+    h = torch.randn(T, E)
+    cos = sin = torch.randn(16, D)
+    glue = cpu_ops.StepGlue(h, torch.arange(T), cos, sin, 1e-5, 6, D, 8 * D, 24)
+    with pytest.raises(ValueError, match="glue: delta"):
+        glue.add_rmsnorm(torch.randn(T, E + 1), torch.ones(E))
+    with pytest.raises(ValueError, match="glue: qkv"):
+        glue.rope_(torch.randn(T, 8 * D).T.contiguous().T)
+    with pytest.raises(ValueError, match="glue: gate_up"):
+        glue.silu_mul(torch.randn(T, 48, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="glue: h"):
+        cpu_ops.StepGlue(h.T, torch.arange(T), cos, sin, 1e-5, 6, D, 8 * D, 24)
+    with pytest.raises(ValueError, match="do not fit together"):
+        cpu_ops.StepGlue(h, torch.arange(T + 1), cos, sin, 1e-5, 6, D, 8 * D, 24)
+    x = glue.add_rmsnorm(torch.randn(T, E), torch.ones(E))
+    assert x is glue.x and x.shape == (T, E)
+    assert glue.silu_mul(torch.randn(T, 48)) is glue.act
