@@ -166,3 +166,4 @@ def test_cli_flag_and_metrics(stories_path):
     metrics = {m.name: m.samples[0].value for m in EngineCollector(llm.stats).collect()}
     assert metrics["flowrt_engine_spec_acceptance_rate"] == st["spec_acceptance_rate"]
     assert metrics["flowrt_engine_spec_draft_tokens"] == st["spec_draft_tokens"]
+    assert metrics["flowrt_engine_spec_draft_rejected_by_grammar"] == st["spec_draft_rejected_by_grammar"] == 0
