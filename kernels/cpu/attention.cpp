@@ -606,6 +606,7 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
                 const __mmask16 ok = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(t));
                 mx = _mm512_mask_max_ps(mx, ok, mx, _mm512_loadu_ps(sv + (size_t)t * ss));
             }
+            // (the maximum of the raw scores, scaled once: scale > 0, as every attention scale is)
             const __m512 m_old = _mm512_loadu_ps(w.m + 16 * v), m_new = _mm512_max_ps(m_old, _mm512_mul_ps(mx, vscale));
             // rows without keys so far keep m = -inf; exponents are taken against 0 there (all masked anyway)
             const __m512 m_ref = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ),
