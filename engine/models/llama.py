@@ -8,6 +8,7 @@ Projections are fused (qkv, gate+up) to cut the number of matmuls per layer.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -199,15 +200,23 @@ class LlamaModel(nn.Module):
                     if w.dtype != h.dtype or w.shape != (cfg.hidden_size,) or not w.is_contiguous():
                         raise ValueError(f"norm weight {tuple(w.shape)} {w.dtype} does not fit the model")
             self._norms_checked = True
+        # the rotary kernel writes the new keys and values too where the backend lets it (one pass, one call)
+        kc0 = kv_caches[0][0] if kv_caches else None
+        write_kv = (getattr(backend, "accepts_written_kv", False) and kc0 is not None and kc0.dtype == h.dtype
+                    and kc0.device == h.device and kc0.is_contiguous())
         glue = cpu_ops.StepGlue(h, positions.contiguous(), self.cos_table, self.sin_table, cfg.rms_norm_eps, H + Hkv,
-                                D, (H + 2 * Hkv) * D, cfg.intermediate_size)
-        norm, rope_, silu_mul_, attend = glue.add_rmsnorm, glue.rope_, glue.silu_mul, backend.forward
+                                D, (H + 2 * Hkv) * D, cfg.intermediate_size, meta.slot_mapping if write_kv else None)
+        norm, rope_, rope_kv_, silu_mul_ = glue.add_rmsnorm, glue.rope_, glue.rope_kv_, glue.silu_mul
+        attend = functools.partial(backend.forward, kv_written=True) if write_kv else backend.forward
         heads, scale = [H, Hkv, Hkv], D**-0.5
         delta = None
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             mm = layer.mm
             qkv = mm["qkv"](norm(delta, layer.input_norm))
-            rope_(qkv)  # q and k heads rotated together, in place
+            if write_kv:
+                rope_kv_(qkv, kc, vc)  # q and k heads rotated together in place, k and v into the pools
+            else:
+                rope_(qkv)
             q, k, v = qkv.view(T, -1, D).split(heads, dim=1)
             x = norm(mm["o"](attend(q, k, v, kc, vc, meta, scale).reshape(T, -1)), layer.post_norm)
             delta = mm["down"](silu_mul_(mm["gate_up"](x)))
