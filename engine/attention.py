@@ -366,12 +366,19 @@ class TorchAttentionBackend:
             groups.append((members, int(same.sum()) if limit else 0))
         return groups
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T,H,D], k/v [T,Hkv,D] (new tokens); writes k/v into the caches, returns [T,H,D]."""
+    #: forward takes kv_written=True: the caller has written k/v to the step's slots itself (the model's fused
+    #: rotary + KV write)
+    accepts_written_kv = True
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                kv_written: bool = False) -> torch.Tensor:
+        """q [T,H,D], k/v [T,Hkv,D] (new tokens); writes k/v into the caches (unless kv_written), returns [T,H,D]."""
         T, H, D = q.shape
         Hkv = k.shape[1]
         kernel = _use_kernel(q, k_cache)
-        if kernel:
+        if kv_written:
+            pass
+        elif kernel:
             cpu_ops.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
             kflat = k_cache.view(-1, Hkv, D)

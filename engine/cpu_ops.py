@@ -1,6 +1,7 @@
-"""The CPU kernels, called through ctypes: projections over prepacked weights (PackedLinear, float32), paged decode
-and flash attention that read the KV pool in place (no gather), the KV cache write, residual-add + RMSNorm, SiLU x
-up and rotary embedding in place, for float32 and bfloat16 tensors (bf16 kernels compute in float32 registers).
+"""The CPU kernels, called through ctypes: projections over prepacked weights (PackedLinear, float32;
+PackedLinearBF16, bfloat16 with AVX512-BF16), paged decode and flash attention that read the KV pool in place (no
+gather), the KV cache write, residual-add + RMSNorm, SiLU x up and rotary embedding in place, for float32 and
+bfloat16 tensors (bf16 kernels compute in float32 registers).
 
 The sources live in kernels/cpu/ and are built lazily, once per instruction-set variant, by engine/cpu_build.py;
 `lib()` loads the highest variant the CPU runs (or FLOWRT_CPU_ISA's), and returns None when no compiler is present,
@@ -329,7 +330,10 @@ class StepGlue:
     what a projection hands over; a step of 30 layers makes ~120 such calls, ~4 us each fewer than the wrappers."""
 
     def __init__(self, h: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
-                 eps: float, rot_heads: int, head_dim: int, qkv_width: int, inter: int):
+                 eps: float, rot_heads: int, head_dim: int, qkv_width: int, inter: int,
+                 slots: torch.Tensor | None = None):
+        if lib() is None:
+            raise RuntimeError(f"glue: the CPU kernels are unavailable ({_error or 'turned off'})")
         dt = h.dtype
         _check("glue", "h", h, dt, 2, contiguous=True)
         _check("glue", "cos_table", cos_table, dt, 2, contiguous=True)
@@ -344,11 +348,19 @@ class StepGlue:
         self.h, self.dtype, self.T, self.E, self.inter, self.eps = h, dt, T, E, inter, eps
         self.x = torch.empty(T, E, dtype=dt)  # every norm's output, the next projection's input
         self.act = torch.empty(T, inter, dtype=dt)  # SiLU x up, the down projection's input
-        self._keep = (positions, cos_table, sin_table)
+        if slots is not None:
+            slots = slots.to(torch.int64).contiguous()
+            if slots.shape != (T,):
+                raise ValueError(f"glue: slots {tuple(slots.shape)} for {T} rows")
+        self._keep = (positions, cos_table, sin_table, slots)
+        self._slots = _p(slots)
+        self._head_dim = head_dim
+        self._cache = None  # (shape, dtype) of the first KV pool rope_kv_ writes: every layer's is the same
         self._rope_args = (T, rot_heads, head_dim, cos_table.data_ptr(), sin_table.data_ptr(), positions.data_ptr())
         self._rows = {"delta": ((T, E), (E, 1)), "qkv": ((T, qkv_width), (qkv_width, 1)),
                       "gate_up": ((T, 2 * inter), (2 * inter, 1))}
-        self._norm, self._rope, self._silu = (_kernel(k, dt) for k in ("add_rmsnorm", "rope", "silu_mul"))
+        self._norm, self._rope, self._silu, self._rope_kv = (_kernel(k, dt) for k in
+                                                              ("add_rmsnorm", "rope", "silu_mul", "rope_kv_write"))
 
     def _fits(self, name: str, t: torch.Tensor) -> None:
         shape, strides = self._rows[name]
@@ -376,6 +388,35 @@ class StepGlue:
                 self._rope(qkv.data_ptr(), qkv.shape[1], *self._rope_args)
         else:
             self._rope(qkv.data_ptr(), qkv.shape[1], *self._rope_args)
+
+    def rope_kv_(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """rope_ and the KV write in one pass: rows [q | k | v] of the qkv projection's output, the k heads (the
+        last kv heads of the rotated ones) and v written to the step's slots of the pools [N, bs, Hkv, D]."""
+        self._fits("qkv", qkv)
+        if self._slots is None:
+            raise ValueError("glue: rope_kv_ needs the step's slots")
+        if self._cache is None:
+            D = self._head_dim
+            kv = (qkv.shape[1] - self._rope_args[1] * D) // D
+            _check("glue", "k_cache", k_cache, self.dtype, 4, contiguous=True)
+            if k_cache.shape[2:] != (kv, D):
+                raise ValueError(f"glue: k_cache {tuple(k_cache.shape)} does not hold {kv} heads of {D}")
+            self._cache = (k_cache.shape, k_cache.dtype, kv, k_cache.numel() // (kv * D))
+        shape, dtype, kv, n_slots = self._cache
+        for c in (k_cache, v_cache):
+            if c.shape != shape or c.dtype != dtype or not c.is_contiguous():
+                raise ValueError(f"glue: KV pools must be contiguous {dtype} {tuple(shape)}, got {c.dtype} "
+                                 f"{tuple(c.shape)}")
+        T, nh, D, cos, sin, pos = self._rope_args
+        args = (qkv.data_ptr(), qkv.shape[1], T, nh - kv, kv, D, cos, sin, pos, k_cache.data_ptr(),
+                v_cache.data_ptr(), self._slots, n_slots)
+        if _profiling():
+            with torch.profiler.record_function("flowrt::rope_kv_write"):
+                rc = self._rope_kv(*args)
+        else:
+            rc = self._rope_kv(*args)
+        if rc != 0:
+            raise IndexError(f"glue: a slot is outside the KV pool of {n_slots} token slots")
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """Returns self.act = silu(gate) * up of the gate+up projection's output."""
@@ -456,6 +497,12 @@ class PackedLinearBF16:
                 or not _lib.gemm_bf16_available()):
             return None
         return cls(weight, bias)
+
+    def weight(self) -> torch.Tensor:
+        """W [N, K] unpacked from the panels (a new tensor: for the paths that run while the kernels are off)."""
+        P, K2 = -(-self.n // 32), -(-self.k // 2)
+        w = self.wp.view(P, K2, 32, 2).permute(0, 2, 1, 3).reshape(P * 32, K2 * 2)
+        return w[: self.n, : self.k].contiguous()
 
     @_profiled("gemm_bf16")
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -200,9 +200,28 @@ static void decode_heads_bf16_512(const bf16_t* qp, const bf16_t* kc, const bf16
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int h = 0; h < NH; ++h) _mm256_storeu_ps(run_max + 8 * h, _mm256_set1_ps(-INFINITY));
     PagedRows<bf16_t> keys(k0, tab, bs, tok_st, start);
+    // Prefetches the keys (to L1) and values (to L2, for the weighted sum) of the tokens PF_AHEAD on, the item's
+    // heads' span of each row: the rows of a new block are a jump the hardware prefetcher does not follow (one
+    // thread, 32 sequences x 200 tokens x 30 layers, pools past L3, in-process A/B: 30.4 -> 23.8 ms CPU; 8 ahead
+    // 24.5, 32 ahead 25.4).
+    constexpr int PF_AHEAD = 16;
+    const int span = nkh * D * (int)sizeof(bf16_t);
+    PagedRows<bf16_t> ahead(k0, tab, bs, tok_st, std::min(start + PF_AHEAD, end - 1));
     for (int pos = start; pos < end; pos += 8) {
         const bf16_t* kp[8];
         keys.next8(pos, end, kp);
+        if (pos + PF_AHEAD < end) {
+            const bf16_t* kf[8];
+            ahead.next8(pos + PF_AHEAD, end, kf);
+            for (int j = 0; j < 8 && pos + PF_AHEAD + j < end; ++j) {
+                const char* kr = reinterpret_cast<const char*>(kf[j]);
+                const char* vr = reinterpret_cast<const char*>(kf[j] - k0 + v0);
+                for (int o = 0; o < span; o += 64) {
+                    _mm_prefetch(kr + o, _MM_HINT_T0);
+                    _mm_prefetch(vr + o, _MM_HINT_T1);
+                }
+            }
+        }
         for (int h = 0; h < NH; ++h) {
             const int ko = (h / G) * D;
             __m512 acc[8];
@@ -481,14 +500,14 @@ struct Flash512Scratch {
     int32_t *qp, *pp, *vp;        // (bf16 form) queries, probabilities, values as pairs
     float *qf, *kf, *vf;          // (float form) queries, keys, values widened
     void size(int ss, int D) {
-        const size_t rows = FLASH512_CHUNK + 8;  // whole score tiles past the chunk's last token
+        const size_t rows = FLASH512_CHUNK;
         const size_t need = 16 + rows * ss + (size_t)ss * D + 4 * (size_t)ss + (size_t)ss * D / 2 + (size_t)D * ss
 #ifdef FLOWRT_AVX512BF16
                             + (size_t)FLASH512_CHUNK / 2 * ss + (size_t)FLASH512_CHUNK / 2 * D;
 #else
                             + 2 * rows * D;
 #endif
-        if (buf.size() < need) buf.assign(need, 0.f);  // zeros: the padding rows of kf stay finite
+        if (buf.size() < need) buf.resize(need);
         krow.resize(rows);
         float* p = buf.data() + ((-(reinterpret_cast<uintptr_t>(buf.data()) / 4)) & 15);  // 64-byte aligned
         s = p; p += rows * ss;
@@ -587,6 +606,7 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
                 const __mmask16 ok = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(t));
                 mx = _mm512_mask_max_ps(mx, ok, mx, _mm512_loadu_ps(sv + (size_t)t * ss));
             }
+            // (the maximum of the raw scores, scaled once: scale > 0, as every attention scale is)
             const __m512 m_old = _mm512_loadu_ps(w.m + 16 * v), m_new = _mm512_max_ps(m_old, _mm512_mul_ps(mx, vscale));
             // rows without keys so far keep m = -inf; exponents are taken against 0 there (all masked anyway)
             const __m512 m_ref = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ),

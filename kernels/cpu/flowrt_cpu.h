@@ -43,5 +43,7 @@ void rope_f32(float* x, int64_t row_st, int64_t T, int nh, int D, const float* c
 void rope_bf16(bf16_t* x, int64_t row_st, int64_t T, int nh, int D, const bf16_t* cos_t, const bf16_t* sin_t, const int64_t* pos);
 void silu_mul_f32(const float* gu, int64_t gu_st, float* out, int64_t T, int I);
 void silu_mul_bf16(const bf16_t* gu, int64_t gu_st, bf16_t* out, int64_t T, int I);
+int rope_kv_write_f32(float* x, int64_t row_st, int64_t T, int nq, int nk, int D, const float* cos_t, const float* sin_t, const int64_t* pos, float* kc, float* vc, const int64_t* slots, int64_t n_slots);
+int rope_kv_write_bf16(bf16_t* x, int64_t row_st, int64_t T, int nq, int nk, int D, const bf16_t* cos_t, const bf16_t* sin_t, const int64_t* pos, bf16_t* kc, bf16_t* vc, const int64_t* slots, int64_t n_slots);
 
 }  // extern "C"

@@ -154,34 +154,55 @@ void add_rmsnorm(T* h, const T* delta, const T* w, T* out, int64_t Tn, int E, fl
     }
 }
 
-// Rotary embedding (rotate-half convention) in place on nh heads of D at the start of each row of x. bf16 as
-// transformers' q * cos + rotate_half(q) * sin: each product rounded, then their sum.
+// Rotary embedding (rotate-half convention) in place on nh heads of D at the start of row v, with the position's
+// table rows c and s. bf16 as transformers' q * cos + rotate_half(q) * sin: each product rounded, then their sum.
 template <typename T>
-void rope(T* x, int64_t row_st, int64_t Tn, int nh, int D, const T* cos_t, const T* sin_t, const int64_t* pos) {
+inline void rope_row(T* row, int nh, int D, const T* c, const T* s) {
     const int h = D / 2;
-    #pragma omp parallel for schedule(static) if (Tn * nh * D >= 8192) num_threads(flowrt_threads)
-    for (int64_t t = 0; t < Tn; ++t) {
-        const T* c = cos_t + pos[t] * D;
-        const T* s = sin_t + pos[t] * D;
-        for (int j = 0; j < nh; ++j) {
-            T* v = x + t * row_st + (int64_t)j * D;
+    for (int j = 0; j < nh; ++j) {
+        T* v = row + (int64_t)j * D;
 #ifdef GLUE_AVX512
-            rope_head16<T>(v, c, s, h);
-            continue;
+        rope_head16<T>(v, c, s, h);
+        continue;
 #endif
-            #pragma omp simd
-            for (int i = 0; i < h; ++i) {
-                const float a = to_f32(v[i]), b = to_f32(v[i + h]);
-                if constexpr (sizeof(T) == 4) {
-                    v[i] = from_f32<T>(a * to_f32(c[i]) - b * to_f32(s[i]));
-                    v[i + h] = from_f32<T>(b * to_f32(c[i + h]) + a * to_f32(s[i + h]));
-                } else {
-                    v[i] = from_f32<T>(round_as<T>(a * to_f32(c[i])) + round_as<T>(-b * to_f32(s[i])));
-                    v[i + h] = from_f32<T>(round_as<T>(b * to_f32(c[i + h])) + round_as<T>(a * to_f32(s[i + h])));
-                }
+        #pragma omp simd
+        for (int i = 0; i < h; ++i) {
+            const float a = to_f32(v[i]), b = to_f32(v[i + h]);
+            if constexpr (sizeof(T) == 4) {
+                v[i] = from_f32<T>(a * to_f32(c[i]) - b * to_f32(s[i]));
+                v[i + h] = from_f32<T>(b * to_f32(c[i + h]) + a * to_f32(s[i + h]));
+            } else {
+                v[i] = from_f32<T>(round_as<T>(a * to_f32(c[i])) + round_as<T>(-b * to_f32(s[i])));
+                v[i + h] = from_f32<T>(round_as<T>(b * to_f32(c[i + h])) + round_as<T>(a * to_f32(s[i + h])));
             }
         }
     }
+}
+
+// rope_row on the rows of x (row stride row_st) at positions pos.
+template <typename T>
+void rope(T* x, int64_t row_st, int64_t Tn, int nh, int D, const T* cos_t, const T* sin_t, const int64_t* pos) {
+    #pragma omp parallel for schedule(static) if (Tn * nh * D >= 8192) num_threads(flowrt_threads)
+    for (int64_t t = 0; t < Tn; ++t) rope_row(x + t * row_st, nh, D, cos_t + pos[t] * D, sin_t + pos[t] * D);
+}
+
+// A qkv projection's rows [q (nq heads) | k (nk heads) | v (nk heads)] of D: q and k rotated in place, then k and v
+// copied to token slot slots[t] of the pools (n_slots slots of nk * D): rotary and the KV write in one pass while
+// the row is in cache, one call instead of two. Returns -1, changing nothing, when a slot is out of range.
+template <typename T>
+int rope_kv_write(T* x, int64_t row_st, int64_t Tn, int nq, int nk, int D, const T* cos_t, const T* sin_t,
+                  const int64_t* pos, T* kc, T* vc, const int64_t* slots, int64_t n_slots) {
+    for (int64_t t = 0; t < Tn; ++t)
+        if (slots[t] < 0 || slots[t] >= n_slots) return -1;
+    const int64_t W = (int64_t)nk * D;
+    #pragma omp parallel for schedule(static) if (Tn * (nq + nk) * D >= 8192) num_threads(flowrt_threads)
+    for (int64_t t = 0; t < Tn; ++t) {
+        T* row = x + t * row_st;
+        rope_row(row, nq + nk, D, cos_t + pos[t] * D, sin_t + pos[t] * D);
+        std::memcpy(kc + slots[t] * W, row + (int64_t)nq * D, sizeof(T) * W);
+        std::memcpy(vc + slots[t] * W, row + (int64_t)nq * D + W, sizeof(T) * W);
+    }
+    return 0;
 }
 
 // out[t] = silu(gu[t, :I]) * gu[t, I:] for rows of the fused gate+up projection [T, 2I] (row stride gu_st):
@@ -239,6 +260,18 @@ void rope_f32(float* x, int64_t row_st, int64_t T, int nh, int D, const float* c
 void rope_bf16(bf16_t* x, int64_t row_st, int64_t T, int nh, int D, const bf16_t* cos_t, const bf16_t* sin_t,
                const int64_t* pos) {
     rope<bf16_t>(x, row_st, T, nh, D, cos_t, sin_t, pos);
+}
+
+int rope_kv_write_f32(float* x, int64_t row_st, int64_t T, int nq, int nk, int D, const float* cos_t,
+                      const float* sin_t, const int64_t* pos, float* kc, float* vc, const int64_t* slots,
+                      int64_t n_slots) {
+    return rope_kv_write<float>(x, row_st, T, nq, nk, D, cos_t, sin_t, pos, kc, vc, slots, n_slots);
+}
+
+int rope_kv_write_bf16(bf16_t* x, int64_t row_st, int64_t T, int nq, int nk, int D, const bf16_t* cos_t,
+                       const bf16_t* sin_t, const int64_t* pos, bf16_t* kc, bf16_t* vc, const int64_t* slots,
+                       int64_t n_slots) {
+    return rope_kv_write<bf16_t>(x, row_st, T, nq, nk, D, cos_t, sin_t, pos, kc, vc, slots, n_slots);
 }
 
 void silu_mul_f32(const float* gu, int64_t gu_st, float* out, int64_t T, int I) {

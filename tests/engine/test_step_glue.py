@@ -24,10 +24,13 @@ def _steps(llm, prompts):
     return steps
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "bfloat16")],
+                         ids=["fp32", "bf16", "fp32-kv-bf16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a qkv bias
-def test_glued_forward_matches_layer_by_layer(tmp_path, dtype, arch):
-    llm = LLM(make_tiny_model(tmp_path / arch, arch=arch), dtype=str(dtype).removeprefix("torch."))
+def test_glued_forward_matches_layer_by_layer(tmp_path, dtype, kv, arch):
+    """Bit-equal hidden states, prefill and decode; the KV write fused with rotary where the pool has the model's
+    dtype, the backend's write where it does not."""
+    llm = LLM(make_tiny_model(tmp_path / arch, arch=arch), dtype=dtype, kv_cache_dtype=kv)
     runner = llm.engine.runner
     model = runner.model
     for inp in _steps(llm, [[1, 5, 77, 300, 12, 9], [1, 400] + list(range(20, 60))]):
@@ -59,3 +62,26 @@ def test_step_glue_rejects_misfits():
     x = glue.add_rmsnorm(torch.randn(T, E), torch.ones(E))
     assert x is glue.x and x.shape == (T, E)
     assert glue.silu_mul(torch.randn(T, 48)) is glue.act
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rope_kv_write_is_rope_then_kv_write(dtype):
+    T, H, Hkv, D = 5, 6, 2, 16
+    torch.manual_seed(0)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D).to(dtype)
+    cos, sin = torch.randn(40, D).to(dtype), torch.randn(40, D).to(dtype)
+    pos, slots = torch.randint(0, 40, (T,)), torch.tensor([3, 17, 0, 30, 9])
+    kc, vc = torch.zeros(4, 8, Hkv, D, dtype=dtype), torch.zeros(4, 8, Hkv, D, dtype=dtype)
+    ref, rkc, rvc = qkv.clone(), kc.clone(), vc.clone()
+    cpu_ops.rope_(ref, H + Hkv, D, cos, sin, pos)
+    k, v = ref[:, H * D:].view(T, 2 * Hkv, D).split([Hkv, Hkv], dim=1)
+    cpu_ops.kv_write(k, v, rkc, rvc, slots)
+    glue = cpu_ops.StepGlue(torch.randn(T, 8).to(dtype), pos, cos, sin, 1e-5, H + Hkv, D, qkv.shape[1], 4, slots)
+    glue.rope_kv_(qkv, kc, vc)
+    assert torch.equal(qkv, ref) and torch.equal(kc, rkc) and torch.equal(vc, rvc)
+    with pytest.raises(ValueError, match="KV pools"):
+        glue.rope_kv_(qkv, kc, vc[:2])
+    bad = cpu_ops.StepGlue(torch.randn(T, 8).to(dtype), pos, cos, sin, 1e-5, H + Hkv, D, qkv.shape[1], 4,
+                           torch.tensor([0, 1, 2, 3, 32]))
+    with pytest.raises(IndexError, match="outside the KV pool"):
+        bad.rope_kv_(qkv.clone(), kc, vc)
