@@ -84,7 +84,7 @@ def median(xs):
 def flowrt_bench(args) -> dict:
     from flowrt.engine import LLM, EngineArgs, SamplingParams
 
-    on = json.loads(args.spec) if args.spec else EngineArgs().speculative_config or {"method": "ngram"}
+    on = json.loads(args.spec) if args.spec else EngineArgs().speculative_config
     print(f"# flowrt speculative_config (on): {json.dumps(on)}", flush=True)
     engines = {name: LLM(args.model_dir, dtype=args.dtype, speculative_config=spec, seed=0)
                for name, spec in (("off", None), ("on", on))}

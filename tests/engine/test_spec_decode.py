@@ -51,7 +51,7 @@ def test_stories_greedy_identical_and_drafts_accepted(stories_path, engine_kw):
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     llm_tok = LLM(stories_path, dtype="float32").tokenizer
     ids = [{"prompt_token_ids": llm_tok(p).input_ids} for p in STORY_PROMPTS]
-    off, _ = run(stories_path, ids, params, **engine_kw)
+    off, _ = run(stories_path, ids, params, speculative_config=None, **engine_kw)
     on, stats = run(stories_path, ids, params, speculative_config=SPEC, **engine_kw)
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
     assert [o.outputs[0].text for o in on] == [o.outputs[0].text for o in off]
@@ -79,7 +79,7 @@ def test_stop_strings_logprobs_and_forks_unchanged(stories_path):
     params = [SamplingParams(max_tokens=60, temperature=0.0, stop=["Lily was"], logprobs=2),
               SamplingParams(max_tokens=40, temperature=0.0, n=2, logprobs=0)]
     prompts = [STORY_PROMPTS[0], STORY_PROMPTS[1]]
-    off, _ = run(stories_path, prompts, params)
+    off, _ = run(stories_path, prompts, params, speculative_config=None)
     on, stats = run(stories_path, prompts, params, speculative_config=SPEC)
     assert stats["spec_accepted_tokens"] > 0
     for a, b in zip(on, off):
@@ -106,7 +106,7 @@ def test_structured_forced_tokens_unchanged(stories_path):
 
     params = SamplingParams(max_tokens=30, temperature=0.0,
                             structured_outputs=StructuredOutputsParams(regex=r"(ab ){3,9}"))
-    off, off_stats = run(stories_path, ["Say ab ab ab"], params)
+    off, off_stats = run(stories_path, ["Say ab ab ab"], params, speculative_config=None)
     on, stats = run(stories_path, ["Say ab ab ab"], params, speculative_config=SPEC)
     assert on[0].outputs[0].token_ids == off[0].outputs[0].token_ids
     assert stats["forced_tokens"] == off_stats["forced_tokens"] > 0

@@ -55,9 +55,10 @@ def test_acceptance_per_sequence_with_the_engine_wide_prior():
     assert set(acc._seq) == {1}
 
 
-def test_an_explicit_off():
+def test_on_by_default_and_an_explicit_off():
     from flowrt.runner.options import add_engine_arguments, engine_kwargs_from_args
 
+    assert EngineArgs().speculative_config["adaptive"] is True
     assert EngineArgs(speculative_config={"method": "ngram"}).speculative_config["adaptive"] is True
     assert EngineArgs(speculative_config=None).speculative_config is None
     p = argparse.ArgumentParser()

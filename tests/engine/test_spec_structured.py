@@ -47,7 +47,7 @@ def test_draft_tokens_rejected_by_a_constraint_greedy_identical(stories_path, en
               for i, (_, so) in enumerate(CONSTRAINED)]
     params += [SamplingParams(max_tokens=40, temperature=0.0),
                SamplingParams(max_tokens=40, temperature=0.0, n=2, structured_outputs=CONSTRAINED[0][1])]
-    off, off_stats = run(stories_path, prompts, params, **engine_kw)
+    off, off_stats = run(stories_path, prompts, params, speculative_config=None, **engine_kw)
     on, stats = run(stories_path, prompts, params, speculative_config=SPEC, **engine_kw)
     for a, b in zip(on, off):
         for x, y in zip(a.outputs, b.outputs):
@@ -69,7 +69,7 @@ def test_regex_cuts_the_copied_continuation(stories_path):
     regex forbids its capitals and "."."""
     prompt, so = CONSTRAINED[0]
     params = SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=so)
-    off, _ = run(stories_path, prompt, params)
+    off, _ = run(stories_path, prompt, params, speculative_config=None)
     on, stats = run(stories_path, prompt, params, speculative_config=SPEC)
     assert on[0].outputs[0].token_ids == off[0].outputs[0].token_ids
     assert re.fullmatch(so.regex, on[0].outputs[0].text)
