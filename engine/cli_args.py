@@ -69,7 +69,8 @@ def _value(name: str) -> Callable[[str], Any]:
 
     def convert(raw: str) -> Any:
         try:
-            return getattr(EngineArgs(**{name: raw}), name)
+            value = getattr(EngineArgs(**{name: raw}), name)
+            return raw if value is None else value  # an explicit off (--speculative-config off) stays given
         except ValidationError as e:
             raise argparse.ArgumentTypeError(f"{raw!r}: {e.errors()[0]['msg']}") from None
 

@@ -68,17 +68,19 @@ class EngineArgs(BaseModel):
         "decode steps replay a graph captured per batch-size bucket on first use (engine/cuda_graphs.py)."))
     speculative_config: dict | None = Field(None, description=(
         'speculative decoding from the context (engine/spec_decode.py), vLLM\'s keys: {"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; None: off'))
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}, and flowrt\'s "adaptive" '
+        "(true: draft only as much as the measured step cost and acceptance rate say pays, engine/spec_policy.py); "
+        "None (--speculative-config off): off"))
 
     @field_validator("speculative_config", mode="before")
     @classmethod
     def _spec(cls, v):
-        if v is None:
-            return None
         if isinstance(v, str):
             import json
 
-            v = json.loads(v)
+            v = None if v.strip().lower() in ("off", "none", "null") else json.loads(v)
+        if v is None:
+            return None
         from .spec_decode import SpeculativeConfig
 
         return SpeculativeConfig.model_validate(v).model_dump()

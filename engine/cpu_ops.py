@@ -1,6 +1,7 @@
-"""The CPU kernels, called through ctypes: projections over prepacked weights (PackedLinear, float32), paged decode
-and flash attention that read the KV pool in place (no gather), the KV cache write, residual-add + RMSNorm, SiLU x
-up and rotary embedding in place, for float32 and bfloat16 tensors (bf16 kernels compute in float32 registers).
+"""The CPU kernels, called through ctypes: projections over prepacked weights (PackedLinear, float32;
+PackedLinearBF16, bfloat16 with AVX512-BF16), paged decode and flash attention that read the KV pool in place (no
+gather), the KV cache write, residual-add + RMSNorm, SiLU x up and rotary embedding in place, for float32 and
+bfloat16 tensors (bf16 kernels compute in float32 registers).
 
 The sources live in kernels/cpu/ and are built lazily, once per instruction-set variant, by engine/cpu_build.py;
 `lib()` loads the highest variant the CPU runs (or FLOWRT_CPU_ISA's), and returns None when no compiler is present,

@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from dataclasses import replace
 from typing import Callable, Iterable
 
@@ -229,6 +230,7 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Runs one scheduled model step; returns the requests that made progress."""
         with self._step_lock:
+            t0 = time.perf_counter()
             with self.lock:
                 self.open_seqs.drain()
                 if self.spec is not None:
@@ -253,7 +255,17 @@ class LLMEngine:
                         self.structured.apply(lg, live)  # grammar masks, before penalties and sampling
                     result = sample(lg, live, self.eos_ids, self.generator)
                 verified = self._verify_drafts(so, mo, live, result) if so.spec_rows else None
-                return self.outputs.process(so, computed, mo, live, result, verified)
+                done = self.outputs.process(so, computed, mo, live, result, verified)
+                if self.spec is not None:
+                    self._observe_step(so, time.perf_counter() - t0)
+                return done
+
+    def _observe_step(self, so: SchedulerOutput, seconds: float) -> None:
+        """A decode step's cost (every sequence computes one token, or its pending token and drafts), for the
+        speculator's adaptive rule."""
+        rows = sum(so.num_new_tokens)
+        if rows == len(so.seqs) + sum(m for _, _, m in so.spec_rows):
+            self.spec.observe_step(rows, seconds)
 
     def _verify_drafts(self, so: SchedulerOutput, mo, live: list[Sequence], result) -> dict[int, Verified]:
         """Speculative decoding: each drafting sequence's drafts checked against its rows (spec_decode.py);
@@ -348,3 +360,4 @@ class LLMEngine:
 
     def kv_import(self, blocks) -> int:
         return kv_transfer.import_blocks(self, blocks)
+

@@ -21,6 +21,9 @@ matcher as usual (and a token the grammar then forces is appended without the mo
 
 Sequences draft only where every row's distribution is the plain one or a grammar's: no
 repetition/presence/frequency penalty, min_tokens already reached. Others decode as before.
+
+How many drafts a step takes (`adaptive`, the default): engine/spec_policy.py's DraftBudget, from the measured cost
+of a step's rows and each sequence's acceptance rate; `adaptive: false` takes every draft found.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .sampler import filter_logits
+from .spec_policy import DraftBudget
 from .structured_output import draft_prefix
 
 if TYPE_CHECKING:
@@ -49,6 +53,8 @@ class SpeculativeConfig(BaseModel):
     num_speculative_tokens: int = Field(4, ge=1, le=32)
     prompt_lookup_min: int = Field(2, ge=1)
     prompt_lookup_max: int = Field(4, ge=1)
+    # flowrt: draft only as much as the measured step cost and acceptance say pays (engine/spec_policy.py)
+    adaptive: bool = True
 
     @model_validator(mode="after")
     def _range(self) -> "SpeculativeConfig":
@@ -108,6 +114,7 @@ class NgramSpeculator:
         self.draft_tokens = 0  # drafts verified (computed by a step)
         self.accepted_tokens = 0
         self.grammar_rejected_tokens = 0  # drafted tokens cut because a sequence's grammar forbids them
+        self.budget = DraftBudget() if cfg.adaptive else None
 
     @property
     def acceptance_rate(self) -> float:
@@ -125,24 +132,11 @@ class NgramSpeculator:
 
     def propose(self, running: list[Sequence]) -> None:
         """Appends drafts to the eligible running sequences (seq.num_draft_tokens of them)."""
-        cfg = self.cfg
+        found = [(seq, d) for seq in running if self.eligible(seq) and (d := self._draft(seq))]
+        if self.budget is not None:
+            found = self._budgeted(running, found)
         free = self.kv.pool.num_free
-        for seq in running:
-            if not self.eligible(seq):
-                continue
-            p = seq.request.params
-            # every accepted draft plus the token after them must fit max_tokens and max_model_len
-            room = min(cfg.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
-                       self.max_model_len - seq.num_tokens - 1)
-            if room <= 0:
-                continue
-            draft = ngram_draft(seq.token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-            if draft and seq.matcher is not None:
-                ok = draft_prefix(seq.matcher, draft)
-                self.grammar_rejected_tokens += len(draft) - ok
-                draft = draft[:ok]
-            if not draft:
-                continue
+        for seq, draft in found:
             need = self.kv.blocks_needed(seq, 1 + len(draft)) - self.kv.blocks_needed(seq, 1)
             if need > free:  # drafts never take memory that would force a preemption
                 continue
@@ -150,6 +144,34 @@ class NgramSpeculator:
             seq.token_ids.extend(draft)
             seq.num_draft_tokens = len(draft)
 
+    def _draft(self, seq: Sequence) -> list[int]:
+        """The n-gram draft of an eligible sequence, cut to what max_tokens and max_model_len leave room for (every
+        accepted draft plus the token after them must fit)."""
+        cfg, p = self.cfg, seq.request.params
+        room = min(cfg.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens - 1)
+        if room <= 0:
+            return []
+        draft = ngram_draft(seq.token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if draft and seq.matcher is not None:  # only what the grammar allows
+            ok = draft_prefix(seq.matcher, draft)
+            self.grammar_rejected_tokens += len(draft) - ok
+            draft = draft[:ok]
+        return draft
+
+    def _budgeted(self, running: list[Sequence], found: list[tuple[Sequence, list[int]]]):
+        """The drafts cut to what the DraftBudget keeps (rows: the running sequences' uncomputed tokens)."""
+        acc = self.budget.acceptance
+        acc.keep_only({s.seq_id for s in running})
+        rows = sum(s.num_tokens - s.num_computed_tokens for s in running)
+        tokens = sum(s.num_tokens - s.num_computed_tokens == 1 for s in running)
+        keep = self.budget.plan([(len(d), acc.rate(seq.seq_id)) for seq, d in found], rows, tokens)
+        return [(seq, d[:k]) for (seq, d), k in zip(found, keep) if k]
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode step's rows (drafts included) and wall time, for the adaptive rule's cost model."""
+        if self.budget is not None:
+            self.budget.cost.observe(rows, seconds)
 
     # ---- after the step ----------------------------------------------------------------------------
     def verify(self, seq: Sequence, rows: torch.Tensor, sampled: int, want_logprobs: bool,
@@ -185,6 +207,8 @@ class NgramSpeculator:
         a = len(accepted)
         self.draft_tokens += m
         self.accepted_tokens += a
+        if self.budget is not None:
+            self.budget.acceptance.record(seq.seq_id, m, a)
         lps = torch.log_softmax(rows[: a + 1], dim=-1) if want_logprobs else None
         # back to [.., pending]: process() appends the accepted drafts and the final token; the KV of the
         # pending token and the accepted drafts stays, the rest is rolled back

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import cpu_ops
+from .. import cpu_build, cpu_ops
 from ..attention import AttentionMetadata
 from ..dtypes import cpu_supports_bf16 as _onednn_bf16
 from ..model_config import ModelConfig
@@ -270,8 +270,8 @@ class LlamaModel(nn.Module):
         The plain weights stay: the float32 paths fall back to them when the kernels are turned off
         (cpu_ops.set_enabled(False)).
         bfloat16: oneDNN prepacked for every projection (~1.2-1.6x on few-row matmuls, bit-identical), and with
-        AVX512-BF16 flowrt's own kernel (cpu_ops.PackedLinearBF16) for steps of up to BF16_KERNEL_ROWS rows (see
-        there); the plain weights are dropped (the tied embedding keeps its own copy). Returns False, changing
+        AVX512-BF16 and no AMX flowrt's own kernel (cpu_ops.PackedLinearBF16) for steps of up to BF16_KERNEL_ROWS
+        rows (see there); the plain weights are dropped (the tied embedding keeps its own copy). Returns False, changing
         nothing, where no packing applies.
         """
         if self.embed.device.type != "cpu":
@@ -371,14 +371,17 @@ def _packed(weight, bias, batch_hint: int):
 #: flowrt's AVX512-BF16 kernel, larger ones oneDNN. Measured (python bench/gemm_bf16.py, AMD EPYC with AVX512-BF16,
 #: no AMX, cold weights, in-process A/B, one thread's CPU time): every SmolLM2-135M shape at 1-64 rows 1.09-2.35x
 #: oneDNN prepacked; qkv / o / gate_up / down 1.04-1.13x at 128 and 512 rows; the LM head 1.05x at 128, 0.99x at 512.
+#: On a CPU with AMX tiles oneDNN runs these on AMX instead, which was not measured: there oneDNN keeps them all.
 BF16_KERNEL_ROWS = 512
 BF16_KERNEL_ROWS_LM_HEAD = 128
 
 
 def _packed_bf16(weight, bias, batch_hint: int, rows: int = BF16_KERNEL_ROWS):
     """oneDNN prepacked, with the AVX512-BF16 kernel in front of it for steps of at most `rows` rows while the CPU
-    kernels are on (just oneDNN where that kernel is unavailable)."""
+    kernels are on (just oneDNN where that kernel is unavailable, or the CPU has AMX)."""
     onednn = _packed(weight, bias, batch_hint)
+    if "amx_bf16" in cpu_build.cpu_flags():
+        return onednn
     kernel = cpu_ops.PackedLinearBF16.create(weight, bias)
     if kernel is None:
         return onednn

@@ -45,6 +45,8 @@ _ENGINE_STATS: dict[str, tuple[str, str, str]] = {
     "spec_draft_tokens": ("flowrt_engine_spec_draft_tokens", "Speculative draft tokens verified.", "counter"),
     "spec_accepted_tokens": ("flowrt_engine_spec_accepted_tokens", "Speculative draft tokens accepted.", "counter"),
     "spec_acceptance_rate": ("flowrt_engine_spec_acceptance_rate", "Accepted over verified draft tokens.", "gauge"),
+    "spec_draft_rejected_by_grammar": ("flowrt_engine_spec_draft_rejected_by_grammar",
+                                       "Drafted tokens cut because the sequence's grammar forbids them.", "counter"),
     "cpu_threads": ("flowrt_engine_cpu_threads", "Compute threads the CPU steps run with now (engine/cpu_threads.py).",
                     "gauge"),
     "cpu_thread_changes": ("flowrt_engine_cpu_thread_changes",

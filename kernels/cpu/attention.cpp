@@ -200,9 +200,28 @@ static void decode_heads_bf16_512(const bf16_t* qp, const bf16_t* kc, const bf16
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int h = 0; h < NH; ++h) _mm256_storeu_ps(run_max + 8 * h, _mm256_set1_ps(-INFINITY));
     PagedRows<bf16_t> keys(k0, tab, bs, tok_st, start);
+    // Prefetches the keys (to L1) and values (to L2, for the weighted sum) of the tokens PF_AHEAD on, the item's
+    // heads' span of each row: the rows of a new block are a jump the hardware prefetcher does not follow (one
+    // thread, 32 sequences x 200 tokens x 30 layers, pools past L3, in-process A/B: 30.4 -> 23.8 ms CPU; 8 ahead
+    // 24.5, 32 ahead 25.4).
+    constexpr int PF_AHEAD = 16;
+    const int span = nkh * D * (int)sizeof(bf16_t);
+    PagedRows<bf16_t> ahead(k0, tab, bs, tok_st, std::min(start + PF_AHEAD, end - 1));
     for (int pos = start; pos < end; pos += 8) {
         const bf16_t* kp[8];
         keys.next8(pos, end, kp);
+        if (pos + PF_AHEAD < end) {
+            const bf16_t* kf[8];
+            ahead.next8(pos + PF_AHEAD, end, kf);
+            for (int j = 0; j < 8 && pos + PF_AHEAD + j < end; ++j) {
+                const char* kr = reinterpret_cast<const char*>(kf[j]);
+                const char* vr = reinterpret_cast<const char*>(kf[j] - k0 + v0);
+                for (int o = 0; o < span; o += 64) {
+                    _mm_prefetch(kr + o, _MM_HINT_T0);
+                    _mm_prefetch(vr + o, _MM_HINT_T1);
+                }
+            }
+        }
         for (int h = 0; h < NH; ++h) {
             const int ko = (h / G) * D;
             __m512 acc[8];
@@ -332,6 +351,7 @@ constexpr int FLASH_CHUNK = 256;
 // query vectors a tile at most: each packed chunk serves them all (Zen3, 2 threads: 72 was a few % ahead of 24-48)
 constexpr int FLASH_TILE_Q = 72;
 // the same for the AVX-512 bf16 form (query vectors rounded up to whole 16-lane vectors: 64 is one score tile's width)
+// (single thread, 4 x 512 causal, SmolLM2 shape: chunks of 64-256 keys and tiles of 64-128 query vectors within 3%)
 constexpr int FLASH512_CHUNK = 128;
 constexpr int FLASH512_TILE_Q = 64;
 
@@ -475,24 +495,26 @@ struct Flash512Scratch {
     std::vector<float> buf;
     std::vector<const bf16_t*> krow;
     float *s, *o, *m, *l, *alpha;
-    int32_t *lim, *qoff;          // each query vector's end and offset
+    int32_t* lim;                 // each query vector's end
+    bf16_t* qtmp;                 // the query vectors side by side
     int32_t *qp, *pp, *vp;        // (bf16 form) queries, probabilities, values as pairs
     float *qf, *kf, *vf;          // (float form) queries, keys, values widened
     void size(int ss, int D) {
-        const size_t rows = FLASH512_CHUNK + 8;  // whole score tiles past the chunk's last token
-        const size_t need = 16 + rows * ss + (size_t)ss * D + 5 * (size_t)ss + (size_t)D * ss
+        const size_t rows = FLASH512_CHUNK;
+        const size_t need = 16 + rows * ss + (size_t)ss * D + 4 * (size_t)ss + (size_t)ss * D / 2 + (size_t)D * ss
 #ifdef FLOWRT_AVX512BF16
                             + (size_t)FLASH512_CHUNK / 2 * ss + (size_t)FLASH512_CHUNK / 2 * D;
 #else
                             + 2 * rows * D;
 #endif
-        if (buf.size() < need) buf.assign(need, 0.f);  // zeros: the padding rows of kf stay finite
+        if (buf.size() < need) buf.resize(need);
         krow.resize(rows);
         float* p = buf.data() + ((-(reinterpret_cast<uintptr_t>(buf.data()) / 4)) & 15);  // 64-byte aligned
         s = p; p += rows * ss;
         o = p; p += (size_t)ss * D;
-        m = p; l = m + ss; alpha = l + ss; lim = reinterpret_cast<int32_t*>(alpha + ss); qoff = lim + ss;
-        p += 5 * (size_t)ss;
+        m = p; l = m + ss; alpha = l + ss; lim = reinterpret_cast<int32_t*>(alpha + ss);
+        qtmp = reinterpret_cast<bf16_t*>(lim + ss);
+        p += 4 * (size_t)ss + (size_t)ss * D / 2;
 #ifdef FLOWRT_AVX512BF16
         qp = reinterpret_cast<int32_t*>(p); p += (size_t)D / 2 * ss;
         pp = reinterpret_cast<int32_t*>(p); p += (size_t)FLASH512_CHUNK / 2 * ss;
@@ -512,31 +534,24 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
     const int64_t tok_st = (int64_t)a.Hkv * D;
     int E = key_start;
     for (int r = 0; r < nr; ++r) E = std::max(E, a.ends[i0 + r]);
-    // each query vector's offset from the first one (bf16 elements), and its end; a padding lane sees no keys
-    const bf16_t* q0 = a.q + a.rows[i0] * a.q_st + (int64_t)kh * G * D;
-    bool near = true;
+    // the item's query vectors copied side by side (zeros for padding lanes), then as (d, d+1) pairs across query
+    // vectors: one gather (from L1) per pair and 16 vectors
     for (int i = 0; i < ss; ++i) {
         const bool real = i < Mq;
-        const int64_t off = real ? (a.rows[i0 + i / G] - a.rows[i0]) * a.q_st + (int64_t)(i % G) * D : 0;
-        near = near && off >= -(int64_t(1) << 30) && off < (int64_t(1) << 30);
-        w.qoff[i] = (int32_t)off;
-        w.lim[i] = real ? a.ends[i0 + i / G] : 0;
+        bf16_t* dst = w.qtmp + (size_t)i * D;
+        if (real)
+            std::memcpy(dst, a.q + a.rows[i0 + i / G] * a.q_st + ((int64_t)kh * G + i % G) * D, sizeof(bf16_t) * D);
+        else
+            std::memset(dst, 0, sizeof(bf16_t) * D);
+        w.lim[i] = real ? a.ends[i0 + i / G] : 0;  // a padding lane sees no keys
         w.m[i] = -INFINITY;
         w.l[i] = 0.f;
     }
-    // the queries as (d, d+1) pairs across query vectors: one gather per pair and 16 vectors
-    for (int v = 0; v < ss / 16; ++v) {
-        const __m512i idx = _mm512_loadu_si512(w.qoff + 16 * v);
-        const __mmask16 real = Mq - 16 * v >= 16 ? 0xffff : (__mmask16)((1u << (Mq - 16 * v)) - 1);
+    const __m512i lane_off = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                _mm512_set1_epi32(D));
+    for (int v = 0; v < ss / 16; ++v)
         for (int k = 0; k < D / 2; ++k) {
-            __m512i x;
-            if (near) {
-                x = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real, idx, q0 + 2 * k, 2);
-            } else {
-                alignas(64) int32_t t[16];
-                for (int j = 0; j < 16; ++j) t[j] = (real >> j) & 1 ? load_pair(q0 + (int64_t)w.qoff[16 * v + j] + 2 * k) : 0;
-                x = _mm512_load_si512(t);
-            }
+            const __m512i x = _mm512_i32gather_epi32(lane_off, w.qtmp + (size_t)16 * v * D + 2 * k, 2);
 #ifdef FLOWRT_AVX512BF16
             _mm512_storeu_si512(w.qp + (size_t)k * ss + 16 * v, x);
 #else
@@ -545,7 +560,6 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
                                 _mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
 #endif
         }
-    }
     std::memset(w.o, 0, sizeof(float) * (size_t)ss * D);
     const __m512 vscale = _mm512_set1_ps(a.scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int c0 = key_start; c0 < E; c0 += FLASH512_CHUNK) {
@@ -560,9 +574,7 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
             const bf16_t* v1 = t + 1 < n ? w.krow[t + 1] - a.kc + a.vc : nullptr;
             for (int d = 0; d < D; d += 16) {
 #ifdef FLOWRT_AVX512BF16
-                const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d)));
-                const __m512i hi = v1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + d)))
-                                      : _mm512_setzero_si512();
+                const __m512i lo = zext16(v0 + d), hi = v1 ? zext16(v1 + d) : _mm512_setzero_si512();
                 _mm512_storeu_si512(w.vp + (size_t)(t / 2) * D + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
 #else
                 _mm512_storeu_ps(w.vf + (size_t)t * D + d, load16_bf16(v0 + d));
@@ -592,17 +604,17 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
             __m512 mx = ninf;
             for (int t = 0; t < n; ++t) {
                 const __mmask16 ok = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(t));
-                mx = _mm512_mask_max_ps(mx, ok, mx, _mm512_mul_ps(_mm512_loadu_ps(sv + (size_t)t * ss), vscale));
+                mx = _mm512_mask_max_ps(mx, ok, mx, _mm512_loadu_ps(sv + (size_t)t * ss));
             }
-            const __m512 m_old = _mm512_loadu_ps(w.m + 16 * v), m_new = _mm512_max_ps(m_old, mx);
+            // (the maximum of the raw scores, scaled once: scale > 0, as every attention scale is)
+            const __m512 m_old = _mm512_loadu_ps(w.m + 16 * v), m_new = _mm512_max_ps(m_old, _mm512_mul_ps(mx, vscale));
             // rows without keys so far keep m = -inf; exponents are taken against 0 there (all masked anyway)
             const __m512 m_ref = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ),
                                                     _mm512_setzero_ps());
             __m512 sum = _mm512_setzero_ps();
             auto prob = [&](int t) __attribute__((always_inline)) {
                 const __mmask16 ok = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(t));
-                const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(sv + (size_t)t * ss), vscale), m_ref);
-                return _mm512_maskz_mov_ps(ok, fexp16(x));
+                return exp16(_mm512_fmsub_ps(_mm512_loadu_ps(sv + (size_t)t * ss), vscale, m_ref), ok);
             };
 #ifdef FLOWRT_AVX512BF16
             // (P[i][t], P[i][t+1]) pairs: the two rows rounded to bf16, then interleaved
@@ -621,7 +633,7 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
                 _mm512_storeu_ps(w.s + (size_t)t * ss + 16 * v, p);
             }
 #endif
-            const __m512 alpha = fexp16(_mm512_sub_ps(m_old, m_ref));
+            const __m512 alpha = exp16(_mm512_sub_ps(m_old, m_ref));
             _mm512_storeu_ps(w.alpha + 16 * v, alpha);
             _mm512_storeu_ps(w.l + 16 * v, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(w.l + 16 * v), alpha), sum));
             _mm512_storeu_ps(w.m + 16 * v, m_new);

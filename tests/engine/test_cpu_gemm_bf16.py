@@ -86,3 +86,18 @@ def test_model_uses_it_only_where_configured(stories_path):
     finally:
         cpu_ops.PackedLinearBF16.__call__ = orig
         cpu_ops.set_enabled(True)
+
+
+def test_model_keeps_onednn_on_amx(stories_path, monkeypatch):
+    """On a CPU with AMX (where oneDNN runs bf16 on AMX tiles; the kernel was not measured against that) the
+    projections stay on oneDNN."""
+    _kernel_or_skip(torch.zeros(32, 8, dtype=torch.bfloat16))
+    flags = cpu_build.cpu_flags() | {"amx_bf16"}
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: flags)
+    model = LLM(stories_path, dtype="bfloat16").engine.runner.model
+    calls = []
+    orig = cpu_ops.PackedLinearBF16.__call__
+    monkeypatch.setattr(cpu_ops.PackedLinearBF16, "__call__", lambda self, v: calls.append(1) or orig(self, v))
+    model.layers[0].mm["qkv"](torch.randn(2, model.cfg.hidden_size).bfloat16())
+    model.mm["lm_head"](torch.randn(2, model.cfg.hidden_size).bfloat16())
+    assert not calls

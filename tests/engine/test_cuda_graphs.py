@@ -30,9 +30,11 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    """One layer keeps the interpreted kernels fast; the graph path is forced on with buckets up to 4."""
+    """One layer keeps the interpreted kernels fast; the graph path is forced on with buckets up to 4 (speculation
+    off: its verify steps run eagerly, and these tests count pure decode steps)."""
     path = make_tiny_model(tmp_path_factory.mktemp("tiny_cg"), num_hidden_layers=1, max_position_embeddings=256)
-    eng = LLMEngine(model=path, dtype="float32", attention_backend="triton", block_size=16, device="cpu")
+    eng = LLMEngine(model=path, dtype="float32", attention_backend="triton", block_size=16, device="cpu",
+                    speculative_config=None)
     assert eng.runner.configure_graphs(GraphConfig(emulate=True, max_batch=4))
     return eng
 

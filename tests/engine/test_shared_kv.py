@@ -78,7 +78,7 @@ def test_many_requests_share_a_512_token_prefix_computed_once(stories_path):
 
 
 def test_parallel_sampling_prefills_once_and_shares_blocks(stories_path):
-    llm = LLM(stories_path, dtype="float32")
+    llm = LLM(stories_path, dtype="float32", speculative_config=None)  # exact counts: no rejected drafts computed
     prompt = prefix_prompts(n=1, prefix_len=200)[0]
     new = 40
     out = llm.generate([{"prompt_token_ids": prompt}],

@@ -157,7 +157,7 @@ def test_cli_flag_and_metrics(stories_path):
     p = argparse.ArgumentParser()
     add_engine_arguments(p)
     kw = engine_kwargs_from_args(p.parse_args(["--speculative-config", json.dumps(SPEC)]))
-    assert kw["speculative_config"] == SPEC
+    assert SpeculativeConfig(**kw["speculative_config"]) == SpeculativeConfig(**SPEC)
     llm = LLM(stories_path, dtype="float32", **kw)
     llm.generate(STORY_PROMPTS[0], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
     st = llm.stats()
@@ -166,3 +166,4 @@ def test_cli_flag_and_metrics(stories_path):
     metrics = {m.name: m.samples[0].value for m in EngineCollector(llm.stats).collect()}
     assert metrics["flowrt_engine_spec_acceptance_rate"] == st["spec_acceptance_rate"]
     assert metrics["flowrt_engine_spec_draft_tokens"] == st["spec_draft_tokens"]
+    assert metrics["flowrt_engine_spec_draft_rejected_by_grammar"] == st["spec_draft_rejected_by_grammar"] == 0

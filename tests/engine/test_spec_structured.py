@@ -35,7 +35,8 @@ def run(model, prompts, params, **kw):
     return outs, stats
 
 
-@pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 24}], ids=["batched", "chunked"])
+@pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 24}, {"num_kv_blocks": 30, "block_size": 8}],
+                         ids=["batched", "chunked", "preempt"])
 def test_draft_tokens_rejected_by_a_constraint_greedy_identical(stories_path, engine_kw):
     """Constrained requests draft; drafted tokens their grammar forbids are cut (counted), and the greedy
     outputs (regex, json, choice, grammar, next to an unconstrained request and n=2) equal those without
@@ -59,6 +60,8 @@ def test_draft_tokens_rejected_by_a_constraint_greedy_identical(stories_path, en
     assert stats["spec_draft_rejected_by_grammar"] > 0
     assert stats["forced_tokens"] == off_stats["forced_tokens"] > 0  # forced tokens still skip the model
     assert off_stats["spec_draft_rejected_by_grammar"] == 0
+    if "num_kv_blocks" in engine_kw:
+        assert stats["preemptions"] > 0
 
 
 def test_regex_cuts_the_copied_continuation(stories_path):

@@ -103,3 +103,20 @@ def test_chat_beams_are_assistant_replies(llm, engine, earlier_turn):
             x.close()
 
     asyncio.run(main())
+
+
+def test_chat_json_beams_record_the_json_reply(llm):
+    schema = {"type": "object", "additionalProperties": False, "required": ["name"],
+              "properties": {"name": {"type": "string", "maxLength": 8}}}
+
+    async def main():
+        c = llm.chat().user("Name a girl as JSON.")
+        beams = await c.beam(width=2, max_tokens=30, json=schema)
+        assert len(beams) == 2
+        for b in beams:
+            assert b.messages[-1]["role"] == "assistant" and set(json.loads(b.messages[-1]["content"])) == {"name"}
+            assert b.text.endswith(b.messages[-1]["content"])
+            b.close()
+        c.close()
+
+    asyncio.run(main())

@@ -353,6 +353,13 @@ def test_disconnect_non_streaming_aborts(server):
 
 def test_metrics_parse(server, client):
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
+    # one request of each refused kind, so the test stands alone (not only after the error tests above)
+    url = server.url + "/v1/completions"
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    _error(httpx.post(url, headers=_auth(), json={**body, "max_tokens": 600}), 400)
+    _error(httpx.post(url, json=body), 401)
+    _error(httpx.post(url, headers=_auth(), json={**body, "model": "gpt-4o"}), 404)
+    _error(httpx.post(url, headers=_auth(), json={**body, "prompt": "x" * (MAX_BODY + 10)}), 413)
     r = httpx.get(server.url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     fams = {f.name: f for f in text_string_to_metric_families(r.text)}
