@@ -231,24 +231,26 @@ class LlamaModel(nn.Module):
 
     def _layer_ptrs(self, kv_caches, T: int) -> torch.Tensor | None:
         """int64 [L, 9] for StepGlue.decode_layers (norm weights, packed projections, qkv bias, pools), or None
-        where a projection would not run its packed kernel at T rows. Cached while the layers' projection tables
-        and the pools stay the same objects (the cache keeps them alive, so their ids stay theirs)."""
-        key = (id(kv_caches), *(id(layer.mm) for layer in self.layers))
+        where a projection would not run its packed kernel at T rows. Cached while the projections are the same
+        objects (the cache holds them, so their ids stay theirs) and the pools the same memory."""
+        fns = [f for layer in self.layers for f in layer.mm.values()]
+        key = (*map(id, fns), *(c.data_ptr() for pair in kv_caches for c in pair),
+               *(w.data_ptr() for layer in self.layers for w in (layer.input_norm, layer.post_norm)))
         if self._ptrs_cache is None or self._ptrs_cache[0] != key:
             kind = cpu_ops.PackedLinearBF16 if self.dtype == torch.bfloat16 else cpu_ops.PackedLinear
             rows, limit = [], None
             for layer, (kc, vc) in zip(self.layers, kv_caches):
-                fns = [layer.mm[n] for n in ("qkv", "o", "gate_up", "down")]
-                if not all(type(getattr(f, "kernel", None)) is kind for f in fns):
+                mms = [layer.mm[n] for n in ("qkv", "o", "gate_up", "down")]
+                if not all(type(getattr(f, "kernel", None)) is kind for f in mms):
                     rows = None
                     break
-                limit = min([f.rows for f in fns if f.rows is not None] + ([limit] if limit else []), default=None)
-                qkv, o, gate_up, down = (f.kernel for f in fns)
+                limit = min([f.rows for f in mms if f.rows is not None] + ([limit] if limit else []), default=None)
+                qkv, o, gate_up, down = (f.kernel for f in mms)
                 rows.append([layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), qkv.wp.data_ptr(),
                              0 if qkv.bias is None else qkv.bias.data_ptr(), o.wp.data_ptr(), gate_up.wp.data_ptr(),
                              down.wp.data_ptr(), kc.data_ptr(), vc.data_ptr()])
             ptrs = None if rows is None else torch.tensor(rows, dtype=torch.int64)
-            self._ptrs_cache = (key, ptrs, limit, kv_caches, [layer.mm for layer in self.layers])
+            self._ptrs_cache = (key, ptrs, limit, fns)
         _, ptrs, limit = self._ptrs_cache[:3]
         return None if ptrs is None or (limit is not None and T > limit) else ptrs
 

@@ -97,3 +97,22 @@ def test_rope_kv_write_is_rope_then_kv_write(dtype):
                            torch.tensor([0, 1, 2, 3, 32]))
     with pytest.raises(IndexError, match="outside the KV pool"):
         bad.rope_kv_(qkv.clone(), kc, vc)
+
+
+def test_one_call_pointers_follow_the_projections(tmp_path):
+    """The cached pointer table is rebuilt when a projection is replaced, and refused when one has no packed
+    kernel (the step then runs per kernel)."""
+    llm = LLM(make_tiny_model(tmp_path / "llama"), dtype="float32")
+    runner = llm.engine.runner
+    model = runner.model
+    first = model._layer_ptrs(runner.kv_caches, 1)
+    if first is None:
+        pytest.skip("no packed float32 kernel here (needs AVX2 + FMA)")
+    assert model._layer_ptrs(runner.kv_caches, 1) is first  # cached
+    layer = model.layers[0]
+    packed = layer.mm["o"]
+    layer.mm["o"] = lambda x: packed(x)  # the same result, but not marked as the packed kernel
+    assert model._layer_ptrs(runner.kv_caches, 1) is None
+    layer.mm["o"] = packed
+    again = model._layer_ptrs(runner.kv_caches, 1)
+    assert again is not None and torch.equal(again, first)
