@@ -536,6 +536,12 @@ class PackedLinearBF16:
             return None
         return cls(weight, bias)
 
+    def weight(self) -> torch.Tensor:
+        """W [N, K] unpacked from the panels (a new tensor: for the paths that run while the kernels are off)."""
+        P, K2 = -(-self.n // 32), -(-self.k // 2)
+        w = self.wp.view(P, K2, 32, 2).permute(0, 2, 1, 3).reshape(P * 32, K2 * 2)
+        return w[: self.n, : self.k].contiguous()
+
     @_profiled("gemm_bf16")
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or not x.is_cpu:

@@ -271,10 +271,10 @@ class LlamaModel(nn.Module):
         for the LM head and for steps of at most `small_rows` tokens (1.35-1.6x MKL at 16-64 rows), MKL beyond.
         The plain weights stay: the float32 paths fall back to them when the kernels are turned off
         (cpu_ops.set_enabled(False)).
-        bfloat16: oneDNN prepacked for every projection (~1.2-1.6x on few-row matmuls, bit-identical), and with
-        AVX512-BF16 and no AMX flowrt's own kernel (cpu_ops.PackedLinearBF16) for steps of up to BF16_KERNEL_ROWS
-        rows (see there); the plain weights are dropped (the tied embedding keeps its own copy). Returns False, changing
-        nothing, where no packing applies.
+        bfloat16: with AVX512-BF16 and no AMX flowrt's own kernel (cpu_ops.PackedLinearBF16) for every projection
+        at every row count (see _packed_bf16), else oneDNN prepacked (~1.2-1.6x F.linear on few-row matmuls,
+        bit-identical); either way one packed copy, the plain weights are dropped (the tied embedding keeps its
+        own copy). Returns False, changing nothing, where no packing applies.
         """
         if self.embed.device.type != "cpu":
             return False
@@ -288,7 +288,7 @@ class LlamaModel(nn.Module):
                         for name in ("qkv", "o", "gate_up", "down")}
             for name in ("qkv", "o", "gate_up", "down"):
                 delattr(layer, name)
-        self.mm = {"lm_head": _packed_bf16(self.lm_head, None, batch_hint, BF16_KERNEL_ROWS_LM_HEAD)}
+        self.mm = {"lm_head": _packed_bf16(self.lm_head, None, batch_hint)}
         if not self.cfg.tie_word_embeddings:
             del self.lm_head
         return True
@@ -369,25 +369,29 @@ def _packed(weight, bias, batch_hint: int):
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
 
 
-#: bfloat16 layer projections of at most this many rows (and LM heads of at most BF16_KERNEL_ROWS_LM_HEAD) run
-#: flowrt's AVX512-BF16 kernel, larger ones oneDNN. Measured (python bench/gemm_bf16.py, AMD EPYC with AVX512-BF16,
-#: no AMX, cold weights, in-process A/B, one thread's CPU time): every SmolLM2-135M shape at 1-64 rows 1.09-2.35x
-#: oneDNN prepacked; qkv / o / gate_up / down 1.04-1.13x at 128 and 512 rows; the LM head 1.05x at 128, 0.99x at 512.
-#: On a CPU with AMX tiles oneDNN runs these on AMX instead, which was not measured: there oneDNN keeps them all.
-BF16_KERNEL_ROWS = 512
-BF16_KERNEL_ROWS_LM_HEAD = 128
-
-
-def _packed_bf16(weight, bias, batch_hint: int, rows: int = BF16_KERNEL_ROWS):
-    """oneDNN prepacked, with the AVX512-BF16 kernel in front of it for steps of at most `rows` rows while the CPU
-    kernels are on (just oneDNN where that kernel is unavailable, or the CPU has AMX)."""
-    onednn = _packed(weight, bias, batch_hint)
+def _packed_bf16(weight, bias, batch_hint: int):
+    """flowrt's AVX512-BF16 kernel (cpu_ops.PackedLinearBF16) at every row count, its packed weights the only copy;
+    oneDNN prepacked where that kernel is unavailable or the CPU has AMX (oneDNN runs bf16 on AMX tiles there; the
+    kernel was not measured against that). Measured (python bench/gemm_bf16.py, AMD EPYC with AVX512-BF16, no AMX,
+    cold weights, in-process A/B, one thread's CPU time), against oneDNN prepacked: every SmolLM2-135M shape at 1-64
+    rows 1.09-2.35x; qkv / o / gate_up / down 1.04-1.13x at 128 and 512 rows, 0.99-1.08x at 2,048; the LM head 1.05x
+    at 128 rows, 0.99x at 512 (it computes only the rows that need logits). One path and one copy of the weights
+    (~270 MB less than keeping oneDNN's beside it for SmolLM2-135M). While the CPU kernels are turned off (tests,
+    A/B benchmarks) oneDNN runs on the weights unpacked from the panels, packed on first use."""
     if "amx_bf16" in cpu_build.cpu_flags():
-        return onednn
+        return _packed(weight, bias, batch_hint)
     kernel = cpu_ops.PackedLinearBF16.create(weight, bias)
     if kernel is None:
-        return onednn
-    return _with_kernel(lambda x: kernel(x) if x.shape[0] <= rows and cpu_ops.enabled() else onednn(x), kernel, rows)
+        return _packed(weight, bias, batch_hint)
+    plain = None
+
+    def off(x):
+        nonlocal plain
+        if plain is None:
+            plain = _packed(kernel.weight(), bias, batch_hint)
+        return plain(x)
+
+    return _with_kernel(lambda x: kernel(x) if cpu_ops.enabled() else off(x), kernel, None)
 
 
 def _unless_disabled(kernel, plain):

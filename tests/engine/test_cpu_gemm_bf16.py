@@ -1,5 +1,5 @@
 """The AVX512-BF16 projection kernel (kernels/cpu/gemm_bf16.cpp, cpu_ops.PackedLinearBF16) against torch, and the
-bfloat16 model's dispatch to it: only for steps of at most BF16_KERNEL_ROWS rows while the kernels are on, oneDNN
+bfloat16 model's dispatch to it: every step while the kernels are on, oneDNN
 otherwise. Skipped, saying why, where the CPU lacks AVX512-BF16; lower variants report the kernel unavailable."""
 
 import pytest
@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from flowrt.engine import LLM, cpu_build, cpu_ops
-from flowrt.engine.models import llama
 
 pytestmark = pytest.mark.skipif(cpu_ops.lib() is None, reason=f"CPU kernels unavailable: {cpu_ops._error}")
 
@@ -56,36 +55,39 @@ def test_lower_variants_report_it_unavailable():
         assert cpu_ops.PackedLinearBF16.create(torch.zeros(32, 8, dtype=torch.bfloat16)) is None
 
 
-def test_model_uses_it_only_where_configured(stories_path):
-    """A bfloat16 model's projections run the kernel for steps of at most BF16_KERNEL_ROWS rows (the LM head
-    BF16_KERNEL_ROWS_LM_HEAD), oneDNN beyond that and while the kernels are turned off."""
+def test_model_uses_it_at_every_row_count_with_one_copy(stories_path):
+    """A bfloat16 model's projections run the kernel at every row count while the kernels are on, holding only its
+    packed weights; turned off, oneDNN runs on the weights unpacked from the panels, with the same results."""
     llm = LLM(stories_path, dtype="bfloat16")
     model = llm.engine.runner.model
     _kernel_or_skip(torch.zeros(32, 8, dtype=torch.bfloat16))
+    assert not any(hasattr(layer, name) for layer in model.layers for name in ("qkv", "o", "gate_up", "down"))
     calls = []
     orig = cpu_ops.PackedLinearBF16.__call__
     cpu_ops.PackedLinearBF16.__call__ = lambda self, v: calls.append(v.shape[0]) or orig(self, v)
     hidden = model.cfg.hidden_size
-    limit, lm_limit = llama.BF16_KERNEL_ROWS, llama.BF16_KERNEL_ROWS_LM_HEAD
     try:
-        for rows in (1, 7, lm_limit, lm_limit + 1, limit):
+        for rows in (1, 7, 129, 2048):
             model.layers[0].mm["qkv"](torch.randn(rows, hidden).bfloat16())
             model.mm["lm_head"](torch.randn(rows, hidden).bfloat16())
-        assert calls == [1, 1, 7, 7, lm_limit, lm_limit, lm_limit + 1, limit]
+        assert calls == [1, 1, 7, 7, 129, 129, 2048, 2048]
         calls.clear()
-        x = torch.randn(limit + 1, hidden).bfloat16()
-        big = model.layers[0].mm["gate_up"](x)
-        assert not calls
-        small = model.layers[0].mm["gate_up"](x[:limit])
-        assert calls == [limit]
-        torch.testing.assert_close(small, big[:limit], rtol=2**-7, atol=1e-2)
-        calls.clear()
+        x = torch.randn(33, model.cfg.intermediate_size).bfloat16()
+        on = model.layers[0].mm["down"](x)
+        assert calls == [33]
         cpu_ops.set_enabled(False)
-        model.layers[0].mm["down"](torch.randn(3, model.cfg.intermediate_size).bfloat16())
-        assert not calls
+        off = model.layers[0].mm["down"](x)
+        assert calls == [33]
+        torch.testing.assert_close(on, off, rtol=2**-7, atol=1e-2)
     finally:
         cpu_ops.PackedLinearBF16.__call__ = orig
         cpu_ops.set_enabled(True)
+
+
+def test_unpacked_weight_is_the_original():
+    w = torch.randn(100, 37).bfloat16()
+    k = _kernel_or_skip(w)
+    assert torch.equal(k.weight(), w)
 
 
 def test_model_keeps_onednn_on_amx(stories_path, monkeypatch):
