@@ -366,6 +366,14 @@ class TorchAttentionBackend:
             groups.append((members, int(same.sum()) if limit else 0))
         return groups
 
+    @staticmethod
+    def pure_decode(meta: AttentionMetadata) -> DecodePlan | None:
+        """The step's decode plan where forward's whole work with the kernels is one paged_decode over every row in
+        order (each row a sequence's single new token; tables and seq_lens per row), else None: a caller may then
+        run that kernel itself with the same arguments."""
+        dp = meta.prepared.get("decode")
+        return dp if dp is not None and dp.rows is None else None
+
     #: forward takes kv_written=True: the caller has written k/v to the step's slots itself (the model's fused
     #: rotary + KV write)
     accepts_written_kv = True

@@ -165,6 +165,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("cos_table", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin_table", emb.sin().to(dtype), persistent=False)
         self._norms_checked = False
+        self._ptrs_cache = None
 
     @torch.inference_mode()
     def forward(
@@ -209,6 +210,12 @@ class LlamaModel(nn.Module):
         norm, rope_, rope_kv_, silu_mul_ = glue.add_rmsnorm, glue.rope_, glue.rope_kv_, glue.silu_mul
         attend = functools.partial(backend.forward, kv_written=True) if write_kv else backend.forward
         heads, scale = [H, Hkv, Hkv], D**-0.5
+        plan = backend.pure_decode(meta) if write_kv and hasattr(backend, "pure_decode") else None
+        if plan is not None and D <= 256 and not cpu_ops.profiling():  # profiled: per kernel, so it sees each
+            ptrs = self._layer_ptrs(kv_caches, T)
+            if ptrs is not None:
+                glue.decode_layers(ptrs, kc0, kv_caches[0][1], plan.tables, plan.seq_lens, H, scale)
+                return h
         delta = None
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             mm = layer.mm
@@ -221,6 +228,31 @@ class LlamaModel(nn.Module):
             x = norm(mm["o"](attend(q, k, v, kc, vc, meta, scale).reshape(T, -1)), layer.post_norm)
             delta = mm["down"](silu_mul_(mm["gate_up"](x)))
         return h if delta is None else h.add_(delta)
+
+    def _layer_ptrs(self, kv_caches, T: int) -> torch.Tensor | None:
+        """int64 [L, 9] for StepGlue.decode_layers (norm weights, packed projections, qkv bias, pools), or None
+        where a projection would not run its packed kernel at T rows. Cached while the projections are the same
+        objects (the cache holds them, so their ids stay theirs) and the pools the same memory."""
+        fns = [f for layer in self.layers for f in layer.mm.values()]
+        key = (*map(id, fns), *(c.data_ptr() for pair in kv_caches for c in pair),
+               *(w.data_ptr() for layer in self.layers for w in (layer.input_norm, layer.post_norm)))
+        if self._ptrs_cache is None or self._ptrs_cache[0] != key:
+            kind = cpu_ops.PackedLinearBF16 if self.dtype == torch.bfloat16 else cpu_ops.PackedLinear
+            rows, limit = [], None
+            for layer, (kc, vc) in zip(self.layers, kv_caches):
+                mms = [layer.mm[n] for n in ("qkv", "o", "gate_up", "down")]
+                if not all(type(getattr(f, "kernel", None)) is kind for f in mms):
+                    rows = None
+                    break
+                limit = min([f.rows for f in mms if f.rows is not None] + ([limit] if limit else []), default=None)
+                qkv, o, gate_up, down = (f.kernel for f in mms)
+                rows.append([layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), qkv.wp.data_ptr(),
+                             0 if qkv.bias is None else qkv.bias.data_ptr(), o.wp.data_ptr(), gate_up.wp.data_ptr(),
+                             down.wp.data_ptr(), kc.data_ptr(), vc.data_ptr()])
+            ptrs = None if rows is None else torch.tensor(rows, dtype=torch.int64)
+            self._ptrs_cache = (key, ptrs, limit, fns)
+        _, ptrs, limit = self._ptrs_cache[:3]
+        return None if ptrs is None or (limit is not None and T > limit) else ptrs
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -359,12 +391,19 @@ def _packed_bf16(weight, bias, batch_hint: int):
             plain = _packed(kernel.weight(), bias, batch_hint)
         return plain(x)
 
-    return lambda x: kernel(x) if cpu_ops.enabled() else off(x)
+    return _with_kernel(lambda x: kernel(x) if cpu_ops.enabled() else off(x), kernel, None)
 
 
 def _unless_disabled(kernel, plain):
     """The kernel, or the plain path while the CPU kernels are turned off (tests compare the two)."""
-    return lambda x: kernel(x) if cpu_ops.enabled() else plain(x)
+    return _with_kernel(lambda x: kernel(x) if cpu_ops.enabled() else plain(x), kernel, None)
+
+
+def _with_kernel(fn, kernel, rows: int | None):
+    """fn, marked as running the packed kernel `kernel` (.wp, .bias) for steps of at most `rows` rows (None: any)
+    while the kernels are on: the one-call decode step (cpu_ops.StepGlue.decode_layers) calls that kernel itself."""
+    fn.kernel, fn.rows = kernel, rows
+    return fn
 
 
 def _by_rows(small, large, limit: int):

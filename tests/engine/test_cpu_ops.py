@@ -300,8 +300,10 @@ def test_bf16_greedy_parity_with_kernels(stories_path, tmp_path, kw):
 
     tiny = make_tiny_model(tmp_path / "llama", arch="llama")
     calls = []
-    orig = cpu_ops.paged_decode
+    orig, orig_layers = cpu_ops.paged_decode, cpu_ops.StepGlue.decode_layers
     cpu_ops.paged_decode = lambda *a, **k: calls.append(a[1].dtype) or orig(*a, **k)
+    # a pure decode step runs paged_decode inside the one-call layer loop
+    cpu_ops.StepGlue.decode_layers = lambda self, *a: calls.append(a[1].dtype) or orig_layers(self, *a)
     try:
         for path, ids in [(stories_path, [[1, 403, 407, 261, 378], [1, 50, 300, 12, 99, 7]]),
                           (tiny, [[1, 5, 77, 300, 12, 9], [1, 400] + list(range(20, 60)), [1, 250]])]:
@@ -311,5 +313,5 @@ def test_bf16_greedy_parity_with_kernels(stories_path, tmp_path, kw):
             got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ids], params)]
             assert got == ref
     finally:
-        cpu_ops.paged_decode = orig
+        cpu_ops.paged_decode, cpu_ops.StepGlue.decode_layers = orig, orig_layers
     assert calls and set(calls) == {torch.bfloat16}

@@ -33,7 +33,19 @@ def test_glued_forward_matches_layer_by_layer(tmp_path, dtype, kv, arch):
     llm = LLM(make_tiny_model(tmp_path / arch, arch=arch), dtype=dtype, kv_cache_dtype=kv)
     runner = llm.engine.runner
     model = runner.model
-    for inp in _steps(llm, [[1, 5, 77, 300, 12, 9], [1, 400] + list(range(20, 60))]):
+    one_call = []
+    orig = cpu_ops.StepGlue.decode_layers
+    cpu_ops.StepGlue.decode_layers = lambda self, *a: one_call.append(a) or orig(self, *a)
+    try:
+        steps = _steps(llm, [[1, 5, 77, 300, 12, 9], [1, 400] + list(range(20, 60))])
+    finally:
+        cpu_ops.StepGlue.decode_layers = orig
+    # the decode steps ran as one call where the projections are flowrt's packed kernels (float32 with AVX2 + FMA,
+    # bfloat16 with AVX512-BF16) and the pools have the model's dtype
+    packed = cpu_ops.PackedLinear.create(torch.ones(1, 1)) if dtype == "float32" else \
+        cpu_ops.PackedLinearBF16.create(torch.ones(1, 2, dtype=torch.bfloat16))
+    assert bool(one_call) == (packed is not None and kv == "auto")
+    for inp in steps:
         with torch.inference_mode():
             args = (runner.kv_caches, inp.meta, runner.backend)
             glued = model(inp.input_ids, inp.positions, *args)
@@ -85,3 +97,22 @@ def test_rope_kv_write_is_rope_then_kv_write(dtype):
                            torch.tensor([0, 1, 2, 3, 32]))
     with pytest.raises(IndexError, match="outside the KV pool"):
         bad.rope_kv_(qkv.clone(), kc, vc)
+
+
+def test_one_call_pointers_follow_the_projections(tmp_path):
+    """The cached pointer table is rebuilt when a projection is replaced, and refused when one has no packed
+    kernel (the step then runs per kernel)."""
+    llm = LLM(make_tiny_model(tmp_path / "llama"), dtype="float32")
+    runner = llm.engine.runner
+    model = runner.model
+    first = model._layer_ptrs(runner.kv_caches, 1)
+    if first is None:
+        pytest.skip("no packed float32 kernel here (needs AVX2 + FMA)")
+    assert model._layer_ptrs(runner.kv_caches, 1) is first  # cached
+    layer = model.layers[0]
+    packed = layer.mm["o"]
+    layer.mm["o"] = lambda x: packed(x)  # the same result, but not marked as the packed kernel
+    assert model._layer_ptrs(runner.kv_caches, 1) is None
+    layer.mm["o"] = packed
+    again = model._layer_ptrs(runner.kv_caches, 1)
+    assert again is not None and torch.equal(again, first)
