@@ -3,6 +3,7 @@ sharing, select, streaming, release of blocks, and chat byte-stability (tiny ran
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import anyio
@@ -401,9 +402,14 @@ def test_chat_without_template_uses_chatml_text(llm):
     anyio.run(main)
 
 
-def test_step_timeout_aborts_the_llm_call_and_keeps_the_thread_consistent(llm, engine):
+def test_step_timeout_aborts_the_llm_call_and_keeps_the_thread_consistent(llm, engine, monkeypatch):
     wf = fr.Workflow("times-out")
     seen = {}
+    # every engine step takes at least 10 ms here, so 450 tokens take at least 0.9 s (at most 5 tokens a step with
+    # speculative decoding) and the 0.3 s timeout always falls inside the generation, however fast the machine
+    runner = engine.engine.runner
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda inp: (time.sleep(0.01), execute(inp))[1])
 
     @wf.step(timeout=0.3)
     async def long(llm: fr.Model) -> str:
