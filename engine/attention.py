@@ -369,8 +369,8 @@ class TorchAttentionBackend:
     @staticmethod
     def pure_decode(meta: AttentionMetadata) -> DecodePlan | None:
         """The step's decode plan where forward's whole work with the kernels is one paged_decode over every row in
-        order (each row a sequence's single new token; tables and seq_lens per row), else None: a caller may then
-        run that kernel itself with the same arguments."""
+        order (each row a decode row: a sequence's single new token, or a row of a verify chunk; tables and seq_lens
+        per row), else None: a caller may then run that kernel itself with the same arguments."""
         dp = meta.prepared.get("decode")
         return dp if dp is not None and dp.rows is None else None
 
