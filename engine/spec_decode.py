@@ -52,7 +52,7 @@ class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     method: Literal["ngram"] = "ngram"
-    num_speculative_tokens: int = Field(4, ge=1, le=32)
+    num_speculative_tokens: int = Field(8, ge=1, le=32)  # the engine's default; the adaptive rule trims
     prompt_lookup_min: int = Field(2, ge=1)
     prompt_lookup_max: int = Field(4, ge=1)
     # flowrt: draft only as much as the measured step cost and acceptance say pays (engine/spec_policy.py)
