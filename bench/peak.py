@@ -3,7 +3,8 @@
 
 Measures (torch, this process's threads):
   * GEMM GFLOP/s at the model's real shapes, nn.Linear layout (x[M,K] W[N,K]^T), the best of MKL (F.linear),
-    oneDNN with prepacked weights and flowrt's own packed kernel (cpu_ops.PackedLinear, float32 with AVX2): qkv 576x960, o 576x576,
+    oneDNN with prepacked weights and flowrt's own packed kernels where the engine runs them (cpu_ops.PackedLinear,
+    float32 with AVX2; cpu_ops.PackedLinearBF16, bfloat16 with AVX512-BF16 and no AMX): qkv 576x960, o 576x576,
     gate_up 576x3072, down 1536x576, lm_head 576x49152; decode rows M = 1, 8, 32, 64 and prefill rows 512, 2048.
     Weights rotate over copies larger than the caches ("cold"), as in a real step that streams ~0.5 GB (fp32) of
     weights; for prefill rows this changes nothing (compute bound).
@@ -11,7 +12,8 @@ Measures (torch, this process's threads):
     the summed time of its GEMMs at M rows: no attention, no norms, no overhead, i.e. the floor of a step;
   * memory bandwidth (GB/s): a large copy (read + write counted) and a large sum (read);
   * the machine's own ceiling per dtype ("machine peak"): large square products (2,048 and 3,072), the best of
-    torch's F.linear and prepacked oneDNN, which picks AMX tiles, AVX512-BF16 or AVX2 itself at run time. The
+    torch's F.linear, prepacked oneDNN (which picks AMX tiles, AVX512-BF16 or AVX2 itself at run time) and flowrt's
+    own kernel where the engine runs it. The
     model ceiling is what the model's skinny shapes get out of torch; the machine peak is what the silicon does with
     a compute-bound product (on a Xeon with AMX far above the model shapes' figure). Every share line reports both.
 fp32 always; bf16 where the CPU has native bf16 (avx512_bf16 / amx), else one emulated point (--bf16 all forces
@@ -88,20 +90,32 @@ def gemm_gflops(shape: str, rows: int, dtype: torch.dtype, min_time: float, cold
         t = min(t, _time(packed_pass, min_time) / copies)
     except (AttributeError, RuntimeError):
         pass
-    try:  # flowrt's own packed kernel (float32 with AVX2 + FMA: what the engine runs at every row count)
-        from flowrt.engine import cpu_ops
+    own = _own_kernels(ws, dtype)
+    if own:
 
-        own = [cpu_ops.PackedLinear.create(w) for w in ws] if dtype == torch.float32 else [None]
-        if all(p is not None for p in own):
+        def own_pass():
+            for p in own:
+                p(x)
 
-            def own_pass():
-                for p in own:
-                    p(x)
-
-            t = min(t, _time(own_pass, min_time) / copies)
-    except ImportError:
-        pass
+        t = min(t, _time(own_pass, min_time) / copies)
     return 2.0 * rows * K * N / t / 1e9
+
+
+def _own_kernels(ws: list[torch.Tensor], dtype: torch.dtype) -> list | None:
+    """flowrt's own packed projection kernels for these weights, where the engine runs them at every row count
+    (float32 with AVX2 + FMA; bfloat16 with AVX512-BF16 and no AMX), else None."""
+    try:
+        from flowrt.engine import cpu_build, cpu_ops
+    except ImportError:
+        return None
+    if dtype == torch.float32:
+        make = cpu_ops.PackedLinear.create
+    elif dtype == torch.bfloat16 and "amx_bf16" not in cpu_build.cpu_flags():
+        make = cpu_ops.PackedLinearBF16.create
+    else:
+        return None
+    own = [make(w) for w in ws]
+    return own if all(p is not None for p in own) else None
 
 
 def machine_peak(dtype: torch.dtype, min_time: float, sizes=(2048, 3072)) -> float:
@@ -115,6 +129,9 @@ def machine_peak(dtype: torch.dtype, min_time: float, sizes=(2048, 3072)) -> flo
             t = min(t, _time(lambda: torch.ops.mkldnn._linear_pointwise(a, wp, None, "none", [], ""), min_time))
         except (AttributeError, RuntimeError):
             pass
+        own = _own_kernels([w], dtype)
+        if own:
+            t = min(t, _time(lambda: own[0](a), min_time))
         best = max(best, 2.0 * n**3 / t / 1e9)
     return best
 
@@ -194,7 +211,7 @@ def _cache_file() -> Path:
     i = cpu_info()
     # v4: with the machine peak; v3: the GEMM figures are the best of MKL, prepacked oneDNN and flowrt's own packed
     # kernel (v2: the first two, v1: MKL only)
-    key = f"v4|{i['cpu']}|{','.join(i['flags'])}|{i['cores']}|{torch.__version__}|{torch.get_num_threads()}"
+    key = f"v5|{i['cpu']}|{','.join(i['flags'])}|{i['cores']}|{torch.__version__}|{torch.get_num_threads()}"
     return cache_dir() / f"peak-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 
