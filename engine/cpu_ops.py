@@ -467,91 +467,76 @@ class StepGlue:
         return self.act
 
 
-class PackedLinear:
-    """A float32 projection y = x @ W^T (+ bias) with W prepacked for gemm_packed_f32: what every float32 step
-    runs on a CPU with AVX2 + FMA. Build with `PackedLinear.create`, which returns None where it is unavailable."""
+class _PackedPanels:
+    """A projection y = x @ W^T (+ bias) with W prepacked once into aligned panels of `panel` output features (k in
+    steps of `kstep`) for one of flowrt's GEMM kernels; the bias padded to whole panels in float32. Subclasses name
+    the dtype, the layout and the library's pack / multiply / availability functions."""
+
+    dtype: torch.dtype
+    panel: int  # output features per panel
+    kstep: int  # k rows interleaved per panel row (2: bf16 pairs for vdpbf16ps)
+    align: int  # bytes of alignment the kernel's loads need
+    fns: tuple[str, str, str]  # (pack, multiply, available) in the library
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         N, K = weight.shape
         self.n, self.k = N, K
-        P = -(-N // 16)
-        # 32-byte aligned storage for the panels (the kernel uses aligned loads)
-        raw = torch.empty(P * K * 16 + 8, dtype=torch.float32)
-        off = (-(raw.data_ptr() // 4)) % 8
-        self.wp = raw[off:off + P * K * 16]
-        w = weight.detach().contiguous()
-        _lib.gemm_pack_f32(w.data_ptr(), w.stride(0), N, K, self.wp.data_ptr())
-        self.bias = None
-        if bias is not None:
-            self.bias = torch.zeros(P * 16, dtype=torch.float32)
-            self.bias[:N] = bias.detach()
-
-    @classmethod
-    def create(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear | None:
-        if (lib() is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
-                or not _lib.gemm_packed_available()):
-            return None
-        return cls(weight, bias)
-
-    @_profiled("gemm")
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.k:
-            raise ValueError(f"PackedLinear: x must be a float32 [M, {self.k}] tensor, got {x.dtype} "
-                             f"{tuple(x.shape)}")
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        M = x.shape[0]
-        y = torch.empty(M, self.n, dtype=torch.float32)
-        _lib.gemm_packed_f32(x.data_ptr(), x.stride(0), M, self.k, self.wp.data_ptr(), self.n, _p(self.bias),
-                             y.data_ptr(), self.n)
-        return y
-
-
-class PackedLinearBF16:
-    """A bfloat16 projection y = x @ W^T (+ bias) with W prepacked for gemm_packed_bf16 (AVX512-BF16's vdpbf16ps:
-    pairs of k in panels of 32 output features; float32 accumulation, one round to nearest even). Build with
-    `PackedLinearBF16.create`, which returns None where the kernel is unavailable (no AVX512-BF16 variant loaded)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        N, K = weight.shape
-        self.n, self.k = N, K
-        P, K2 = -(-N // 32), -(-K // 2)
-        size = P * K2 * 64
-        # 64-byte aligned storage for the panels (the kernel uses aligned loads)
-        raw = torch.empty(size + 32, dtype=torch.bfloat16)
-        off = (-(raw.data_ptr() // 2)) % 32
+        self.panels = -(-N // self.panel)
+        self.k_padded = -(-K // self.kstep) * self.kstep
+        size = self.panels * self.k_padded * self.panel
+        esz = torch.finfo(self.dtype).bits // 8
+        raw = torch.empty(size + self.align // esz, dtype=self.dtype)
+        off = (-(raw.data_ptr() // esz)) % (self.align // esz)
         self.wp = raw[off:off + size]
         w = weight.detach().contiguous()
-        if _lib.gemm_pack_bf16(w.data_ptr(), w.stride(0), N, K, self.wp.data_ptr()) != 0:
-            raise RuntimeError("gemm_pack_bf16: the loaded CPU kernels lack AVX512-BF16")
+        if getattr(_lib, self.fns[0])(w.data_ptr(), w.stride(0), N, K, self.wp.data_ptr()) not in (None, 0):
+            raise RuntimeError(f"{self.fns[0]}: the loaded CPU kernels ({_isa}) lack it")
         self.bias = None
         if bias is not None:
-            self.bias = torch.zeros(P * 32, dtype=torch.float32)
+            self.bias = torch.zeros(self.panels * self.panel, dtype=torch.float32)
             self.bias[:N] = bias.detach().float()
 
     @classmethod
-    def create(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinearBF16 | None:
-        if (lib() is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2
-                or not _lib.gemm_bf16_available()):
+    def create(cls, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        """The packed projection, or None where its kernel is unavailable (no library, or not in this variant)."""
+        if (lib() is None or weight.dtype != cls.dtype or weight.device.type != "cpu" or weight.dim() != 2
+                or not getattr(_lib, cls.fns[2])()):
             return None
         return cls(weight, bias)
 
     def weight(self) -> torch.Tensor:
         """W [N, K] unpacked from the panels (a new tensor: for the paths that run while the kernels are off)."""
-        P, K2 = -(-self.n // 32), -(-self.k // 2)
-        w = self.wp.view(P, K2, 32, 2).permute(0, 2, 1, 3).reshape(P * 32, K2 * 2)
-        return w[: self.n, : self.k].contiguous()
+        K2 = self.k_padded // self.kstep
+        w = self.wp.view(self.panels, K2, self.panel, self.kstep).permute(0, 2, 1, 3)
+        return w.reshape(self.panels * self.panel, self.k_padded)[: self.n, : self.k].contiguous()
 
-    @_profiled("gemm_bf16")
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or not x.is_cpu:
-            raise ValueError(f"PackedLinearBF16: x must be a bfloat16 [M, {self.k}] CPU tensor, got {x.dtype} "
-                             f"{tuple(x.shape)} on {x.device.type}")
+    def _multiply(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.k or not x.is_cpu:
+            raise ValueError(f"{type(self).__name__}: x must be a {str(self.dtype).removeprefix('torch.')} "
+                             f"[M, {self.k}] CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device.type}")
         if x.stride(-1) != 1:
             x = x.contiguous()
         M = x.shape[0]
-        y = torch.empty(M, self.n, dtype=torch.bfloat16)
-        if _lib.gemm_packed_bf16(x.data_ptr(), x.stride(0), M, self.k, self.wp.data_ptr(), self.n, _p(self.bias),
-                                 y.data_ptr(), self.n) != 0:
-            raise RuntimeError("gemm_packed_bf16: the loaded CPU kernels lack AVX512-BF16")
+        y = torch.empty(M, self.n, dtype=self.dtype)
+        if getattr(_lib, self.fns[1])(x.data_ptr(), x.stride(0), M, self.k, self.wp.data_ptr(), self.n,
+                                      _p(self.bias), y.data_ptr(), self.n) != 0:
+            raise RuntimeError(f"{self.fns[1]}: the loaded CPU kernels ({_isa}) lack it")
         return y
+
+
+class PackedLinear(_PackedPanels):
+    """float32, panels of 16 features k-major, for gemm_packed_f32: what every float32 step runs on a CPU with AVX2 +
+    FMA."""
+
+    dtype, panel, kstep, align = torch.float32, 16, 1, 32
+    fns = ("gemm_pack_f32", "gemm_packed_f32", "gemm_packed_available")
+    __call__ = _profiled("gemm")(_PackedPanels._multiply)
+
+
+class PackedLinearBF16(_PackedPanels):
+    """bfloat16 for gemm_packed_bf16 (AVX512-BF16's vdpbf16ps): pairs of k in panels of 32 features; float32
+    accumulation, one round to nearest even. Only the avx512bf16 variant has it."""
+
+    dtype, panel, kstep, align = torch.bfloat16, 32, 2, 64
+    fns = ("gemm_pack_bf16", "gemm_packed_bf16", "gemm_bf16_available")
+    __call__ = _profiled("gemm_bf16")(_PackedPanels._multiply)

@@ -23,6 +23,7 @@ import torch
 
 from . import kv_transfer
 from .block_pool import BlockPool
+from .cpu_threads import StepClock, ThreadGovernor
 from .config import EngineArgs
 from .cpu_memory import tune_malloc
 from .cuda_graphs import GraphConfig
@@ -38,7 +39,6 @@ from .outputs import RequestOutput
 from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .cpu_threads import StepClock, ThreadGovernor
 from .spec_decode import NgramSpeculator, SpeculativeConfig, Verified
 from .sequence import Request, Sequence, SeqStatus
 from .structured_output import StructuredOutputManager
@@ -360,4 +360,3 @@ class LLMEngine:
 
     def kv_import(self, blocks) -> int:
         return kv_transfer.import_blocks(self, blocks)
-
