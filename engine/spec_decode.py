@@ -26,7 +26,9 @@ above see the constrained distribution decoding without drafts samples from; the
 matcher as usual (and a token the grammar then forces is appended without the model, as without drafts).
 
 Sequences draft only where every row's distribution is the plain one or a grammar's: no
-repetition/presence/frequency penalty, min_tokens already reached. Others decode as before.
+repetition/presence/frequency penalty, min_tokens already reached. Others decode as before. A sequence with tokens
+its grammar forced after its pending one (not yet computed) drafts after them: the step computes the pending token,
+the forced ones and the drafts, and the drafts are checked on the rows after the last forced token.
 
 How many drafts a step takes (`adaptive`, the default): engine/spec_policy.py's DraftBudget, from the measured cost
 of a step's rows and each sequence's acceptance rate; `adaptive: false` takes every draft found. Sampled requests
@@ -78,6 +80,12 @@ class SpeculativeConfig(BaseModel):
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
         return self
+
+
+def _decoding(seq: Sequence) -> bool:
+    """Whether seq's uncomputed tokens are all new output: its pending sample and any tokens its grammar forced
+    after it (structured output), not a prompt being prefilled nor tokens recomputed after a preemption."""
+    return max(seq.prompt_len, seq.max_computed_tokens, 1) <= seq.num_computed_tokens < seq.num_tokens
 
 
 def strip_drafts(seq: Sequence, keep: int, block_size: int) -> None:
@@ -150,7 +158,7 @@ class NgramSpeculator:
     # ---- before the step ---------------------------------------------------------------------------
     def eligible(self, seq: Sequence) -> bool:
         req = seq.request
-        if req is None or seq.num_computed_tokens != seq.num_tokens - 1:
+        if req is None or not _decoding(seq):
             return False
         p = req.params
         return (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
@@ -227,10 +235,14 @@ class NgramSpeculator:
 
     @staticmethod
     def _base(running: list[Sequence], extra: int) -> tuple[int, int]:
-        """A step's rows (the running sequences' uncomputed tokens) and sampled tokens, without drafts; `extra`:
-        draft rows counted as paying for themselves."""
-        rows = sum(s.num_tokens - s.num_computed_tokens for s in running) + extra
-        tokens = sum(s.num_tokens - s.num_computed_tokens == 1 for s in running) + extra
+        """A step's rows (the running sequences' uncomputed tokens) and output tokens (a decoding sequence's pending
+        token and those its grammar forced), without drafts; `extra`: draft rows counted as paying for themselves.
+        Fewer tokens than rows: a prefill chunk (or a recompute) runs."""
+        rows = tokens = extra
+        for s in running:
+            k = s.num_tokens - s.num_computed_tokens
+            rows += k
+            tokens += k if _decoding(s) else 0
         return rows, tokens
 
     def _budgeted(self, running: list[Sequence], found: list[tuple[Sequence, list[int], str]]):

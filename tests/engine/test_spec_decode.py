@@ -109,7 +109,8 @@ def test_structured_forced_tokens_unchanged(stories_path):
     off, off_stats = run(stories_path, ["Say ab ab ab"], params, speculative_config=None)
     on, stats = run(stories_path, ["Say ab ab ab"], params, speculative_config=SPEC)
     assert on[0].outputs[0].token_ids == off[0].outputs[0].token_ids
-    assert stats["forced_tokens"] == off_stats["forced_tokens"] > 0
+    # drafts follow pending forced tokens, so a token forced later may come as an accepted draft instead
+    assert 0 < stats["forced_tokens"] <= off_stats["forced_tokens"]
 
 
 def _drafting_seq(drafts: list[int], params: SamplingParams) -> Sequence:
