@@ -280,10 +280,11 @@ static inline __m512 hsum16x16(const __m512* a) {
 // their value rows interleaved into (t, t+1) bf16 pairs once for all GN heads, and one dpbf16 per 16 columns per
 // head with the pair of probabilities (P rounded to bf16, as the flash kernel's value product). Accumulator lanes
 // come out in the interleaved order ([0..3, 8..11, ..] and [4..7, 12..15, ..] of each 32 columns); they are put
-// back in order, scaled by the heads' normalizers and stored as bf16 at op (head stride D).
-template <int NV, int GN>
+// back in order, scaled by the heads' normalizers and stored at op (head stride D) as O: bf16, or float32 (a part of
+// a split sequence, merged later).
+template <int NV, int GN, typename O>
 static inline void decode_values_dpbf16(const bf16_t* v0, const int64_t* off, int L, const bf16_t* pp, int Lp,
-                                        const float* inv, bf16_t* op, int D) {
+                                        const float* inv, O* op, int D) {
     __m512 acc[GN][NV];
     for (int g = 0; g < GN; ++g)
         for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
@@ -307,18 +308,23 @@ static inline void decode_values_dpbf16(const bf16_t* v0, const int64_t* off, in
         const __m512 vinv = _mm512_set1_ps(inv[g]);
         for (int c = 0; c < NV / 2; ++c) {
             const __m512 lo = acc[g][2 * c], hi = acc[g][2 * c + 1];
-            bf16_t* o = op + (int64_t)g * D + 32 * c;
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_permutex2var_ps(lo, lo_idx, hi), vinv)));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_permutex2var_ps(lo, hi_idx, hi), vinv)));
+            O* o = op + (int64_t)g * D + 32 * c;
+            const __m512 first = _mm512_mul_ps(_mm512_permutex2var_ps(lo, lo_idx, hi), vinv);
+            const __m512 second = _mm512_mul_ps(_mm512_permutex2var_ps(lo, hi_idx, hi), vinv);
+            if constexpr (sizeof(O) == 4) {
+                _mm512_storeu_ps(o, first);
+                _mm512_storeu_ps(o + 16, second);
+            } else {
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(first));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), (__m256i)_mm512_cvtneps_pbh(second));
+            }
         }
     }
 }
 
-template <int NV>
+template <int NV, typename O>
 static inline void decode_values_heads(const bf16_t* v0, const int64_t* off, int L, const bf16_t* pp, int Lp,
-                                       const float* inv, bf16_t* op, int D, int G) {
+                                       const float* inv, O* op, int D, int G) {
     for (int g = 0; g < G; g += 4) {
         const bf16_t* p = pp + (size_t)g * Lp;
         switch (std::min(4, G - g)) {
@@ -336,9 +342,9 @@ static inline void decode_values_heads(const bf16_t* v0, const int64_t* off, int
 // per 32 products, the sixteen accumulators summed by one transpose-and-add tree); the softmax is exponentiated
 // sixteen lanes at a time and rounded to bf16 for the value product, which reads each value row once per group of up
 // to four query heads (decode_values_dpbf16).
-template <int DD>
+template <int DD, typename O>
 static void decode_heads_dpbf16(const bf16_t* qp, const bf16_t* kc, const bf16_t* vc, const int32_t* tab, int start,
-                                int end, int Hkv, int kh0, int nkh, int G, int Drt, int bs, float scale, bf16_t* op,
+                                int end, int Hkv, int kh0, int nkh, int G, int Drt, int bs, float scale, O* op,
                                 float* lse_out, std::vector<float>& s) {
     const int D = DD > 0 ? DD : Drt;
     const int NH = nkh * G;
@@ -423,12 +429,102 @@ static void decode_heads_dpbf16(const bf16_t* qp, const bf16_t* kc, const bf16_t
     for (int k = 0; k < nkh; ++k)
         for (int d = 0; d < D; d += 64) {
             const bf16_t* vk = v0 + (int64_t)k * D + d;
-            bf16_t* ok = op + (int64_t)k * G * D + d;
+            O* ok = op + (int64_t)k * G * D + d;
             if (D - d >= 64)
                 decode_values_heads<4>(vk, off, L, pp + (size_t)k * G * Ls, Ls, inv + k * G, ok, D, G);
             else
                 decode_values_heads<2>(vk, off, L, pp + (size_t)k * G * Ls, Ls, inv + k * G, ok, D, G);
         }
+}
+
+// paged_decode for bf16 pools with AVX512-BF16 (decode_heads_dpbf16), head size a multiple of 32. A sequence with
+// more than DECODE_SPLIT keys is cut into equal parts of at most that many, each a work item of its own whose output
+// (float32) and log-sum-exp are merged afterwards, so that a few long sequences (batch 1 at long context) keep every
+// thread busy. The parts depend on the sequence's length only, never on the batch or the thread count: a row's
+// numbers are the same whatever else runs in the call (speculative verify rows and plain decode agree). Work items
+// as paged_decode's: whole (sequence, part) units, or (unit, KV head) pairs in one of two orders.
+static constexpr int DECODE_SPLIT = 512;
+
+static void paged_decode_dpbf16(const bf16_t* q, int64_t q_st, const bf16_t* kc, const bf16_t* vc,
+                                const int32_t* tables, int64_t tab_st, const int32_t* seq_lens, const int64_t* rows,
+                                int32_t start, bf16_t* out, int64_t o_st, float* lse, int B, int H, int Hkv, int D,
+                                int bs, float scale, int heads_outer) {
+    const int G = H / Hkv;
+    std::vector<int> unit_b, unit_p, parts(B);
+    for (int b = 0; b < B; ++b) {
+        const int L = seq_lens[b] - start;
+        parts[b] = L > DECODE_SPLIT ? (L + DECODE_SPLIT - 1) / DECODE_SPLIT : 1;
+        for (int p = 0; p < parts[b]; ++p) unit_b.push_back(b), unit_p.push_back(p);
+    }
+    const int U = (int)unit_b.size();
+    const bool split = U > B;
+    std::vector<float> part_out(split ? (size_t)U * H * D : 0), part_lse(split ? (size_t)U * H : 0);
+    const bool whole = !heads_outer && U >= flowrt_threads;
+    const int per_item = whole ? Hkv : 1;
+    const int items = whole ? U : Hkv * U;
+    #pragma omp parallel num_threads(flowrt_threads)
+    {
+        std::vector<float> s;
+        #pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < items; ++item) {
+            const int kh0 = whole ? 0 : heads_outer ? item / U : item % Hkv;
+            const int u = whole ? item : heads_outer ? item % U : item / Hkv;
+            const int b = unit_b[u];
+            const int64_t row = rows ? rows[b] : b;
+            const bf16_t* qp = q + row * q_st + (int64_t)kh0 * G * D;
+            const int end = seq_lens[b];
+            if (end <= start) {
+                bf16_t* op = out + row * o_st + (int64_t)kh0 * G * D;
+                for (int i = 0; i < per_item * G * D; ++i) op[i] = 0;
+                if (lse) for (int g = 0; g < per_item * G; ++g) lse[(int64_t)b * H + kh0 * G + g] = -INFINITY;
+                continue;
+            }
+            const int32_t* tab = tables + (int64_t)b * tab_st;
+            const int size = (end - start + parts[b] - 1) / parts[b];
+            const int s0 = start + unit_p[u] * size, e0 = std::min(end, s0 + size);
+            if (parts[b] == 1) {
+                bf16_t* op = out + row * o_st + (int64_t)kh0 * G * D;
+                float* lp = lse ? lse + (int64_t)b * H + kh0 * G : nullptr;
+                auto run = D == 64    ? decode_heads_dpbf16<64, bf16_t>
+                           : D == 128 ? decode_heads_dpbf16<128, bf16_t>
+                                      : decode_heads_dpbf16<0, bf16_t>;
+                run(qp, kc, vc, tab, s0, e0, Hkv, kh0, per_item, G, D, bs, scale, op, lp, s);
+            } else {
+                float* op = part_out.data() + ((size_t)u * H + kh0 * G) * D;
+                float* lp = part_lse.data() + (size_t)u * H + kh0 * G;
+                auto run = D == 64    ? decode_heads_dpbf16<64, float>
+                           : D == 128 ? decode_heads_dpbf16<128, float>
+                                      : decode_heads_dpbf16<0, float>;
+                run(qp, kc, vc, tab, s0, e0, Hkv, kh0, per_item, G, D, bs, scale, op, lp, s);
+            }
+        }
+        if (split) {
+            // each split sequence's parts merged: weights exp(lse_p - lse), lse = log sum exp(lse_p)
+            #pragma omp for schedule(static)
+            for (int u0 = 0; u0 < U; ++u0) {
+                const int b = unit_b[u0];
+                if (unit_p[u0] != 0 || parts[b] == 1) continue;
+                const int n = parts[b];
+                const int64_t row = rows ? rows[b] : b;
+                for (int h = 0; h < H; ++h) {
+                    float m = -INFINITY;
+                    for (int p = 0; p < n; ++p) m = std::max(m, part_lse[(size_t)(u0 + p) * H + h]);
+                    float sum = 0.f, acc[256];
+                    for (int d = 0; d < D; ++d) acc[d] = 0.f;
+                    for (int p = 0; p < n; ++p) {
+                        const float e = std::exp(part_lse[(size_t)(u0 + p) * H + h] - m);
+                        sum += e;
+                        const float* po = part_out.data() + ((size_t)(u0 + p) * H + h) * D;
+                        for (int d = 0; d < D; ++d) acc[d] += e * po[d];
+                    }
+                    const float inv = 1.f / sum;
+                    bf16_t* op = out + row * o_st + (int64_t)h * D;
+                    for (int d = 0; d < D; ++d) op[d] = f32_to_bf16(acc[d] * inv);
+                    if (lse) lse[(int64_t)b * H + h] = m + std::log(sum);
+                }
+            }
+        }
+    }
 }
 #endif
 
@@ -442,6 +538,15 @@ int paged_decode(const T* q, int64_t q_st, const T* kc, const T* vc, const int32
                  const int32_t* seq_lens, const int64_t* rows, int32_t start, T* out, int64_t o_st, float* lse, int B,
                  int H, int Hkv, int D, int bs, float scale, int heads_outer) {
     if (D > 256) return -1;
+#ifdef FLOWRT_AVX512BF16
+    if constexpr (sizeof(T) == 2) {
+        if (D % 32 == 0) {
+            paged_decode_dpbf16(q, q_st, kc, vc, tables, tab_st, seq_lens, rows, start, out, o_st, lse, B, H, Hkv, D,
+                                bs, scale, heads_outer);
+            return 0;
+        }
+    }
+#endif
     const int G = H / Hkv;
     // Items: whole sequences (all their heads) for independent sequences, as long as there are enough to keep
     // every thread busy; else (sequence, KV head) pairs, in one of two orders. heads_outer (sequences sharing a
@@ -469,17 +574,7 @@ int paged_decode(const T* q, int64_t q_st, const T* kc, const T* vc, const int32
                 continue;
             }
             const int32_t* tab = tables + (int64_t)b * tab_st;
-#ifdef FLOWRT_AVX512BF16
-            if constexpr (sizeof(T) == 2) {
-                if (D % 32 == 0) {
-                    auto run = D == 64    ? decode_heads_dpbf16<64>
-                               : D == 128 ? decode_heads_dpbf16<128>
-                                          : decode_heads_dpbf16<0>;
-                    run(qp, kc, vc, tab, start, end, Hkv, kh0, per_item, G, D, bs, scale, op, lp, s);
-                    continue;
-                }
-            }
-#elif defined(FLOWRT_AVX512)
+#if defined(FLOWRT_AVX512) && !defined(FLOWRT_AVX512BF16)
             if constexpr (sizeof(T) == 2) {
                 if (D % 32 == 0) {
                     auto run = D == 64    ? decode_heads_bf16_512<64>

@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""A decode step of the engine (--seqs sequences at --context tokens, bf16 by default) with this checkout's kernel
+library against one built from other kernel sources (--against DIR, a copy of kernels/cpu/ from another commit),
+swapped in the same process step by step: both libraries run the very same steps on the same machine load, so the
+difference is the kernels' (the machine may be shared). Reports ms per step (wall) and the process's CPU time per
+step, best and median over --rounds alternations.
+
+    python bench/decode_step_ab.py --against /tmp/old_cpu [--context 200] [--seqs 32] [--rounds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_attn_micro import load_from  # noqa: E402
+from step_profile import random_ids  # noqa: E402
+from sysinfo import banner  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--against", type=Path, required=True)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--seqs", type=int, default=32)
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3, help="steps per library per round")
+    a = ap.parse_args()
+    from flowrt.engine import LLM, SamplingParams, cpu_ops
+
+    llm = LLM(a.model, dtype=a.dtype)
+    engine = next(e for e in (getattr(llm, "engine", None), getattr(llm, "llm_engine", None), llm)
+                  if e is not None and hasattr(e, "step"))
+    print(banner(), f"| dtype {a.dtype} | {a.seqs} sequences x ~{a.context} tokens")
+    libs = {"this": cpu_ops.lib(), "against": load_from(a.against)}
+    n = torch.get_num_threads()
+    for lib in libs.values():
+        lib.flowrt_set_num_threads(n)
+    total = 4 + 2 * a.rounds * (a.steps + 1) + 4
+    for ids in random_ids(a.seqs, a.context, seed=7):
+        engine.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=total, temperature=0, ignore_eos=True))
+    last = None
+    while True:  # prefill until every prompt is computed (the prefill counter stops growing)
+        engine.step()
+        now = llm.stats().get("prefill_tokens_computed")
+        if now == last:
+            break
+        last = now
+    times = {k: [] for k in libs}
+    for _ in range(a.rounds):
+        for name, lib in libs.items():
+            cpu_ops._lib = lib
+            engine.step()  # (a warm-up step per switch)
+            w0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(a.steps):
+                engine.step()
+            times[name].append(((time.perf_counter() - w0) / a.steps, (time.process_time() - c0) / a.steps))
+            print(name, f"{times[name][-1][0] * 1e3:.1f} ms", flush=True)
+    cpu_ops._lib = libs["this"]
+    for name, ts in times.items():
+        w, c = [t[0] for t in ts], [t[1] for t in ts]
+        print(f"{name:8s} wall ms/step best {min(w) * 1e3:6.1f} median {statistics.median(w) * 1e3:6.1f} | "
+              f"cpu ms/step best {min(c) * 1e3:6.1f} median {statistics.median(c) * 1e3:6.1f}")
+
+
+if __name__ == "__main__":
+    main()
