@@ -3,7 +3,8 @@
 library against one built from other kernel sources (--against DIR, a copy of kernels/cpu/ from another commit),
 swapped in the same process step by step: both libraries run the very same steps on the same machine load, so the
 difference is the kernels' (the machine may be shared). Reports ms per step (wall) and the process's CPU time per
-step, best and median over --rounds alternations.
+step, best and median over --rounds alternations; with --threads 1 the CPU time is the step's own work, whatever
+else runs on the machine.
 
     python bench/decode_step_ab.py --against /tmp/old_cpu [--context 200] [--seqs 32] [--rounds 8]
 """
@@ -33,10 +34,11 @@ def main():
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3, help="steps per library per round")
+    ap.add_argument("--threads", type=int, default=None, help="compute threads (1: CPU time is the step's own)")
     a = ap.parse_args()
     from flowrt.engine import LLM, SamplingParams, cpu_ops
 
-    llm = LLM(a.model, dtype=a.dtype)
+    llm = LLM(a.model, dtype=a.dtype, num_threads=a.threads)
     engine = next(e for e in (getattr(llm, "engine", None), getattr(llm, "llm_engine", None), llm)
                   if e is not None and hasattr(e, "step"))
     print(banner(), f"| dtype {a.dtype} | {a.seqs} sequences x ~{a.context} tokens")
@@ -63,7 +65,6 @@ def main():
             for _ in range(a.steps):
                 engine.step()
             times[name].append(((time.perf_counter() - w0) / a.steps, (time.process_time() - c0) / a.steps))
-            print(name, f"{times[name][-1][0] * 1e3:.1f} ms", flush=True)
     cpu_ops._lib = libs["this"]
     for name, ts in times.items():
         w, c = [t[0] for t in ts], [t[1] for t in ts]
