@@ -78,6 +78,33 @@ def test_bf16_glue_matches_torch(T, width):
     assert torch.equal(x[:, : 3 * D], ref)
 
 
+
+def test_bf16_glue_keeps_subnormals():
+    """The bf16 glue rounds subnormal results as torch does (the vector path converts whole vectors with one
+    instruction that would flush them to zero, so lanes it cannot convert take the exact integer rounding): the
+    residual sum and rotary bit for bit, RMSNorm's output and NaN positions as torch's."""
+    torch.manual_seed(3)
+    bf = torch.bfloat16
+    T, E, D = 5, 96, 64
+    tiny = torch.tensor([1e-39, -3e-40, 5e-41, 2e-38, -1e-38])
+    h = (torch.randn(T, E) * 1e-38).to(bf)
+    d = tiny[torch.randint(0, 5, (T, E))].to(bf)
+    h[1, 7], d[2, 3], h[3] = float("nan"), float("inf"), 0.0
+    ref_h = h + d
+    out = cpu_ops.add_rmsnorm(h, d, torch.ones(E, dtype=bf), 1e-5)
+    assert torch.equal(h.isnan(), ref_h.isnan()) and torch.equal(h.nan_to_num(), ref_h.nan_to_num())
+    ref = rms_norm(ref_h, torch.ones(E, dtype=bf), 1e-5)
+    assert torch.equal(out.isnan(), ref.isnan())
+    torch.testing.assert_close(out.nan_to_num(), ref.nan_to_num(), atol=1e-2, rtol=8e-3)
+    x = (torch.randn(T, 2 * D) * 1e-36).to(bf)
+    cos, sin = (torch.rand(8, D) * 1e-3).to(bf), (torch.rand(8, D) * 1e-3).to(bf)
+    pos = torch.randint(0, 8, (T,))
+    qk = x.view(T, 2, D)
+    ref = (qk * cos[pos].unsqueeze(1) + rotate_half(qk) * sin[pos].unsqueeze(1)).view(T, -1)
+    assert (ref.abs() < torch.finfo(torch.float32).tiny).sum() > 50 and ref.abs().max() > 0
+    cpu_ops.rope_(x, 2, D, cos, sin, pos)
+    assert torch.equal(x, ref)
+
 @pytest.mark.parametrize("N,K", [(960, 576), (576, 1536), (100, 37), (16, 1), (7, 64)])
 @pytest.mark.parametrize("M", [1, 5, 6, 7, 32, 96, 97, 803])
 @pytest.mark.parametrize("with_bias", [False, True])
