@@ -6,7 +6,11 @@ difference is the kernels' (the machine may be shared). Reports ms per step (wal
 step, best and median over --rounds alternations; with --threads 1 the CPU time is the step's own work, whatever
 else runs on the machine.
 
-    python bench/decode_step_ab.py --against /tmp/old_cpu [--context 200] [--seqs 32] [--rounds 8]
+--attention-only: the step's attention calls alone instead (its paged_decode calls captured from one step run layer
+by layer, then replayed with each library: the engine's real pools, block tables and query rows).
+
+    python bench/decode_step_ab.py --against /tmp/old_cpu [--context 200] [--seqs 32] [--rounds 8] [--threads 1]
+                                   [--attention-only]
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_attn_micro import load_from  # noqa: E402
+from decode_attn_micro import caller, load_from  # noqa: E402
 from step_profile import random_ids  # noqa: E402
 from sysinfo import banner  # noqa: E402
 
@@ -35,6 +39,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3, help="steps per library per round")
     ap.add_argument("--threads", type=int, default=None, help="compute threads (1: CPU time is the step's own)")
+    ap.add_argument("--attention-only", action="store_true", help="replay one step's paged_decode calls only")
     a = ap.parse_args()
     from flowrt.engine import LLM, SamplingParams, cpu_ops
 
@@ -56,6 +61,8 @@ def main():
         if now == last:
             break
         last = now
+    if a.attention_only:
+        return replay_attention(engine, libs, a.rounds)
     times = {k: [] for k in libs}
     for _ in range(a.rounds):
         for name, lib in libs.items():
@@ -70,6 +77,40 @@ def main():
         w, c = [t[0] for t in ts], [t[1] for t in ts]
         print(f"{name:8s} wall ms/step best {min(w) * 1e3:6.1f} median {statistics.median(w) * 1e3:6.1f} | "
               f"cpu ms/step best {min(c) * 1e3:6.1f} median {statistics.median(c) * 1e3:6.1f}")
+
+
+def replay_attention(engine, libs, rounds):
+    """One step run layer by layer (the one-call decode step switched off for it), its paged_decode calls captured,
+    then replayed through each library in turn (best and median CPU and wall ms for the step's calls)."""
+    from flowrt.engine import cpu_ops
+    from flowrt.engine.models import llama
+
+    calls = []
+    orig_decode, orig_ptrs = cpu_ops.paged_decode, llama.LlamaModel._layer_ptrs
+    cpu_ops.paged_decode = lambda q, kc, vc, tables, lens, out, scale, **kw: (
+        calls.append((q.contiguous(), kc, vc, tables.clone(), lens.clone(), scale, kw)),
+        orig_decode(q, kc, vc, tables, lens, out, scale, **kw))
+    llama.LlamaModel._layer_ptrs = lambda self, *args: None
+    try:
+        engine.step()
+    finally:
+        cpu_ops.paged_decode, llama.LlamaModel._layer_ptrs = orig_decode, orig_ptrs
+    if not calls or any(c[6] for c in calls):
+        raise SystemExit(f"expected plain paged_decode calls, got {len(calls)} ({[c[6] for c in calls][:2]})")
+    fns = {name: [caller(lib, q, tables, lens, torch.empty_like(q), scale) for q, _, _, tables, lens, scale, _ in calls]
+           for name, lib in libs.items()}
+    times = {k: [] for k in libs}
+    for _ in range(rounds):
+        for name, fs in fns.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            for f, c in zip(fs, calls):
+                f(c[1], c[2])
+            times[name].append((time.perf_counter() - w0, time.process_time() - c0))
+    print(f"{len(calls)} paged_decode calls of one step (block table {tuple(calls[0][3].shape)})")
+    for name, ts in times.items():
+        w, c = [t[0] for t in ts], [t[1] for t in ts]
+        print(f"{name:8s} attention wall ms/step best {min(w) * 1e3:6.2f} median {statistics.median(w) * 1e3:6.2f} | "
+              f"cpu best {min(c) * 1e3:6.2f} median {statistics.median(c) * 1e3:6.2f}")
 
 
 if __name__ == "__main__":
