@@ -112,6 +112,54 @@ class FlashPlan:
     key_start: int = 0
 
 
+@dataclass(frozen=True)
+class DecodeProgram:
+    """A step whose every row is a decode row, as the kernel calls that attend it in TorchAttentionBackend.forward's
+    order (so the same bits), for the one-call decode step (cpu_ops.StepGlue.decode_layers): paged decode calls, each
+    [rows (0: rows 0..B-1), tables, their row stride, seq_lens, B, first key, lse (0: none), heads_outer], then at most
+    one paged flash call over the shared prefixes, merged into their rows by log-sum-exp [rows, ends, group_start, NG
+    (0: no call), tables, their row stride, key_start, lse_in]. Holds the tensors the pointers refer to."""
+
+    calls: torch.Tensor  # int64 [n, 8]
+    flash: torch.Tensor  # int64 [8]
+    keep: tuple
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _decode_program(p: dict, heads: int, head_dim: int) -> DecodeProgram:
+    """The prepared plans of a step of decode rows only (`p`: meta.prepared) as one DecodeProgram."""
+    calls, keep = [], []
+
+    def call(rows, tables, lens, start=0, lse=None, heads_outer=0):
+        keep.extend(t for t in (rows, tables, lens, lse) if t is not None)
+        calls.append([_ptr(rows), tables.data_ptr(), tables.stride(0), lens.data_ptr(), lens.shape[0], start, _ptr(lse),
+                      heads_outer])
+
+    dp = p.get("decode")
+    if dp is not None:
+        call(dp.rows, dp.tables, dp.seq_lens)
+    fp = p["cascade_prefixes"] if cpu_ops.flash_supported(head_dim) else None
+    flash = [0] * 8
+    if fp is not None:  # each member's own suffix with its log-sum-exp, then every shared prefix at once (flash)
+        lse = torch.empty(fp.rows.shape[0], heads)
+        r0 = 0
+        for cp in p["cascade"]:
+            n = cp.rows.shape[0]
+            call(cp.rows, cp.tables, cp.seq_lens, cp.n_prefix, lse[r0 : r0 + n])
+            r0 += n
+        keep.extend((fp.rows, fp.ends, fp.group_start, fp.tables, lse))
+        flash = [fp.rows.data_ptr(), fp.ends.data_ptr(), fp.group_start.data_ptr(), fp.group_start.shape[0] - 1,
+                 fp.tables.data_ptr(), fp.tables.stride(0), fp.key_start, lse.data_ptr()]
+    else:  # each member's whole context, ordered so the shared prefix stays in the CPU caches
+        for cp in p["cascade"]:
+            call(cp.rows, cp.tables, cp.seq_lens, heads_outer=1)
+    return DecodeProgram(torch.tensor(calls, dtype=torch.int64).reshape(-1, 8), torch.tensor(flash, dtype=torch.int64),
+                         tuple(keep))
+
+
 # Decode rows of sequences sharing a prefix take the flash kernel (own suffix, then each shared prefix once for all its
 # members) when the step's groups hold at least this many (member x prefix token) pairs; below it, the decode kernel
 # reading each member's whole context (the prefix from the CPU caches after the first member) costs less. Zen3 fp32,
@@ -249,6 +297,7 @@ class TorchAttentionBackend:
         dev = meta.seq_lens.device
         qsl = meta.query_start_loc.tolist()
         d = _decode_rows(meta, qsl)
+        p["all_decode"] = len(d.rows) == qsl[-1]  # every row a decode row: decode_program applies
         plain = list(range(len(d.rows)))
         cascade, shared = [], 0
         if len(d.rows) > 1:
@@ -367,12 +416,13 @@ class TorchAttentionBackend:
         return groups
 
     @staticmethod
-    def pure_decode(meta: AttentionMetadata) -> DecodePlan | None:
-        """The step's decode plan where forward's whole work with the kernels is one paged_decode over every row in
-        order (each row a decode row: a sequence's single new token, or a row of a verify chunk; tables and seq_lens
-        per row), else None: a caller may then run that kernel itself with the same arguments."""
-        dp = meta.prepared.get("decode")
-        return dp if dp is not None and dp.rows is None else None
+    def decode_program(meta: AttentionMetadata, heads: int, head_dim: int) -> DecodeProgram | None:
+        """The step's attention as kernel calls (DecodeProgram) where every row is a decode row (a pure decode step,
+        decode rows sharing prefixes, verify chunks), else None. Built once per step; valid for the C++ kernels."""
+        p = meta.prepared
+        if "program" not in p:
+            p["program"] = _decode_program(p, heads, head_dim) if p.get("all_decode") else None
+        return p["program"]
 
     #: forward takes kv_written=True: the caller has written k/v to the step's slots itself (the model's fused
     #: rotary + KV write)

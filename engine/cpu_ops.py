@@ -423,22 +423,24 @@ class StepGlue:
         if rc != 0:
             raise IndexError(f"glue: a slot is outside the KV pool of {n_slots} token slots")
 
-    def decode_layers(self, layer_ptrs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      tables: torch.Tensor, seq_lens: torch.Tensor, heads: int, scale: float) -> None:
-        """A pure decode step's layers in one call (decode_layers.cpp): h becomes the stream after the last layer.
+    def decode_layers(self, layer_ptrs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, program,
+                      heads: int, scale: float) -> None:
+        """A decode step's layers in one call (decode_layers.cpp): h becomes the stream after the last layer.
         layer_ptrs: int64 [L, 9] (see there), built by the model from its packed projections and pools; k_cache /
-        v_cache: one layer's pools (every layer's has their shape); tables int32 [B, W] (row-contiguous), seq_lens
-        int32 [B], one row per sequence (B = T); heads: the query heads."""
+        v_cache: one layer's pools (every layer's has their shape); program: the step's attention as kernel calls
+        (engine.attention.DecodeProgram: .calls int64 [n, 8], .flash int64 [8], built by the backend from its checked
+        plans, every row a decode row); heads: the query heads."""
         T, E, inter = self.T, self.E, self.inter
         _, nh, D, cos, sin, pos = self._rope_args
         Hkv = nh - heads
         _check("decode_layers", "layer_ptrs", layer_ptrs, torch.int64, 2, contiguous=True)
-        _check("decode_layers", "tables", tables, torch.int32, 2, rows=True)
-        _check("decode_layers", "seq_lens", seq_lens, torch.int32, 1, contiguous=True)
-        if self._slots is None or layer_ptrs.shape[1] != 9 or seq_lens.shape[0] != T or tables.shape[0] < T:
+        calls, flash = program.calls, program.flash
+        _check("decode_layers", "program calls", calls, torch.int64, 2, contiguous=True)
+        _check("decode_layers", "program flash", flash, torch.int64, 1, contiguous=True)
+        if self._slots is None or layer_ptrs.shape[1] != 9 or calls.shape[1] != 8 or flash.shape != (8,):
             raise ValueError(f"decode_layers: {T} rows, slots {'set' if self._slots else 'missing'}, layer_ptrs "
-                             f"{tuple(layer_ptrs.shape)}, tables {tuple(tables.shape)}, seq_lens "
-                             f"{tuple(seq_lens.shape)} do not fit together")
+                             f"{tuple(layer_ptrs.shape)}, program calls {tuple(calls.shape)}, flash "
+                             f"{tuple(flash.shape)} do not fit together")
         for c in (k_cache, v_cache):
             _check("decode_layers", "kv pool", c, self.dtype, 4, contiguous=True)
             if c.shape[2:] != (Hkv, D):
@@ -448,8 +450,8 @@ class StepGlue:
         work = torch.empty(T * (2 * E + qkv_w + heads * D + 3 * inter), dtype=self.dtype)
         fn = getattr(_lib, f"decode_layers_{_SUFFIX[self.dtype]}")
         rc = fn(layer_ptrs.shape[0], T, E, inter, heads, Hkv, D, self.eps, scale, self.h.data_ptr(), work.data_ptr(),
-                layer_ptrs.data_ptr(), cos, sin, pos, self._slots, n_slots, tables.data_ptr(), tables.stride(0),
-                seq_lens.data_ptr(), k_cache.shape[1])
+                layer_ptrs.data_ptr(), cos, sin, pos, self._slots, n_slots, calls.shape[0], calls.data_ptr(),
+                flash.data_ptr(), k_cache.shape[1])
         if rc == -2:
             raise IndexError(f"decode_layers: a slot is outside the KV pool of {n_slots} token slots")
         if rc != 0:

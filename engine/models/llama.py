@@ -210,11 +210,11 @@ class LlamaModel(nn.Module):
         norm, rope_, rope_kv_, silu_mul_ = glue.add_rmsnorm, glue.rope_, glue.rope_kv_, glue.silu_mul
         attend = functools.partial(backend.forward, kv_written=True) if write_kv else backend.forward
         heads, scale = [H, Hkv, Hkv], D**-0.5
-        plan = backend.pure_decode(meta) if write_kv and hasattr(backend, "pure_decode") else None
-        if plan is not None and D <= 256 and not cpu_ops.profiling():  # profiled: per kernel, so it sees each
+        program = backend.decode_program(meta, H, D) if write_kv and hasattr(backend, "decode_program") else None
+        if program is not None and D <= 256 and not cpu_ops.profiling():  # profiled: per kernel, so it sees each
             ptrs = self._layer_ptrs(kv_caches, T)
             if ptrs is not None:
-                glue.decode_layers(ptrs, kc0, kv_caches[0][1], plan.tables, plan.seq_lens, H, scale)
+                glue.decode_layers(ptrs, kc0, kv_caches[0][1], program, H, scale)
                 return h
         delta = None
         for layer, (kc, vc) in zip(self.layers, kv_caches):

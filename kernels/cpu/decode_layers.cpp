@@ -1,7 +1,11 @@
 // A whole decode step's layers in one call: the C++ loop over each layer's kernels (residual + RMSNorm, the packed
 // projections, rotary + KV write, paged decode attention, SiLU x up) that the model otherwise drives from Python,
 // ~10 calls a layer. The same kernels in the same order as LlamaModel._forward_glued, so the same bits; it only
-// removes the Python and ctypes overhead between them (at batch 1 about a tenth of a step).
+// removes the Python and ctypes overhead between them (at batch 1 about a tenth of a step). The attention is the
+// backend's decode program (engine/attention.py DecodeProgram): one paged decode over every row for a step of
+// independent sequences; for rows that share prefixes (forks, prefix-cache hits: the cascade), each group's own keys
+// with their log-sum-exp, then every shared prefix once for all its members (paged flash, merged), in the backend's
+// order.
 #include "flowrt_cpu.h"
 #include "common.h"
 
@@ -13,6 +17,7 @@ template <> struct K<float> {
     static constexpr auto gemm = gemm_packed_f32;
     static constexpr auto rope_kv = rope_kv_write_f32;
     static constexpr auto attend = paged_decode_f32;
+    static constexpr auto flash = paged_flash_f32;
     static constexpr auto silu = silu_mul_f32;
 };
 template <> struct K<bf16_t> {
@@ -20,16 +25,20 @@ template <> struct K<bf16_t> {
     static constexpr auto gemm = gemm_packed_bf16;
     static constexpr auto rope_kv = rope_kv_write_bf16;
     static constexpr auto attend = paged_decode_bf16;
+    static constexpr auto flash = paged_flash_bf16;
     static constexpr auto silu = silu_mul_bf16;
 };
 
 // The buffers of `work`, in order: x [T, E], qkv [T, (H + 2 Hkv) D], attn [T, H D], d [T, E], gu [T, 2 I], act [T, I].
 // layer_ptrs [L, 9]: each layer's input norm, post norm, qkv (packed), qkv bias (float32 padded, or 0), o, gate_up,
-// down (packed), k pool, v pool.
+// down (packed), k pool, v pool. calls [n_calls, 8]: the paged decode calls of the attention, each rows (0: rows
+// 0..B-1), block tables, their row stride, seq_lens, B, the first key, lse (0: none), heads_outer; flash [8]: then one
+// paged flash call over shared prefixes, merged into those rows (rows, ends, group_start, NG (0: no call), tables,
+// their row stride, key_start, lse_in).
 template <typename T>
 int decode_layers(int L, int64_t Tn, int E, int I, int H, int Hkv, int D, float eps, float scale, T* h, T* work,
                   const int64_t* lp, const T* cos_t, const T* sin_t, const int64_t* pos, const int64_t* slots,
-                  int64_t n_slots, const int32_t* tables, int64_t tab_st, const int32_t* seq_lens, int bs) {
+                  int64_t n_slots, int n_calls, const int64_t* calls, const int64_t* flash, int bs) {
     using P = const T*;
     const int64_t Nqkv = (int64_t)(H + 2 * Hkv) * D, HD = (int64_t)H * D;
     T* x = work;
@@ -45,8 +54,16 @@ int decode_layers(int L, int64_t Tn, int E, int I, int H, int Hkv, int D, float 
         K<T>::norm(h, l ? d : nullptr, (P)p[0], x, Tn, E, eps);
         if ((rc = K<T>::gemm(x, E, Tn, E, (P)p[2], Nqkv, (const float*)p[3], qkv, Nqkv))) return rc;
         if (K<T>::rope_kv(qkv, Nqkv, Tn, H, Hkv, D, cos_t, sin_t, pos, kc, vc, slots, n_slots)) return -2;
-        if (K<T>::attend(qkv, Nqkv, kc, vc, tables, tab_st, seq_lens, nullptr, 0, attn, HD, nullptr, (int)Tn, H, Hkv,
-                         D, bs, scale, 0))
+        for (int c = 0; c < n_calls; ++c) {
+            const int64_t* a = calls + 8 * (int64_t)c;
+            if (K<T>::attend(qkv, Nqkv, kc, vc, (const int32_t*)a[1], a[2], (const int32_t*)a[3], (const int64_t*)a[0],
+                             (int32_t)a[5], attn, HD, (float*)a[6], (int)a[4], H, Hkv, D, bs, scale, (int)a[7]))
+                return -3;
+        }
+        if (flash[3] > 0 && K<T>::flash(qkv, Nqkv, (const int64_t*)flash[0], (const int32_t*)flash[1],
+                                        (const int32_t*)flash[2], (int)flash[3], (const int32_t*)flash[4], flash[5],
+                                        (int)flash[6], kc, vc, attn, HD, (const float*)flash[7], nullptr, H, Hkv, D,
+                                        bs, scale))
             return -3;
         if ((rc = K<T>::gemm(attn, HD, Tn, HD, (P)p[4], E, nullptr, d, E))) return rc;
         K<T>::norm(h, d, (P)p[1], x, Tn, E, eps);
@@ -65,18 +82,18 @@ extern "C" {
 
 int decode_layers_f32(int L, int64_t T, int E, int I, int H, int Hkv, int D, float eps, float scale, float* h,
                       float* work, const int64_t* layer_ptrs, const float* cos_t, const float* sin_t,
-                      const int64_t* pos, const int64_t* slots, int64_t n_slots, const int32_t* tables, int64_t tab_st,
-                      const int32_t* seq_lens, int bs) {
+                      const int64_t* pos, const int64_t* slots, int64_t n_slots, int n_calls, const int64_t* calls,
+                      const int64_t* flash, int bs) {
     return decode_layers<float>(L, T, E, I, H, Hkv, D, eps, scale, h, work, layer_ptrs, cos_t, sin_t, pos, slots,
-                                n_slots, tables, tab_st, seq_lens, bs);
+                                n_slots, n_calls, calls, flash, bs);
 }
 
 int decode_layers_bf16(int L, int64_t T, int E, int I, int H, int Hkv, int D, float eps, float scale, bf16_t* h,
                        bf16_t* work, const int64_t* layer_ptrs, const bf16_t* cos_t, const bf16_t* sin_t,
-                       const int64_t* pos, const int64_t* slots, int64_t n_slots, const int32_t* tables,
-                       int64_t tab_st, const int32_t* seq_lens, int bs) {
+                       const int64_t* pos, const int64_t* slots, int64_t n_slots, int n_calls, const int64_t* calls,
+                       const int64_t* flash, int bs) {
     return decode_layers<bf16_t>(L, T, E, I, H, Hkv, D, eps, scale, h, work, layer_ptrs, cos_t, sin_t, pos, slots,
-                                 n_slots, tables, tab_st, seq_lens, bs);
+                                 n_slots, n_calls, calls, flash, bs);
 }
 
 }  // extern "C"

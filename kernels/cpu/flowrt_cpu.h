@@ -46,8 +46,9 @@ void silu_mul_bf16(const bf16_t* gu, int64_t gu_st, bf16_t* out, int64_t T, int 
 int rope_kv_write_f32(float* x, int64_t row_st, int64_t T, int nq, int nk, int D, const float* cos_t, const float* sin_t, const int64_t* pos, float* kc, float* vc, const int64_t* slots, int64_t n_slots);
 int rope_kv_write_bf16(bf16_t* x, int64_t row_st, int64_t T, int nq, int nk, int D, const bf16_t* cos_t, const bf16_t* sin_t, const int64_t* pos, bf16_t* kc, bf16_t* vc, const int64_t* slots, int64_t n_slots);
 
-// ---- a decode step's layers in one call (decode_layers.cpp): the kernels above in LlamaModel._forward_glued's order
-int decode_layers_f32(int L, int64_t T, int E, int I, int H, int Hkv, int D, float eps, float scale, float* h, float* work, const int64_t* layer_ptrs, const float* cos_t, const float* sin_t, const int64_t* pos, const int64_t* slots, int64_t n_slots, const int32_t* tables, int64_t tab_st, const int32_t* seq_lens, int bs);
-int decode_layers_bf16(int L, int64_t T, int E, int I, int H, int Hkv, int D, float eps, float scale, bf16_t* h, bf16_t* work, const int64_t* layer_ptrs, const bf16_t* cos_t, const bf16_t* sin_t, const int64_t* pos, const int64_t* slots, int64_t n_slots, const int32_t* tables, int64_t tab_st, const int32_t* seq_lens, int bs);
+// ---- a decode step's layers in one call (decode_layers.cpp): the kernels above in LlamaModel._forward_glued's order;
+// the attention as the backend's decode program (calls [n_calls, 8], flash [8]: see there)
+int decode_layers_f32(int L, int64_t T, int E, int I, int H, int Hkv, int D, float eps, float scale, float* h, float* work, const int64_t* layer_ptrs, const float* cos_t, const float* sin_t, const int64_t* pos, const int64_t* slots, int64_t n_slots, int n_calls, const int64_t* calls, const int64_t* flash, int bs);
+int decode_layers_bf16(int L, int64_t T, int E, int I, int H, int Hkv, int D, float eps, float scale, bf16_t* h, bf16_t* work, const int64_t* layer_ptrs, const bf16_t* cos_t, const bf16_t* sin_t, const int64_t* pos, const int64_t* slots, int64_t n_slots, int n_calls, const int64_t* calls, const int64_t* flash, int bs);
 
 }  // extern "C"

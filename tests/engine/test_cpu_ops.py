@@ -258,6 +258,44 @@ def test_paged_decode_suffix_with_lse():
         torch.testing.assert_close(out[b], torch.einsum("hl,lhd->hd", s.softmax(-1), v), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("Hkv,G,D,bs", [(3, 3, 64, 16), (1, 8, 128, 16), (2, 5, 96, 5), (2, 1, 32, 3),
+                                        (1, 2, 160, 8)])
+@pytest.mark.parametrize("start", [0, 7])
+def test_bf16_paged_decode_matches_reference(Hkv, G, D, bs, start):
+    """bfloat16 pools (on AVX-512 with BF16: the dpbf16 kernel) for every query-head group size (1 .. 8: whole and
+    partial groups of four in the value product), head sizes with a 32-column tail, odd block sizes and lengths
+    around the 16-token score groups, from token 0 or from an odd `start` with the log-sum-exp. Pool slots no
+    sequence holds are NaN: a kernel that reads past a sequence's end (its padding rows) gives NaN."""
+    lens = [1, 2, 15, 16, 17, 33, 150, 8]
+    lens = [max(L, start) for L in lens]
+    B = len(lens)
+    q, kc, vc, tables, seq_lens = _paged_case(B, Hkv, G, D, bs, lens, D + G + bs)
+    used = torch.zeros(kc.shape[0] * bs, dtype=torch.bool)
+    for b, L in enumerate(lens):
+        pos = torch.arange(L)
+        used[tables[b][pos // bs].long() * bs + pos % bs] = True
+    kc.view(-1, Hkv, D)[~used] = float("nan")
+    vc.view(-1, Hkv, D)[~used] = float("nan")
+    q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    out, lse = torch.empty_like(q), torch.empty(B, Hkv * G)
+    cpu_ops.paged_decode(q, kc, vc, tables, seq_lens, out, 0.17, start=start, lse=lse)
+    for b, L in enumerate(lens):
+        slots = torch.tensor([int(tables[b, p // bs]) * bs + p % bs for p in range(start, L)], dtype=torch.long)
+        if len(slots) == 0:
+            assert not out[b].any() and torch.isinf(lse[b]).all()
+            continue
+        k = kc.view(-1, Hkv, D)[slots].float().repeat_interleave(G, dim=1)  # [L', H, D]
+        v = vc.view(-1, Hkv, D)[slots].float().repeat_interleave(G, dim=1)
+        s = torch.einsum("hd,lhd->hl", q[b].float(), k) * 0.17
+        torch.testing.assert_close(lse[b], torch.logsumexp(s, -1), atol=1e-4, rtol=1e-4)
+        ref = torch.einsum("hl,lhd->hd", s.softmax(-1), v)
+        torch.testing.assert_close(out[b].float(), ref, atol=1e-2, rtol=1e-2)
+    # per-(sequence, KV head) work items compute the very same numbers
+    out2 = torch.empty_like(q)
+    cpu_ops.paged_decode(q, kc, vc, tables, seq_lens, out2, 0.17, start=start, shared_prefix=True)
+    assert torch.equal(out2, out)
+
+
 def test_flash_kernel_matches_reference_for_odd_shapes():
     """The flash kernel alone: head sizes 16-128, GQA and MHA, block sizes 4-16, chunks that end mid-block, rows in a
     shuffled order of a wider stream; the log-sum-exp it returns and a merge with a second part (key_start) agree."""

@@ -116,3 +116,38 @@ def test_one_call_pointers_follow_the_projections(tmp_path):
     layer.mm["o"] = packed
     again = model._layer_ptrs(runner.kv_caches, 1)
     assert again is not None and torch.equal(again, first)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("min_shared", [0, 10**9], ids=["prefixes-by-flash", "whole-contexts"])
+def test_glued_cascade_decode_matches_layer_by_layer(tmp_path, monkeypatch, dtype, min_shared):
+    """Decode steps of sequences sharing a cached prefix (the cascade: each member's own keys, then the shared prefix
+    once for all by the flash kernel, or each member's whole context below the threshold) run in the one-call layer
+    loop, with the same bits as the backend's per-layer forward."""
+    from flowrt.engine import attention
+
+    monkeypatch.setattr(attention, "FLASH_DECODE_MIN_SHARED", min_shared)
+    llm = LLM(make_tiny_model(tmp_path / "llama", arch="llama"), dtype=dtype)
+    runner = llm.engine.runner
+    model = runner.model
+    prefix = [1] + list(range(100, 140))  # two full blocks of 16 shared by every prompt
+    steps = _steps(llm, [prefix + [7, 8, 9], prefix + [300, 301], prefix + list(range(200, 220))])
+    cascade = [inp for inp in steps if inp.meta.prepared["cascade"] and inp.meta.prepared["all_decode"]]
+    assert cascade  # the decode steps after the prefills share the prefix
+    one_call = []
+    orig = cpu_ops.StepGlue.decode_layers
+    monkeypatch.setattr(cpu_ops.StepGlue, "decode_layers", lambda self, *a: one_call.append(a[3]) or orig(self, *a))
+    for inp in cascade:
+        with torch.inference_mode():
+            glued = model(inp.input_ids, inp.positions, runner.kv_caches, inp.meta, runner.backend)
+            h = torch.nn.functional.embedding(inp.input_ids, model.embed)
+            rope, delta = _Rope(model, inp.positions, True), None
+            for layer, (kc, vc) in zip(model.layers, runner.kv_caches):
+                h, delta = layer(h, delta, rope, kc, vc, inp.meta, runner.backend)
+            assert torch.equal(glued, h + delta)
+    packed = cpu_ops.PackedLinear.create(torch.ones(1, 1)) if dtype == "float32" else \
+        cpu_ops.PackedLinearBF16.create(torch.ones(1, 2, dtype=torch.bfloat16))
+    if packed is not None:
+        assert len(one_call) == len(cascade)
+        # flash over the prefixes: a flash call with groups; below the threshold: none
+        assert all((int(p.flash[3]) > 0) == (min_shared == 0) for p in one_call)
