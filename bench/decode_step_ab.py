@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """A decode step of the engine (--seqs sequences at --context tokens, bf16 by default) with this checkout's kernel
-library against one built from other kernel sources (--against DIR, a copy of kernels/cpu/ from another commit),
+library against ones built from other kernel sources (--against DIR, repeatable: copies of kernels/cpu/ from other
+commits, whose exported functions must take the same arguments as this checkout's),
 swapped in the same process step by step: both libraries run the very same steps on the same machine load, so the
 difference is the kernels' (the machine may be shared). Reports ms per step (wall) and the process's CPU time per
 step, best and median over --rounds alternations; with --threads 1 the CPU time is the step's own work, whatever
@@ -31,7 +32,7 @@ from sysinfo import banner  # noqa: E402
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--against", type=Path, required=True)
+    ap.add_argument("--against", type=Path, action="append", required=True, help="repeatable")
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seqs", type=int, default=32)
@@ -47,7 +48,7 @@ def main():
     engine = next(e for e in (getattr(llm, "engine", None), getattr(llm, "llm_engine", None), llm)
                   if e is not None and hasattr(e, "step"))
     print(banner(), f"| dtype {a.dtype} | {a.seqs} sequences x ~{a.context} tokens")
-    libs = {"this": cpu_ops.lib(), "against": load_from(a.against)}
+    libs = {"this": cpu_ops.lib(), **{f"against{i or ''}": load_from(d) for i, d in enumerate(a.against)}}
     n = torch.get_num_threads()
     for lib in libs.values():
         lib.flowrt_set_num_threads(n)

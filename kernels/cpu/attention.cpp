@@ -375,7 +375,9 @@ static void decode_heads_dpbf16(const bf16_t* qp, const bf16_t* kc, const bf16_t
     // on prefetched to L2) before computing its scores from cache. On the EPYC measured, loads from DRAM did not
     // overlap the arithmetic, prefetched or not (a prefetch of the next tokens' rows changed nothing), while a loop
     // of loads alone streams a block table's scattered rows at ~15 GB/s. One thread, 32 x 200 tokens, pools past L3,
-    // in-process A/B: 0.71 ms a layer without the streaming loop, 0.50 with it for the keys, 0.43 for both.
+    // in-process A/B: 0.71 ms a layer without the streaming loop, 0.50 with it for the keys, 0.43 for both (0.84 for
+    // the previous kernel). On a fresh engine's pools (every sequence's blocks in order) the previous kernel's loads
+    // did overlap its arithmetic and it took the same ~0.39 ms as this one.
     constexpr int SEG = 64, PF_AHEAD = 32;
     const int span = nkh * D;  // the item's heads' elements of a token row
     __m512i sink = _mm512_setzero_si512();
