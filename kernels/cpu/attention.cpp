@@ -5,6 +5,8 @@
 #include "gemm.h"
 #include "tile512.h"
 
+#include <type_traits>
+
 // Decode attention for one (sequence, KV head) without AVX2 (or for a head size not a multiple of 8): its G query
 // heads against tokens start .. end-1, read in place from the paged pool [N, bs, Hkv, D].
 template <typename T>
@@ -607,15 +609,17 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
                             D, w.s + (size_t)t0 * ss + 16 * v0);
 #endif
             }
-        // online softmax, sixteen query vectors at a time; a key past a row's end (causal) gets probability 0
-        for (int v = 0; v < nqv; ++v) {
+        // online softmax, sixteen query vectors at a time; a key past a row's end (causal) gets probability 0. Where
+        // every lane sees the whole chunk (a shared prefix, the keys before a chunk's diagonal) nothing is masked.
+        auto softmax16 = [&](int v, auto whole) __attribute__((always_inline)) {
+            constexpr bool all_keys = decltype(whole)::value;
             const __m512i lim = _mm512_sub_epi32(_mm512_loadu_si512(w.lim + 16 * v), _mm512_set1_epi32(c0));
+            auto keep = [&](int t) __attribute__((always_inline)) {
+                return all_keys ? (__mmask16)0xffff : _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(t));
+            };
             const float* sv = w.s + 16 * v;
             __m512 mx = ninf;
-            for (int t = 0; t < n; ++t) {
-                const __mmask16 ok = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(t));
-                mx = _mm512_mask_max_ps(mx, ok, mx, _mm512_loadu_ps(sv + (size_t)t * ss));
-            }
+            for (int t = 0; t < n; ++t) mx = _mm512_mask_max_ps(mx, keep(t), mx, _mm512_loadu_ps(sv + (size_t)t * ss));
             // (the maximum of the raw scores, scaled once: scale > 0, as every attention scale is)
             const __m512 m_old = _mm512_loadu_ps(w.m + 16 * v), m_new = _mm512_max_ps(m_old, _mm512_mul_ps(mx, vscale));
             // rows without keys so far keep m = -inf; exponents are taken against 0 there (all masked anyway)
@@ -623,8 +627,7 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
                                                     _mm512_setzero_ps());
             __m512 sum = _mm512_setzero_ps();
             auto prob = [&](int t) __attribute__((always_inline)) {
-                const __mmask16 ok = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(t));
-                return exp16(_mm512_fmsub_ps(_mm512_loadu_ps(sv + (size_t)t * ss), vscale, m_ref), ok);
+                return exp16(_mm512_fmsub_ps(_mm512_loadu_ps(sv + (size_t)t * ss), vscale, m_ref), keep(t));
             };
 #ifdef FLOWRT_AVX512BF16
             // (P[i][t], P[i][t+1]) pairs: the two rows rounded to bf16, then interleaved
@@ -647,6 +650,12 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
             _mm512_storeu_ps(w.alpha + 16 * v, alpha);
             _mm512_storeu_ps(w.l + 16 * v, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(w.l + 16 * v), alpha), sum));
             _mm512_storeu_ps(w.m + 16 * v, m_new);
+        };
+        for (int v = 0; v < nqv; ++v) {
+            if (_mm512_reduce_min_epi32(_mm512_loadu_si512(w.lim + 16 * v)) >= c0 + n)
+                softmax16(v, std::true_type{});
+            else
+                softmax16(v, std::false_type{});
         }
         // o <- o * alpha + P V: six query vectors x up to 64 columns a tile
         for (int i = 0; i < Mq; i += 6)
