@@ -11,7 +11,10 @@
     when its venv exists (bench/setup_vllm.sh), each in its own subprocess.
 
 flowrt "on" is the engine's default speculative_config (ngram with the adaptive rule, engine/spec_policy.py), or the
-JSON given with --spec; "off" is speculative_config=None. vLLM gets SPEC (its ngram keys).
+JSON given with --spec; "ctx" is the same with "suffix_cache_tokens": 0 (drafts from each request's own context only,
+none from other requests' outputs); "off" is speculative_config=None. vLLM gets SPEC (its ngram keys). The suffix
+cache is emptied before each measured batch and before each batch-1 series, so a request drafts only from the outputs
+of the requests before it in the same series (never from an earlier run of its own prompt).
 
 flowrt's variants run in one process, alternating (off, on, off, on, ...) for --rounds rounds; the table shows
 medians (the machine's speed drifts, and other jobs may share it).
@@ -87,7 +90,7 @@ def flowrt_bench(args) -> dict:
     on = json.loads(args.spec) if args.spec else EngineArgs().speculative_config
     print(f"# flowrt speculative_config (on): {json.dumps(on)}", flush=True)
     engines = {name: LLM(args.model_dir, dtype=args.dtype, speculative_config=spec, seed=0)
-               for name, spec in (("off", None), ("on", on))}
+               for name, spec in (("off", None), ("ctx", {**on, "suffix_cache_tokens": 0}), ("on", on))}
     tok = engines["off"].tokenizer
     rag = chat_prompts(tok)
     if args.quick:
@@ -101,6 +104,10 @@ def flowrt_bench(args) -> dict:
     outputs = {}
     for llm in engines.values():  # warm-up (kernel compile, allocator)
         llm.generate(rag[:2], greedy)
+    def forget_outputs(name):
+        if engines[name].engine.spec is not None:
+            engines[name].engine.spec.forget_outputs()
+
     def timed(name, prompts, params, key=None):
         """Seconds for one generate call on a cold prefix cache (its outputs kept under `key`)."""
         llm = engines[name]
@@ -115,13 +122,16 @@ def flowrt_bench(args) -> dict:
     for rnd in range(args.rounds):
         # the variants alternate at every measurement (and their order flips), so that a change in the machine's
         # load hits both alike
-        order = ["off", "on"] if rnd % 2 == 0 else ["on", "off"]
+        order = ["off", "ctx", "on"] if rnd % 2 == 0 else ["on", "ctx", "off"]
         for name in order:
             res[name]["prefill16"].append(timed(name, rag, one))
         for name in order[::-1]:
+            forget_outputs(name)
             res[name]["rag16"].append(timed(name, rag, greedy, "batch16"))
         t1 = {name: 0.0 for name in engines}
         p1 = dict(t1)
+        for name in order:
+            forget_outputs(name)
         for i, p in enumerate(rag):
             for name in order if i % 2 == 0 else order[::-1]:
                 p1[name] += timed(name, p, one)
@@ -130,17 +140,18 @@ def flowrt_bench(args) -> dict:
             res[name]["rag1"].append(t1[name])
             res[name]["prefill1"].append(p1[name])
         if not args.skip_main:
-            for name in order[::-1]:
+            for name in [n for n in order[::-1] if n != "ctx"]:
                 res[name]["main"].append(timed(name, main_prompts, main_params))
         for name in order:
             r = res[name]
             print(f"# round {rnd + 1} {name}: rag16 {r['rag16'][-1]:.2f}s rag1 {r['rag1'][-1]:.2f}s"
                   + (f" main {r['main'][-1]:.2f}s" if r["main"] else ""), flush=True)
-    same = outputs["off"] == outputs["on"]  # batch 16 and every batch-1 request
+    same = outputs["off"] == outputs["on"] == outputs["ctx"]  # batch 16 and every batch-1 request
     gen = sum(len(o) for o in outputs["on"]["batch16"])
-    st = engines["on"].stats()
+    st, sc = engines["on"].stats(), engines["ctx"].stats()
     return {"res": res, "same_outputs": same, "generated": gen, "requests": len(rag),
             "draft": st["spec_draft_tokens"], "accepted": st["spec_accepted_tokens"],
+            "ctx_draft": sc["spec_draft_tokens"], "ctx_accepted": sc["spec_accepted_tokens"],
             "main_generated": sum(r["max_new"] for r in main)}
 
 
@@ -208,11 +219,12 @@ def main() -> int:
     gen = r["generated"]
     print(f"\n(a) RAG-style workload: {r['requests']} requests, {gen} generated tokens, greedy; outputs identical "
           f"with and without (batch 16 and batch 1): {r['same_outputs']}; drafts {r['draft']}, accepted {r['accepted']} "
-          f"({r['accepted'] / max(1, r['draft']):.0%})")
+          f"({r['accepted'] / max(1, r['draft']):.0%}); context only: drafts {r['ctx_draft']}, accepted "
+          f"{r['ctx_accepted']} ({r['ctx_accepted'] / max(1, r['ctx_draft']):.0%})")
     print(f"{'flowrt':<26}{'wall s':>9}{'decode s':>10}{'decode tok/s':>14}{'speed-up':>10}")
     for batch in ("16", "1"):  # "16": all requests in one batch
         base = None
-        for name in ("off", "on"):
+        for name in ("off", "ctx", "on"):
             wall = median(res[name]["rag" + batch])
             dec = wall - median(res[name]["prefill" + batch])
             tps = gen / dec

@@ -2,9 +2,15 @@
 
 Before a step, a decoding sequence whose last `n` tokens (prompt_lookup_max down to prompt_lookup_min) occurred
 earlier in its own tokens (prompt and output, so a fork drafts from its own history) gets the tokens that
-followed that occurrence appended as drafts (at most num_speculative_tokens). The step computes the pending
-token and the drafts together, with logits for every one of them (the scheduler plans the rows, and trims
-drafts it could not schedule). Then, per draft in order, against the target distribution p of its row:
+followed that occurrence appended as drafts (at most num_speculative_tokens). Where its own tokens have no such
+match, the same lookup runs over the outputs of recently finished requests (the suffix cache, engine/ngram_index.py:
+repeated output structures, e.g. a JSON template); where that finds none either, and a row is cheap by the adaptive
+rule, what followed the latest earlier occurrence of its last token alone (at most fallback_tokens). The lookups use
+per-sequence n-gram indices updated as tokens append (engine/ngram_index.py), not a scan of the context.
+
+The step computes the pending token and the drafts together, with logits for every one of them (the scheduler
+plans the rows, and trims drafts it could not schedule). Then, per draft in order, against the target
+distribution p of its row:
 - greedy: accepted while it is the argmax; the first mismatch is replaced by the argmax. Output is token for
   token what decoding without drafts gives.
 - sampled: the standard rule for a deterministic proposal: accepted with probability p(draft); on rejection
@@ -38,7 +44,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .sampler import filter_logits
-from .spec_policy import DraftBudget
+from .ngram_index import NgramIndex, SuffixCache
+from .spec_policy import Acceptance, DraftBudget
 from .structured_output import draft_prefix
 
 if TYPE_CHECKING:
@@ -57,6 +64,13 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_max: int = Field(4, ge=1)
     # flowrt: draft only as much as the measured step cost and acceptance say pays (engine/spec_policy.py)
     adaptive: bool = True
+    # flowrt: where the context has no match, draft from the outputs of recently finished requests (at most this
+    # many tokens of them remembered; 0: off). Cross-request: a request's drafts may come from other requests'
+    # outputs (verified like any draft, so outputs are unchanged; only step timing can tell)
+    suffix_cache_tokens: int = Field(16384, ge=0)
+    # flowrt: where neither found a match, up to this many drafts after the latest earlier occurrence of the last
+    # token alone, in steps where the adaptive rule says a row is cheap (0: off)
+    fallback_tokens: int = Field(3, ge=0)
 
     @model_validator(mode="after")
     def _range(self) -> "SpeculativeConfig":
@@ -117,6 +131,16 @@ class NgramSpeculator:
         self.accepted_tokens = 0
         self.grammar_rejected_tokens = 0  # drafted tokens cut because a sequence's grammar forbids them
         self.budget = DraftBudget() if cfg.adaptive else None
+        # per running sequence: its tokens' NgramIndex (the sequence kept to notice when it finishes)
+        self._index: dict[int, tuple[Sequence, NgramIndex]] = {}
+        self._n_lo = 1 if cfg.fallback_tokens else cfg.prompt_lookup_min
+        self.suffix = (SuffixCache(cfg.suffix_cache_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+                       if cfg.suffix_cache_tokens else None)
+        # the adaptive rule's acceptance rates, per source of drafts (their accuracy differs: a one-token match's
+        # drafts must not make a sequence's context drafts look worse); the draft in flight's source per sequence
+        self._acceptance = {src: self.budget.acceptance if src == "context" else Acceptance()
+                            for src in ("context", "suffix", "fallback")} if self.budget is not None else {}
+        self._source: dict[int, str] = {}
 
     @property
     def acceptance_rate(self) -> float:
@@ -134,45 +158,101 @@ class NgramSpeculator:
 
     def propose(self, running: list[Sequence]) -> None:
         """Appends drafts to the eligible running sequences (seq.num_draft_tokens of them)."""
-        found = [(seq, d) for seq in running if self.eligible(seq) and (d := self._draft(seq))]
+        self._forget(running)
+        # one-token drafts only where a row is cheap for what such drafts are accepted at (the adaptive rule)
+        fallback = self.cfg.fallback_tokens > 0 and (
+            self.budget is None
+            or self.budget.pays(self._acceptance["fallback"].overall(), *self._base(running, 0)))
+        found = []
+        for seq in running:
+            if self.eligible(seq):
+                draft, src = self._draft(seq, fallback)
+                if draft:
+                    found.append((seq, draft, src))
         if self.budget is not None:
             found = self._budgeted(running, found)
         free = self.kv.pool.num_free
-        for seq, draft in found:
+        for seq, draft, src in found:
             need = self.kv.blocks_needed(seq, 1 + len(draft)) - self.kv.blocks_needed(seq, 1)
             if need > free:  # drafts never take memory that would force a preemption
                 continue
             free -= need
             seq.token_ids.extend(draft)
             seq.num_draft_tokens = len(draft)
+            self._source[seq.seq_id] = src
 
-    def _draft(self, seq: Sequence) -> list[int]:
-        """The n-gram draft of an eligible sequence, cut to what max_tokens and max_model_len leave room for (every
-        accepted draft plus the token after them must fit)."""
+    def _forget(self, running: list[Sequence]) -> None:
+        """Drops the indices of sequences that left the batch; those that finished a request give its output to
+        the suffix cache."""
+        if len(self._index) <= len(running) and all(s.seq_id in self._index for s in running):
+            return  # nothing left (the common step: the same batch)
+        ids = {s.seq_id for s in running}
+        for sid in [sid for sid in self._index if sid not in ids]:
+            seq, _ = self._index.pop(sid)
+            self._source.pop(sid, None)
+            if self.suffix is not None and seq.finish_reason not in (None, "abort") and not seq.num_draft_tokens:
+                self.suffix.add(seq.output_token_ids)
+
+    def _draft(self, seq: Sequence, fallback: bool) -> tuple[list[int], str]:
+        """The draft of an eligible sequence, cut to what max_tokens and max_model_len leave room for (every
+        accepted draft plus the token after them must fit): what followed the latest earlier occurrence of its
+        last prompt_lookup_max..prompt_lookup_min tokens in its own tokens; else in the suffix cache; else (if
+        `fallback`) of its last token alone, at most fallback_tokens. A sampled request with its own seed drafts from
+        its own tokens by prompt_lookup_min..max only: its random draws (consumed per draft) must not depend on other
+        requests' outputs or on measured times. Returns the draft and its source."""
         cfg, p = self.cfg, seq.request.params
         room = min(cfg.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1)
         if room <= 0:
-            return []
-        draft = ngram_draft(seq.token_ids, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            return [], ""
+        entry = self._index.get(seq.seq_id)
+        if entry is None:
+            entry = self._index[seq.seq_id] = (seq, NgramIndex(self._n_lo, cfg.prompt_lookup_max))
+        index, tokens = entry[1], seq.token_ids
+        index.extend(tokens)
+        draft: list[int] = []
+        src = "context"
+        if (s := index.find(tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min)) is not None:
+            draft = tokens[s:s + room]
+        elif seq.generator is None or p.greedy:  # a seeded sample's draws may depend on nothing but its tokens
+            if self.suffix is not None:
+                draft, src = self.suffix.draft(tokens, room), "suffix"
+            if not draft and fallback and (s := index.find(tokens, 1, 1)) is not None:
+                draft, src = tokens[s:s + min(room, cfg.fallback_tokens)], "fallback"
         if draft and seq.matcher is not None:  # only what the grammar allows
             ok = draft_prefix(seq.matcher, draft)
             self.grammar_rejected_tokens += len(draft) - ok
             draft = draft[:ok]
-        return draft
+        return draft, src
 
-    def _budgeted(self, running: list[Sequence], found: list[tuple[Sequence, list[int]]]):
-        """The drafts cut to what the DraftBudget keeps (rows: the running sequences' uncomputed tokens). A request
-        with its own seed keeps every draft: its random draws must not depend on measured times."""
-        acc = self.budget.acceptance
-        acc.keep_only({s.seq_id for s in running})
-        fixed = [(seq, d) for seq, d in found if seq.generator is not None and not seq.request.params.greedy]
-        rest = [(seq, d) for seq, d in found if seq.generator is None or seq.request.params.greedy]
-        extra = sum(len(d) for _, d in fixed)  # counted as rows that pay for themselves
+    @staticmethod
+    def _base(running: list[Sequence], extra: int) -> tuple[int, int]:
+        """A step's rows (the running sequences' uncomputed tokens) and sampled tokens, without drafts; `extra`:
+        draft rows counted as paying for themselves."""
         rows = sum(s.num_tokens - s.num_computed_tokens for s in running) + extra
         tokens = sum(s.num_tokens - s.num_computed_tokens == 1 for s in running) + extra
-        keep = self.budget.plan([(len(d), acc.rate(seq.seq_id)) for seq, d in rest], rows, tokens)
-        return fixed + [(seq, d[:k]) for (seq, d), k in zip(rest, keep) if k]
+        return rows, tokens
+
+    def _budgeted(self, running: list[Sequence], found: list[tuple[Sequence, list[int], str]]):
+        """The drafts cut to what the DraftBudget keeps (rows: the running sequences' uncomputed tokens). A request
+        with its own seed keeps every draft: its random draws must not depend on measured times."""
+        ids = {s.seq_id for s in running}
+        for acc in self._acceptance.values():
+            acc.keep_only(ids)
+        fixed = [f for f in found if f[0].generator is not None and not f[0].request.params.greedy]
+        rest = [f for f in found if f[0].generator is None or f[0].request.params.greedy]
+        rows, tokens = self._base(running, sum(len(d) for _, d, _ in fixed))
+        keep = self.budget.plan([(len(d), self._acceptance[src].rate(seq.seq_id)) for seq, d, src in rest],
+                                rows, tokens)
+        return fixed + [(seq, d[:k], src) for (seq, d, src), k in zip(rest, keep) if k]
+
+    def forget_outputs(self) -> None:
+        """Empties the suffix cache, and forgets the sequences that would add to it (benchmarks: no request drafts
+        from an earlier run of the same prompt)."""
+        self._index.clear()
+        self._source.clear()
+        if self.suffix is not None:
+            self.suffix = SuffixCache(self.suffix.max_tokens, self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max)
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A decode step's rows (drafts included) and wall time, for the adaptive rule's cost model."""
@@ -213,8 +293,9 @@ class NgramSpeculator:
         a = len(accepted)
         self.draft_tokens += m
         self.accepted_tokens += a
+        src = self._source.pop(seq.seq_id, "context")
         if self.budget is not None:
-            self.budget.acceptance.record(seq.seq_id, m, a)
+            self._acceptance[src].record(seq.seq_id, m, a)
         lps = torch.log_softmax(rows[: a + 1], dim=-1) if want_logprobs else None
         # back to [.., pending]: process() appends the accepted drafts and the final token; the KV of the
         # pending token and the accepted drafts stays, the rest is rolled back

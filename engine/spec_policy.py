@@ -71,9 +71,13 @@ class Acceptance:
         c[0] += accepted
         c[1] += rejected
 
-    def rate(self, seq_id: int) -> float:
+    def overall(self) -> float:
+        """The engine-wide rate (decayed; 1/2 before any draft): the prior of a sequence's own."""
         acc, rej = self._all
-        prior = (acc + 1.0) / (acc + rej + 2.0)
+        return (acc + 1.0) / (acc + rej + 2.0)
+
+    def rate(self, seq_id: int) -> float:
+        prior = self.overall()
         c = self._seq.get(seq_id)
         if c is None:
             return min(prior, 0.99)
@@ -96,6 +100,12 @@ class DraftBudget:
     cost: StepCost = field(default_factory=StepCost)
     acceptance: Acceptance = field(default_factory=Acceptance)
     _dry: int = 0  # steps in a row where drafts were proposed and none taken
+
+    def pays(self, gain: float, base_rows: int, base_tokens: int) -> bool:
+        """Whether a draft worth `gain` expected tokens pays in a step of base_rows rows and base_tokens sampled
+        tokens, by plan()'s rule."""
+        r = self.cost.ratio()
+        return base_rows == base_tokens and gain * (1.0 + r * base_rows) > self.margin * r * base_tokens
 
     def plan(self, rates: list[tuple[int, float]], base_rows: int, base_tokens: int) -> list[int]:
         """rates: (drafts available, acceptance rate) per candidate sequence; base_rows/base_tokens: the step's rows

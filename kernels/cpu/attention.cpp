@@ -174,10 +174,10 @@ static void decode_heads(const T* qp, const T* kc, const T* vc, const int32_t* t
 }
 #endif
 
-#ifdef FLOWRT_AVX512
-// decode_heads for bf16 pools on AVX-512, head size a multiple of 32: the same work order, with 16-lane vectors. The
-// scores of a token are one 16-lane accumulator over the head (with AVX512-BF16, one dpbf16 per 32 elements: the
-// bf16 products summed in float32, no widening), folded to 8 lanes, and eight tokens' sums come out of one hsum8; the
+#if defined(FLOWRT_AVX512) && !defined(FLOWRT_AVX512BF16)
+// decode_heads for bf16 pools on AVX-512 without AVX512-BF16 (decode_heads_dpbf16 below has it), head size a
+// multiple of 32: the same work order, with 16-lane vectors. The scores of a token are one 16-lane accumulator over
+// the head (the keys widened to float32), folded to 8 lanes, and eight tokens' sums come out of one hsum8; the
 // weighted sum of values widens sixteen values per FMA.
 template <int DD>
 static void decode_heads_bf16_512(const bf16_t* qp, const bf16_t* kc, const bf16_t* vc, const int32_t* tab, int start,
@@ -192,10 +192,8 @@ static void decode_heads_bf16_512(const bf16_t* qp, const bf16_t* kc, const bf16
     float* scores = s.data();
     float* acc_rows = scores + (size_t)NH * Ls;
     float* run_max = acc_rows + (size_t)NH * D;
-    float* qf = run_max + 8 * (size_t)NH;  // the queries widened once (the non-BF16 path multiplies in float32)
-#if !defined(__AVX512BF16__)
+    float* qf = run_max + 8 * (size_t)NH;  // the queries widened once
     for (int i = 0; i < NH * D; ++i) qf[i] = bf16_to_f32(qp[i]);
-#endif
     const int64_t tok_st = (int64_t)Hkv * D;
     const bf16_t* k0 = kc + (int64_t)kh0 * D;
     const bf16_t* v0 = vc + (int64_t)kh0 * D;
@@ -228,20 +226,11 @@ static void decode_heads_bf16_512(const bf16_t* qp, const bf16_t* kc, const bf16
             const int ko = (h / G) * D;
             __m512 acc[8];
             for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
-#if defined(__AVX512BF16__)
-            const bf16_t* qh = qp + (int64_t)h * D;
-            for (int c = 0; c < D; c += 32) {
-                const __m512bh qv = (__m512bh)_mm512_loadu_si512(qh + c);
-                for (int j = 0; j < 8; ++j)
-                    acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_loadu_si512(kp[j] + ko + c));
-            }
-#else
             const float* qh = qf + (int64_t)h * D;
             for (int c = 0; c < C; ++c) {
                 const __m512 qv = _mm512_loadu_ps(qh + 16 * c);
                 for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(qv, load16_bf16(kp[j] + ko + 16 * c), acc[j]);
             }
-#endif
             __m256 half[8];
             for (int j = 0; j < 8; ++j)
                 half[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]), _mm512_extractf32x8_ps(acc[j], 1));
@@ -271,6 +260,177 @@ static void decode_heads_bf16_512(const bf16_t* qp, const bf16_t* kc, const bf16
         pos += n;
     }
     store_heads(op, acc_rows, run_max, NH, D);
+}
+#endif
+
+#ifdef FLOWRT_AVX512BF16
+// [sum(a[0]), ..., sum(a[15])]: sixteen horizontal sums in one vector, a transpose-and-add tree (45 operations for
+// sixteen tokens' scores, against 4.6 a token for folding to eight lanes and hsum8).
+static inline __m512 hsum16x16(const __m512* a) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a2i, a2i+1, a2i, a2i+1] partial sums
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)  // per 128-bit lane: [a4i .. a4i+3] partial sums
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
+}
+
+// GN heads' weighted sums of values over 64 (NV = 4) or 32 (NV = 2) columns of one KV head, two tokens per step:
+// their value rows interleaved into (t, t+1) bf16 pairs once for all GN heads, and one dpbf16 per 16 columns per
+// head with the pair of probabilities (P rounded to bf16, as the flash kernel's value product). Accumulator lanes
+// come out in the interleaved order ([0..3, 8..11, ..] and [4..7, 12..15, ..] of each 32 columns); they are put
+// back in order, scaled by the heads' normalizers and stored as bf16 at op (head stride D).
+template <int NV, int GN>
+static inline void decode_values_dpbf16(const bf16_t* v0, const int64_t* off, int L, const bf16_t* pp, int Lp,
+                                        const float* inv, bf16_t* op, int D) {
+    __m512 acc[GN][NV];
+    for (int g = 0; g < GN; ++g)
+        for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
+    for (int t = 0; t < L; t += 2) {
+        const bf16_t* a = v0 + off[t];
+        const bf16_t* b = v0 + off[t + 1];  // (past the end: a row repeated, its probability 0)
+        __m512i pr[NV];
+        for (int c = 0; c < NV / 2; ++c) {
+            const __m512i x = _mm512_loadu_si512(a + 32 * c), y = _mm512_loadu_si512(b + 32 * c);
+            pr[2 * c] = _mm512_unpacklo_epi16(x, y);
+            pr[2 * c + 1] = _mm512_unpackhi_epi16(x, y);
+        }
+        for (int g = 0; g < GN; ++g) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(load_pair(pp + (size_t)g * Lp + t));
+            for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], w, (__m512bh)pr[i]);
+        }
+    }
+    const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int g = 0; g < GN; ++g) {
+        const __m512 vinv = _mm512_set1_ps(inv[g]);
+        for (int c = 0; c < NV / 2; ++c) {
+            const __m512 lo = acc[g][2 * c], hi = acc[g][2 * c + 1];
+            bf16_t* o = op + (int64_t)g * D + 32 * c;
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_permutex2var_ps(lo, lo_idx, hi), vinv)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_permutex2var_ps(lo, hi_idx, hi), vinv)));
+        }
+    }
+}
+
+template <int NV>
+static inline void decode_values_heads(const bf16_t* v0, const int64_t* off, int L, const bf16_t* pp, int Lp,
+                                       const float* inv, bf16_t* op, int D, int G) {
+    for (int g = 0; g < G; g += 4) {
+        const bf16_t* p = pp + (size_t)g * Lp;
+        switch (std::min(4, G - g)) {
+            case 1: decode_values_dpbf16<NV, 1>(v0, off, L, p, Lp, inv + g, op + (int64_t)g * D, D); break;
+            case 2: decode_values_dpbf16<NV, 2>(v0, off, L, p, Lp, inv + g, op + (int64_t)g * D, D); break;
+            case 3: decode_values_dpbf16<NV, 3>(v0, off, L, p, Lp, inv + g, op + (int64_t)g * D, D); break;
+            default: decode_values_dpbf16<NV, 4>(v0, off, L, p, Lp, inv + g, op + (int64_t)g * D, D); break;
+        }
+    }
+}
+
+// decode_heads for bf16 pools with AVX512-BF16, head size a multiple of 32: the KV heads kh0 .. kh0+nkh-1 of one
+// sequence, each with its G query heads, against tokens start .. end-1. The token rows' offsets are looked up once
+// (padded with the last row to whole 16-token groups); scores are computed for sixteen tokens at a time (one dpbf16
+// per 32 products, the sixteen accumulators summed by one transpose-and-add tree); the softmax is exponentiated
+// sixteen lanes at a time and rounded to bf16 for the value product, which reads each value row once per group of up
+// to four query heads (decode_values_dpbf16).
+template <int DD>
+static void decode_heads_dpbf16(const bf16_t* qp, const bf16_t* kc, const bf16_t* vc, const int32_t* tab, int start,
+                                int end, int Hkv, int kh0, int nkh, int G, int Drt, int bs, float scale, bf16_t* op,
+                                float* lse_out, std::vector<float>& s) {
+    const int D = DD > 0 ? DD : Drt;
+    const int NH = nkh * G;
+    const int L = end - start;
+    const int Ls = (L + 15) & ~15;
+    // scratch (floats): scores [NH][Ls], running maxima [NH][16], normalizers [NH], probabilities as bf16 [NH][Ls]
+    // (Ls / 2 floats a head), row offsets [Ls] int64
+    s.resize((size_t)NH * Ls + 16 * (size_t)NH + NH + (size_t)NH * Ls / 2 + 2 * (size_t)Ls + 16);
+    float* scores = s.data();
+    float* run_max = scores + (size_t)NH * Ls;
+    float* inv = run_max + 16 * (size_t)NH;
+    bf16_t* pp = reinterpret_cast<bf16_t*>(inv + NH);
+    int64_t* off = reinterpret_cast<int64_t*>(((uintptr_t)(pp + (size_t)NH * Ls) + 7) & ~(uintptr_t)7);
+    const int64_t tok_st = (int64_t)Hkv * D;
+    {
+        int bi = start / bs, o = start % bs;
+        for (int t = 0; t < L; ++t) {
+            off[t] = ((int64_t)tab[bi] * bs + o) * tok_st;
+            if (++o == bs) o = 0, ++bi;
+        }
+        for (int t = L; t < Ls; ++t) off[t] = off[L - 1];
+    }
+    const bf16_t* k0 = kc + (int64_t)kh0 * D;
+    const bf16_t* v0 = vc + (int64_t)kh0 * D;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int h = 0; h < NH; ++h) _mm512_storeu_ps(run_max + 16 * h, _mm512_set1_ps(-INFINITY));
+    // Streams each segment of SEG tokens' keys and values into cache (plain loads, the rows of the tokens PF_AHEAD
+    // on prefetched to L2) before computing its scores from cache. On the EPYC measured, loads from DRAM did not
+    // overlap the arithmetic, prefetched or not (a prefetch of the next tokens' rows changed nothing), while a loop
+    // of loads alone streams a block table's scattered rows at ~15 GB/s. One thread, 32 x 200 tokens, pools past L3,
+    // in-process A/B: 0.71 ms a layer without the streaming loop, 0.50 with it for the keys, 0.43 for both.
+    constexpr int SEG = 64, PF_AHEAD = 32;
+    const int span = nkh * D;  // the item's heads' elements of a token row
+    __m512i sink = _mm512_setzero_si512();
+    for (int t0 = 0; t0 < L; t0 += 16) {
+        if (t0 % SEG == 0) {
+            for (int t = t0; t < std::min(t0 + SEG, L); ++t) {
+                if (t + PF_AHEAD < L)
+                    for (int o = 0; o < span; o += 32) {
+                        _mm_prefetch(reinterpret_cast<const char*>(k0 + off[t + PF_AHEAD] + o), _MM_HINT_T1);
+                        _mm_prefetch(reinterpret_cast<const char*>(v0 + off[t + PF_AHEAD] + o), _MM_HINT_T1);
+                    }
+                for (int o = 0; o < span; o += 32) {
+                    sink = _mm512_or_si512(sink, _mm512_loadu_si512(k0 + off[t] + o));
+                    sink = _mm512_or_si512(sink, _mm512_loadu_si512(v0 + off[t] + o));
+                }
+            }
+        }
+        for (int h = 0; h < NH; ++h) {
+            const bf16_t* kh = k0 + (h / G) * D;
+            const bf16_t* qh = qp + (int64_t)h * D;
+            __m512 acc[16];
+            for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+            for (int c = 0; c < D; c += 32) {
+                const __m512bh qv = (__m512bh)_mm512_loadu_si512(qh + c);
+                for (int j = 0; j < 16; ++j)
+                    acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_loadu_si512(kh + off[t0 + j] + c));
+            }
+            const __m512 sc = _mm512_mul_ps(hsum16x16(acc), vscale);
+            _mm512_storeu_ps(scores + (size_t)h * Ls + t0, sc);
+            // (lanes past the end repeat the last token's score: the running maximum stays exact)
+            _mm512_storeu_ps(run_max + 16 * h, _mm512_max_ps(_mm512_loadu_ps(run_max + 16 * h), sc));
+        }
+    }
+    asm volatile("" : : "v"(sink));  // (the streaming loads are kept)
+    for (int h = 0; h < NH; ++h) {
+        const float m = _mm512_reduce_max_ps(_mm512_loadu_ps(run_max + 16 * h));
+        const __m512 vm = _mm512_set1_ps(m);
+        const float* sh = scores + (size_t)h * Ls;
+        bf16_t* ph = pp + (size_t)h * Ls;
+        __m512 sum = _mm512_setzero_ps();
+        for (int t = 0; t < Ls; t += 16) {
+            const __mmask16 keep = L - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t)) - 1);
+            const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + t), vm), keep);
+            sum = _mm512_add_ps(sum, p);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + t), (__m256i)_mm512_cvtneps_pbh(p));
+        }
+        const float total = _mm512_reduce_add_ps(sum);
+        inv[h] = 1.f / total;
+        if (lse_out) lse_out[h] = m + std::log(total);
+    }
+    for (int k = 0; k < nkh; ++k)
+        for (int d = 0; d < D; d += 64) {
+            const bf16_t* vk = v0 + (int64_t)k * D + d;
+            bf16_t* ok = op + (int64_t)k * G * D + d;
+            if (D - d >= 64)
+                decode_values_heads<4>(vk, off, L, pp + (size_t)k * G * Ls, Ls, inv + k * G, ok, D, G);
+            else
+                decode_values_heads<2>(vk, off, L, pp + (size_t)k * G * Ls, Ls, inv + k * G, ok, D, G);
+        }
 }
 #endif
 
@@ -311,7 +471,17 @@ int paged_decode(const T* q, int64_t q_st, const T* kc, const T* vc, const int32
                 continue;
             }
             const int32_t* tab = tables + (int64_t)b * tab_st;
-#ifdef FLOWRT_AVX512
+#ifdef FLOWRT_AVX512BF16
+            if constexpr (sizeof(T) == 2) {
+                if (D % 32 == 0) {
+                    auto run = D == 64    ? decode_heads_dpbf16<64>
+                               : D == 128 ? decode_heads_dpbf16<128>
+                                          : decode_heads_dpbf16<0>;
+                    run(qp, kc, vc, tab, start, end, Hkv, kh0, per_item, G, D, bs, scale, op, lp, s);
+                    continue;
+                }
+            }
+#elif defined(FLOWRT_AVX512)
             if constexpr (sizeof(T) == 2) {
                 if (D % 32 == 0) {
                     auto run = D == 64    ? decode_heads_bf16_512<64>

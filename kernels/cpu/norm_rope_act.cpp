@@ -9,17 +9,15 @@
 
 namespace {
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define GLUE_AVX512 1
 // Sixteen lanes of the storage type as floats, n < 16 lanes through a mask (the rest read as zero, nothing past p
 // touched), and back. bf16 is rounded to nearest even in integer arithmetic, exactly as f32_to_bf16 (subnormals and
 // NaN included; vcvtneps2bf16 would flush subnormals), so these paths give the scalar code's bits.
 static inline __mmask16 tail16(int n) { return (__mmask16)((1u << n) - 1u); }
 static inline __m512 ld16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-static inline __m512 ld16(const bf16_t* p, __mmask16 m) {
-    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+static inline __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+static inline __m512 ld16(const bf16_t* p, __mmask16 m) { return widen16(_mm256_maskz_loadu_epi16(m, p)); }
 // the bf16 bits of each lane, in the low half of 32-bit lanes
 static inline __m512i rne16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
@@ -29,13 +27,11 @@ static inline __m512i rne16(__m512 v) {
     return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
 }
 // the sixteen bf16 values, packed. With AVX512-BF16 one vcvtneps2bf16 (the same rounding, NaN made quiet the same
-// way) unless a lane is subnormal, which it would flush to zero: then the integer rounding.
+// way) unless a lane is subnormal (vfpclassps' denormal class), which it would flush to zero: then the integer
+// rounding.
 static inline __m256i bf16x16(__m512 v) {
 #ifdef __AVX512BF16__
-    const __m512i u = _mm512_castps_si512(v);
-    const __mmask16 sub = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000)) &
-                          _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x007fffff));
-    if (!sub) return (__m256i)_mm512_cvtneps_pbh(v);
+    if (!_mm512_fpclass_ps_mask(v, 0x20)) return (__m256i)_mm512_cvtneps_pbh(v);
 #endif
     return _mm512_cvtepi32_epi16(rne16(v));
 }
@@ -44,10 +40,12 @@ static inline void st16(bf16_t* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_e
 // v rounded through the storage type (identity for float32), as round_as
 template <typename T> static inline __m512 round16(__m512 v) {
     if constexpr (sizeof(T) == 4) return v;
-    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(v)), 16));
+    else return widen16(bf16x16(v));
 }
 
-// fexp on sixteen lanes: fexp8's operations in the same order (bit-identical to it and to the scalar fexp).
+// fexp on sixteen lanes: fexp8's operations in the same order (bit-identical to it and to the scalar fexp). The
+// scale 2^n is applied by vscalefps, which multiplies by the same power of two (n is in [-126, 127] after the
+// clamp, a normal float) with the same rounding as the multiply by its bits, in one instruction instead of four.
 static inline __m512 fexp16(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
     const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -61,19 +59,27 @@ static inline __m512 fexp16(__m512 x) {
     p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459E-1f));
     p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201E-1f));
     p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    return _mm512_scalef_ps(p, n);
 }
 
-// One row of add_rmsnorm, sixteen lanes at a time (the sum of squares in sixteen partial sums).
+// One row of add_rmsnorm, sixteen lanes at a time (the sum of squares in sixteen partial sums). bf16: the row's sums
+// are kept as floats in xs (E floats, L1) for the second pass and the weights come widened (wf), so each element is
+// converted once each way; float32 reads h and the weights again (xs and wf are h's row and w).
 template <typename T>
-void add_rmsnorm_row16(T* hr, const T* dr, const T* w, T* orow, int E, float eps) {
+void add_rmsnorm_row16(T* hr, const T* dr, const float* wf, T* orow, int E, float eps, float* xs) {
     __m512 acc = _mm512_setzero_ps();
     for (int i = 0; i < E; i += 16) {
         const __mmask16 m = E - i >= 16 ? (__mmask16)0xffff : tail16(E - i);
         __m512 x = ld16(hr + i, m);
-        if (dr) {
-            x = round16<T>(_mm512_add_ps(x, ld16(dr + i, m)));
+        if constexpr (sizeof(T) == 2) {
+            if (dr) {
+                const __m256i b = bf16x16(_mm512_add_ps(x, ld16(dr + i, m)));
+                _mm256_mask_storeu_epi16(hr + i, m, b);
+                x = widen16(b);
+            }
+            _mm512_mask_storeu_ps(xs + i, m, x);
+        } else if (dr) {
+            x = _mm512_add_ps(x, ld16(dr + i, m));
             st16(hr + i, x, m);
         }
         acc = _mm512_add_ps(acc, _mm512_mul_ps(x, x));
@@ -82,18 +88,20 @@ void add_rmsnorm_row16(T* hr, const T* dr, const T* w, T* orow, int E, float eps
     const __m512 vr = _mm512_set1_ps(r);
     for (int i = 0; i < E; i += 16) {
         const __mmask16 m = E - i >= 16 ? (__mmask16)0xffff : tail16(E - i);
-        const __m512 x = round16<T>(_mm512_mul_ps(ld16(hr + i, m), vr));
-        st16(orow + i, _mm512_mul_ps(ld16(w + i, m), x), m);
+        const __m512 x = round16<T>(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xs + i), vr));
+        st16(orow + i, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, wf + i), x), m);
     }
 }
 
-// One head of rope, sixteen lanes of each half at a time: the scalar loop's operations and roundings.
+// One head of rope, sixteen lanes of each half at a time: the scalar loop's operations and roundings. The position's
+// cos and sin rows come widened (cf, sf: the same for every head of the row).
 template <typename T>
-void rope_head16(T* v, const T* c, const T* s, int h) {
+void rope_head16(T* v, const float* cf, const float* sf, int h) {
     for (int i = 0; i < h; i += 16) {
         const __mmask16 m = h - i >= 16 ? (__mmask16)0xffff : tail16(h - i);
         const __m512 a = ld16(v + i, m), b = ld16(v + i + h, m);
-        const __m512 c0 = ld16(c + i, m), s0 = ld16(s + i, m), c1 = ld16(c + i + h, m), s1 = ld16(s + i + h, m);
+        const __m512 c0 = _mm512_maskz_loadu_ps(m, cf + i), s0 = _mm512_maskz_loadu_ps(m, sf + i);
+        const __m512 c1 = _mm512_maskz_loadu_ps(m, cf + i + h), s1 = _mm512_maskz_loadu_ps(m, sf + i + h);
         if constexpr (sizeof(T) == 4) {
             st16(v + i, _mm512_sub_ps(_mm512_mul_ps(a, c0), _mm512_mul_ps(b, s0)), m);
             st16(v + i + h, _mm512_add_ps(_mm512_mul_ps(b, c1), _mm512_mul_ps(a, s1)), m);
@@ -104,6 +112,22 @@ void rope_head16(T* v, const T* c, const T* s, int h) {
             st16(v + i + h, _mm512_add_ps(round16<T>(_mm512_mul_ps(b, c1)), round16<T>(_mm512_mul_ps(a, s1))), m);
         }
     }
+}
+
+// n elements of p widened to floats in out (n a multiple of 16 or not).
+template <typename T>
+void widen_row(const T* p, float* out, int n) {
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : tail16(n - i);
+        _mm512_mask_storeu_ps(out + i, m, ld16(p + i, m));
+    }
+}
+
+// Per-thread float scratch of at least n elements (slot 0 or 1: separate buffers), kept between calls.
+static inline float* scratch(int slot, size_t n) {
+    static thread_local std::vector<float> buf[2];
+    if (buf[slot].size() < n) buf[slot].resize(n);
+    return buf[slot].data();
 }
 
 // One row of silu_mul, sixteen lanes at a time: silu8's operations (bit-identical to the scalar path).
@@ -132,13 +156,28 @@ void silu_mul_row16(const T* g, const T* u, T* o, int I) {
 // before the weight multiplies it, and the product is rounded again.
 template <typename T>
 void add_rmsnorm(T* h, const T* delta, const T* w, T* out, int64_t Tn, int E, float eps) {
+#ifdef GLUE_AVX512
+    const float* wf;
+    if constexpr (sizeof(T) == 2) {
+        float* buf = scratch(0, E);
+        widen_row(w, buf, E);
+        wf = buf;
+    } else {
+        wf = w;
+    }
+    #pragma omp parallel if (Tn * E >= 8192) num_threads(flowrt_threads)
+    {
+        float* xs = sizeof(T) == 2 ? scratch(1, E) : nullptr;
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < Tn; ++t)
+            add_rmsnorm_row16<T>(h + t * E, delta ? delta + t * E : nullptr, wf, out + t * E, E, eps,
+                                 sizeof(T) == 2 ? xs : (float*)(h + t * E));
+    }
+    return;
+#endif
     #pragma omp parallel for schedule(static) if (Tn * E >= 8192) num_threads(flowrt_threads)
     for (int64_t t = 0; t < Tn; ++t) {
         T* hr = h + t * E;
-#ifdef GLUE_AVX512
-        add_rmsnorm_row16<T>(hr, delta ? delta + t * E : nullptr, w, out + t * E, E, eps);
-        continue;
-#endif
         if (delta) {
             const T* dr = delta + t * E;
             #pragma omp simd
@@ -159,12 +198,19 @@ void add_rmsnorm(T* h, const T* delta, const T* w, T* out, int64_t Tn, int E, fl
 template <typename T>
 inline void rope_row(T* row, int nh, int D, const T* c, const T* s) {
     const int h = D / 2;
+#ifdef GLUE_AVX512
+    if constexpr (sizeof(T) == 2) {  // the position's table rows widened once for all the row's heads
+        float* cf = scratch(1, 2 * (size_t)D);
+        widen_row(c, cf, D);
+        widen_row(s, cf + D, D);
+        for (int j = 0; j < nh; ++j) rope_head16<T>(row + (int64_t)j * D, cf, cf + D, h);
+    } else {
+        for (int j = 0; j < nh; ++j) rope_head16<T>(row + (int64_t)j * D, (const float*)c, (const float*)s, h);
+    }
+    return;
+#endif
     for (int j = 0; j < nh; ++j) {
         T* v = row + (int64_t)j * D;
-#ifdef GLUE_AVX512
-        rope_head16<T>(v, c, s, h);
-        continue;
-#endif
         #pragma omp simd
         for (int i = 0; i < h; ++i) {
             const float a = to_f32(v[i]), b = to_f32(v[i + h]);

@@ -78,6 +78,33 @@ def test_bf16_glue_matches_torch(T, width):
     assert torch.equal(x[:, : 3 * D], ref)
 
 
+
+def test_bf16_glue_keeps_subnormals():
+    """The bf16 glue rounds subnormal results as torch does (the vector path converts whole vectors with one
+    instruction that would flush them to zero, so lanes it cannot convert take the exact integer rounding): the
+    residual sum and rotary bit for bit, RMSNorm's output and NaN positions as torch's."""
+    torch.manual_seed(3)
+    bf = torch.bfloat16
+    T, E, D = 5, 96, 64
+    tiny = torch.tensor([1e-39, -3e-40, 5e-41, 2e-38, -1e-38])
+    h = (torch.randn(T, E) * 1e-38).to(bf)
+    d = tiny[torch.randint(0, 5, (T, E))].to(bf)
+    h[1, 7], d[2, 3], h[3] = float("nan"), float("inf"), 0.0
+    ref_h = h + d
+    out = cpu_ops.add_rmsnorm(h, d, torch.ones(E, dtype=bf), 1e-5)
+    assert torch.equal(h.isnan(), ref_h.isnan()) and torch.equal(h.nan_to_num(), ref_h.nan_to_num())
+    ref = rms_norm(ref_h, torch.ones(E, dtype=bf), 1e-5)
+    assert torch.equal(out.isnan(), ref.isnan())
+    torch.testing.assert_close(out.nan_to_num(), ref.nan_to_num(), atol=1e-2, rtol=8e-3)
+    x = (torch.randn(T, 2 * D) * 1e-36).to(bf)
+    cos, sin = (torch.rand(8, D) * 1e-3).to(bf), (torch.rand(8, D) * 1e-3).to(bf)
+    pos = torch.randint(0, 8, (T,))
+    qk = x.view(T, 2, D)
+    ref = (qk * cos[pos].unsqueeze(1) + rotate_half(qk) * sin[pos].unsqueeze(1)).view(T, -1)
+    assert (ref.abs() < torch.finfo(torch.float32).tiny).sum() > 50 and ref.abs().max() > 0
+    cpu_ops.rope_(x, 2, D, cos, sin, pos)
+    assert torch.equal(x, ref)
+
 @pytest.mark.parametrize("N,K", [(960, 576), (576, 1536), (100, 37), (16, 1), (7, 64)])
 @pytest.mark.parametrize("M", [1, 5, 6, 7, 32, 96, 97, 803])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -200,6 +227,44 @@ def test_paged_decode_suffix_with_lse():
         s = torch.einsum("hd,lhd->hl", q[b], k) * 0.125
         torch.testing.assert_close(lse[b], torch.logsumexp(s, -1), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out[b], torch.einsum("hl,lhd->hd", s.softmax(-1), v), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("Hkv,G,D,bs", [(3, 3, 64, 16), (1, 8, 128, 16), (2, 5, 96, 5), (2, 1, 32, 3),
+                                        (1, 2, 160, 8)])
+@pytest.mark.parametrize("start", [0, 7])
+def test_bf16_paged_decode_matches_reference(Hkv, G, D, bs, start):
+    """bfloat16 pools (on AVX-512 with BF16: the dpbf16 kernel) for every query-head group size (1 .. 8: whole and
+    partial groups of four in the value product), head sizes with a 32-column tail, odd block sizes and lengths
+    around the 16-token score groups, from token 0 or from an odd `start` with the log-sum-exp. Pool slots no
+    sequence holds are NaN: a kernel that reads past a sequence's end (its padding rows) gives NaN."""
+    lens = [1, 2, 15, 16, 17, 33, 150, 8]
+    lens = [max(L, start) for L in lens]
+    B = len(lens)
+    q, kc, vc, tables, seq_lens = _paged_case(B, Hkv, G, D, bs, lens, D + G + bs)
+    used = torch.zeros(kc.shape[0] * bs, dtype=torch.bool)
+    for b, L in enumerate(lens):
+        pos = torch.arange(L)
+        used[tables[b][pos // bs].long() * bs + pos % bs] = True
+    kc.view(-1, Hkv, D)[~used] = float("nan")
+    vc.view(-1, Hkv, D)[~used] = float("nan")
+    q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    out, lse = torch.empty_like(q), torch.empty(B, Hkv * G)
+    cpu_ops.paged_decode(q, kc, vc, tables, seq_lens, out, 0.17, start=start, lse=lse)
+    for b, L in enumerate(lens):
+        slots = torch.tensor([int(tables[b, p // bs]) * bs + p % bs for p in range(start, L)], dtype=torch.long)
+        if len(slots) == 0:
+            assert not out[b].any() and torch.isinf(lse[b]).all()
+            continue
+        k = kc.view(-1, Hkv, D)[slots].float().repeat_interleave(G, dim=1)  # [L', H, D]
+        v = vc.view(-1, Hkv, D)[slots].float().repeat_interleave(G, dim=1)
+        s = torch.einsum("hd,lhd->hl", q[b].float(), k) * 0.17
+        torch.testing.assert_close(lse[b], torch.logsumexp(s, -1), atol=1e-4, rtol=1e-4)
+        ref = torch.einsum("hl,lhd->hd", s.softmax(-1), v)
+        torch.testing.assert_close(out[b].float(), ref, atol=1e-2, rtol=1e-2)
+    # per-(sequence, KV head) work items compute the very same numbers
+    out2 = torch.empty_like(q)
+    cpu_ops.paged_decode(q, kc, vc, tables, seq_lens, out2, 0.17, start=start, shared_prefix=True)
+    assert torch.equal(out2, out)
 
 
 def test_flash_kernel_matches_reference_for_odd_shapes():

@@ -107,7 +107,7 @@ def test_greedy_n_samples_equal_single_greedy(llm):
 
 
 def test_open_sequences_keep_kv_and_fork_copy_on_write(stories_path):
-    eng = LLMEngine(model=stories_path, dtype="float32")
+    eng = LLMEngine(model=stories_path, dtype="float32", speculative_config=None)  # exact counts: no rejected drafts
     prompt = prefix_prompts(n=1, prefix_len=40)[0]
     ref = hf_greedy(stories_path, prompt, 30)
 
@@ -143,7 +143,7 @@ def test_open_sequences_keep_kv_and_fork_copy_on_write(stories_path):
 
 
 def test_prompt_logprobs_on_a_sequence_score_pending_tokens(stories_path):
-    eng = LLMEngine(model=stories_path, dtype="float32")
+    eng = LLMEngine(model=stories_path, dtype="float32", speculative_config=None)  # exact counts: no rejected drafts
     base = eng.tokenize("Once upon a time, there was a")
     seq = eng.open(base)
     req = eng.add_request(seq, SamplingParams(max_tokens=0))
