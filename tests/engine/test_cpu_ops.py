@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,6 +105,34 @@ def test_bf16_glue_keeps_subnormals():
     assert (ref.abs() < torch.finfo(torch.float32).tiny).sum() > 50 and ref.abs().max() > 0
     cpu_ops.rope_(x, 2, D, cos, sin, pos)
     assert torch.equal(x, ref)
+
+
+def _silu_unfused_f32(g: np.ndarray) -> np.ndarray:
+    """silu(g) = g / (1 + fexp(-g)) in float32 with every operation rounded separately, as the kernels' scalar path
+    (common.h's fexp: the clamp, the range reduction, the polynomial, the scale by 2^n)."""
+    f = np.float32
+    x = np.minimum(np.maximum(-g, f(-87.3)), f(88.3))
+    n = np.floor(x * f(1.44269504088896341) + f(0.5))
+    r = x - n * f(0.693359375)
+    r = r + n * f(2.12194440e-4)
+    p = np.full_like(x, f(1.9875691500e-4))
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + f(c)
+    p = p * r * r + r + f(1.0)
+    return g / (f(1.0) + p * np.ldexp(f(1.0), n.astype(np.int32)))
+
+
+def test_bf16_silu_mul_is_the_scalar_path_for_every_gate():
+    """Every one of the 65,536 bf16 gate values: silu rounded to bf16 exactly as the scalar path's operations give it
+    (the vector code may contract the exponential's multiply-adds only because no bf16 gate rounds differently)."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    g = bits.view(torch.bfloat16)
+    gu = torch.cat([g, torch.ones_like(g)]).view(1, -1)
+    out = cpu_ops.silu_mul(gu)[0]
+    with np.errstate(all="ignore"):
+        ref = torch.from_numpy(_silu_unfused_f32(g.float().numpy())).to(torch.bfloat16)
+    finite = g.float().isfinite()
+    assert torch.equal(out[finite].view(torch.int16), ref[finite].view(torch.int16))
 
 @pytest.mark.parametrize("N,K", [(960, 576), (576, 1536), (100, 37), (16, 1), (7, 64)])
 @pytest.mark.parametrize("M", [1, 5, 6, 7, 32, 96, 97, 803])
