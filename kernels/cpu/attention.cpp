@@ -5,6 +5,8 @@
 #include "gemm.h"
 #include "tile512.h"
 
+#include <type_traits>
+
 // Decode attention for one (sequence, KV head) without AVX2 (or for a head size not a multiple of 8): its G query
 // heads against tokens start .. end-1, read in place from the paged pool [N, bs, Hkv, D].
 template <typename T>
@@ -840,6 +842,16 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
             const int pos = c0 + t;
             w.krow[t] = a.kc + ((int64_t)tab[pos / a.bs] * a.bs + pos % a.bs) * tok_st + (int64_t)kh * D;
         }
+        // the next chunk's keys and values towards L2 while this one computes: a shared prefix read by decode rows is
+        // past L3 by the next step (the weights stream through it), and its blocks are jumps the hardware
+        // prefetcher does not follow
+        for (int pos = c0 + FLASH512_CHUNK, stop = std::min(E, c0 + 2 * FLASH512_CHUNK); pos < stop; ++pos) {
+            const int64_t off = ((int64_t)tab[pos / a.bs] * a.bs + pos % a.bs) * tok_st + (int64_t)kh * D;
+            for (int o = 0; o < D * (int)sizeof(bf16_t); o += 64) {
+                _mm_prefetch(reinterpret_cast<const char*>(a.kc + off) + o, _MM_HINT_T1);
+                _mm_prefetch(reinterpret_cast<const char*>(a.vc + off) + o, _MM_HINT_T1);
+            }
+        }
         // the chunk's values: token pairs (a zero token after an odd last one), or widened rows
         for (int t = 0; t < n; t += 2) {
             const bf16_t* v0 = w.krow[t] - a.kc + a.vc;
@@ -869,15 +881,17 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
                             D, w.s + (size_t)t0 * ss + 16 * v0);
 #endif
             }
-        // online softmax, sixteen query vectors at a time; a key past a row's end (causal) gets probability 0
-        for (int v = 0; v < nqv; ++v) {
+        // online softmax, sixteen query vectors at a time; a key past a row's end (causal) gets probability 0. Where
+        // every lane sees the whole chunk (a shared prefix, the keys before a chunk's diagonal) nothing is masked.
+        auto softmax16 = [&](int v, auto whole) __attribute__((always_inline)) {
+            constexpr bool all_keys = decltype(whole)::value;
             const __m512i lim = _mm512_sub_epi32(_mm512_loadu_si512(w.lim + 16 * v), _mm512_set1_epi32(c0));
+            auto keep = [&](int t) __attribute__((always_inline)) {
+                return all_keys ? (__mmask16)0xffff : _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(t));
+            };
             const float* sv = w.s + 16 * v;
             __m512 mx = ninf;
-            for (int t = 0; t < n; ++t) {
-                const __mmask16 ok = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(t));
-                mx = _mm512_mask_max_ps(mx, ok, mx, _mm512_loadu_ps(sv + (size_t)t * ss));
-            }
+            for (int t = 0; t < n; ++t) mx = _mm512_mask_max_ps(mx, keep(t), mx, _mm512_loadu_ps(sv + (size_t)t * ss));
             // (the maximum of the raw scores, scaled once: scale > 0, as every attention scale is)
             const __m512 m_old = _mm512_loadu_ps(w.m + 16 * v), m_new = _mm512_max_ps(m_old, _mm512_mul_ps(mx, vscale));
             // rows without keys so far keep m = -inf; exponents are taken against 0 there (all masked anyway)
@@ -885,8 +899,7 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
                                                     _mm512_setzero_ps());
             __m512 sum = _mm512_setzero_ps();
             auto prob = [&](int t) __attribute__((always_inline)) {
-                const __mmask16 ok = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(t));
-                return exp16(_mm512_fmsub_ps(_mm512_loadu_ps(sv + (size_t)t * ss), vscale, m_ref), ok);
+                return exp16(_mm512_fmsub_ps(_mm512_loadu_ps(sv + (size_t)t * ss), vscale, m_ref), keep(t));
             };
 #ifdef FLOWRT_AVX512BF16
             // (P[i][t], P[i][t+1]) pairs: the two rows rounded to bf16, then interleaved
@@ -909,6 +922,12 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
             _mm512_storeu_ps(w.alpha + 16 * v, alpha);
             _mm512_storeu_ps(w.l + 16 * v, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(w.l + 16 * v), alpha), sum));
             _mm512_storeu_ps(w.m + 16 * v, m_new);
+        };
+        for (int v = 0; v < nqv; ++v) {
+            if (_mm512_reduce_min_epi32(_mm512_loadu_si512(w.lim + 16 * v)) >= c0 + n)
+                softmax16(v, std::true_type{});
+            else
+                softmax16(v, std::false_type{});
         }
         // o <- o * alpha + P V: six query vectors x up to 64 columns a tile
         for (int i = 0; i < Mq; i += 6)
@@ -939,12 +958,47 @@ int paged_flash(const T* q, int64_t q_st, const int64_t* rows, const int32_t* en
 #endif
     // rows per tile at most: ~FLASH_TILE_Q (FLASH512_TILE_Q) query vectors a tile
     const int rt = std::max(1, (wide ? FLASH512_TILE_Q : FLASH_TILE_Q) / G);
+    std::vector<int> tiles(NG);
+    int64_t n_items = 0;
+    for (int g = 0; g < NG; ++g) {
+        tiles[g] = (group_start[g + 1] - group_start[g] + rt - 1) / rt;
+        n_items += (int64_t)Hkv * tiles[g];
+    }
+    // Few items for the threads (decode rows of a few forks against their shared prefix: one tile per KV head, 3 items
+    // for 2 threads): each group's tiles multiplied by the factor (1-4) whose items the threads finish first, taken
+    // in order, an item costing its padded query lanes x its keys. Splitting rows adds no lanes where the query
+    // vectors were padded anyway (8 forks x 3 query heads: 24 lanes padded to 32, or twice 12 padded to 16) and
+    // rereads keys then in L2. 8 forks x 1,024 prefix tokens, 2 threads, bf16: 3 items of 32 lanes become 6 of 16.
+    if (n_items < 2 * (int64_t)flowrt_threads && flowrt_threads > 1) {
+        const int lane = wide ? 16 : 6;  // query vectors padded to 16 lanes (AVX-512 form), 6-row tiles (AVX2 form)
+        auto makespan = [&](int m) {
+            std::vector<int64_t> busy(flowrt_threads, 0);
+            for (int g = 0; g < NG; ++g) {
+                const int nr = group_start[g + 1] - group_start[g], nt = std::min(nr, tiles[g] * m);
+                const int rows_t = nr ? (nr + nt - 1) / nt : 0;
+                int64_t keys = 0;
+                for (int i = group_start[g]; i < group_start[g + 1]; ++i)
+                    keys = std::max<int64_t>(keys, ends[i] - key_start);
+                for (int kh = 0; kh < Hkv; ++kh)
+                    for (int t = 0; t < nt; ++t) {
+                        const int c = std::min(rows_t, nr - t * rows_t);
+                        if (c <= 0) continue;
+                        *std::min_element(busy.begin(), busy.end()) += (int64_t)(c * G + lane - 1) / lane * lane * keys;
+                    }
+            }
+            return *std::max_element(busy.begin(), busy.end());
+        };
+        int best = 1;
+        int64_t best_t = makespan(1);
+        for (int m = 2; m <= 4; ++m) {
+            const int64_t t = makespan(m);
+            if (t < best_t) best = m, best_t = t;
+        }
+        for (int g = 0; g < NG; ++g) tiles[g] = std::min(group_start[g + 1] - group_start[g], tiles[g] * best);
+    }
     // items: (group, KV head, tile), numbered through a prefix sum of each group's tiles
     std::vector<int64_t> first(NG + 1, 0);
-    for (int g = 0; g < NG; ++g) {
-        const int nr = group_start[g + 1] - group_start[g];
-        first[g + 1] = first[g] + (int64_t)Hkv * ((nr + rt - 1) / rt);
-    }
+    for (int g = 0; g < NG; ++g) first[g + 1] = first[g] + (int64_t)Hkv * tiles[g];
     const FlashArgs<T> a{q, q_st, rows, ends, kc, vc, out, o_st, lse_in, lse_out, H, Hkv, D, bs, scale};
     #pragma omp parallel if (first[NG] > 1) num_threads(flowrt_threads)
     {
@@ -954,12 +1008,14 @@ int paged_flash(const T* q, int64_t q_st, const int64_t* rows, const int32_t* en
             for (int64_t item = 0; item < first[NG]; ++item) {
                 while (first[g + 1] <= item) ++g;
                 while (first[g] > item) --g;
-                const int nr = group_start[g + 1] - group_start[g], tiles = (nr + rt - 1) / rt;
-                const int rows_t = (nr + tiles - 1) / tiles;  // the group's rows spread evenly over its tiles
+                const int nr = group_start[g + 1] - group_start[g], nt = tiles[g];
+                const int rows_t = (nr + nt - 1) / nt;  // the group's rows spread evenly over its tiles
                 const int64_t local = item - first[g];
-                const int kh = (int)(local / tiles), t = (int)(local % tiles);
+                const int kh = (int)(local / nt), t = (int)(local % nt);
                 const int i0 = group_start[g] + t * rows_t;
-                tile(a, tables + (int64_t)g * tab_st, key_start, kh, i0, std::min(rows_t, group_start[g + 1] - i0), w);
+                if (i0 < group_start[g + 1])
+                    tile(a, tables + (int64_t)g * tab_st, key_start, kh, i0, std::min(rows_t, group_start[g + 1] - i0),
+                         w);
             }
         };
 #ifdef FLOWRT_AVX512
