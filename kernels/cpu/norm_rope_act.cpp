@@ -62,6 +62,24 @@ static inline __m512 fexp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+// exp for the SiLU of a bf16 gate: fexp16 with fused multiply-adds and without the polynomial's two highest-order
+// terms (relative error ~3e-6 instead of ~1e-7), 1.4x faster silu_mul. The SiLU is rounded to bf16, and for every one
+// of the 65,536 bf16 gate values it rounds exactly as with fexp16 (the same bits: tests/engine/test_cpu_ops.py checks
+// them all against the scalar path's operations; one more term dropped and three gates round differently).
+static inline __m512 fexp16_bf16_silu(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
+                                                          _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(8.3334519073E-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 // One row of add_rmsnorm, sixteen lanes at a time (the sum of squares in sixteen partial sums). bf16: the row's sums
 // are kept as floats in xs (E floats, L1) for the second pass and the weights come widened (wf), so each element is
 // converted once each way; float32 reads h and the weights again (xs and wf are h's row and w).
@@ -130,23 +148,28 @@ static inline float* scratch(int slot, size_t n) {
     return buf[slot].data();
 }
 
-// One row of silu_mul, sixteen lanes at a time: silu8's operations (bit-identical to the scalar path).
+// silu(g) rounded as the storage type, sixteen lanes: silu8's operations (bit-identical to the scalar path; bf16
+// through fexp16_bf16_silu, the same bits).
+template <typename T>
+static inline __m512 silu16(__m512 gv) {
+    const __m512 x = _mm512_sub_ps(_mm512_setzero_ps(), gv);
+    const __m512 e = sizeof(T) == 2 ? fexp16_bf16_silu(x) : fexp16(x);
+    return round16<T>(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+}
+
+// One row of silu_mul, sixteen lanes at a time.
 template <typename T>
 void silu_mul_row16(const T* g, const T* u, T* o, int I) {
-    const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
     int i = 0;
     for (; i + 64 <= I; i += 64) {  // four vectors a step: their exp chains overlap (latency-bound otherwise)
         __m512 gv[4], sv[4];
         for (int j = 0; j < 4; ++j) gv[j] = ld16(g + i + 16 * j, 0xffff);
-        for (int j = 0; j < 4; ++j) sv[j] = fexp16(_mm512_sub_ps(zero, gv[j]));
-        for (int j = 0; j < 4; ++j) sv[j] = round16<T>(_mm512_div_ps(gv[j], _mm512_add_ps(one, sv[j])));
+        for (int j = 0; j < 4; ++j) sv[j] = silu16<T>(gv[j]);
         for (int j = 0; j < 4; ++j) st16(o + i + 16 * j, _mm512_mul_ps(sv[j], ld16(u + i + 16 * j, 0xffff)), 0xffff);
     }
     for (; i < I; i += 16) {
         const __mmask16 m = I - i >= 16 ? (__mmask16)0xffff : tail16(I - i);
-        const __m512 gv = ld16(g + i, m);
-        const __m512 sv = round16<T>(_mm512_div_ps(gv, _mm512_add_ps(one, fexp16(_mm512_sub_ps(zero, gv)))));
-        st16(o + i, _mm512_mul_ps(sv, ld16(u + i, m)), m);
+        st16(o + i, _mm512_mul_ps(silu16<T>(ld16(g + i, m)), ld16(u + i, m)), m);
     }
 }
 #endif

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,6 +105,34 @@ def test_bf16_glue_keeps_subnormals():
     assert (ref.abs() < torch.finfo(torch.float32).tiny).sum() > 50 and ref.abs().max() > 0
     cpu_ops.rope_(x, 2, D, cos, sin, pos)
     assert torch.equal(x, ref)
+
+
+def _silu_unfused_f32(g: np.ndarray) -> np.ndarray:
+    """silu(g) = g / (1 + fexp(-g)) in float32 with every operation rounded separately, as the kernels' scalar path
+    (common.h's fexp: the clamp, the range reduction, the polynomial, the scale by 2^n)."""
+    f = np.float32
+    x = np.minimum(np.maximum(-g, f(-87.3)), f(88.3))
+    n = np.floor(x * f(1.44269504088896341) + f(0.5))
+    r = x - n * f(0.693359375)
+    r = r + n * f(2.12194440e-4)
+    p = np.full_like(x, f(1.9875691500e-4))
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + f(c)
+    p = p * r * r + r + f(1.0)
+    return g / (f(1.0) + p * np.ldexp(f(1.0), n.astype(np.int32)))
+
+
+def test_bf16_silu_mul_is_the_scalar_path_for_every_gate():
+    """Every one of the 65,536 bf16 gate values: silu rounded to bf16 exactly as the scalar path's operations give it
+    (the vector code may contract the exponential's multiply-adds only because no bf16 gate rounds differently)."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    g = bits.view(torch.bfloat16)
+    gu = torch.cat([g, torch.ones_like(g)]).view(1, -1)
+    out = cpu_ops.silu_mul(gu)[0]
+    with np.errstate(all="ignore"):
+        ref = torch.from_numpy(_silu_unfused_f32(g.float().numpy())).to(torch.bfloat16)
+    finite = g.float().isfinite()
+    assert torch.equal(out[finite].view(torch.int16), ref[finite].view(torch.int16))
 
 @pytest.mark.parametrize("N,K", [(960, 576), (576, 1536), (100, 37), (16, 1), (7, 64)])
 @pytest.mark.parametrize("M", [1, 5, 6, 7, 32, 96, 97, 803])
@@ -264,6 +293,33 @@ def test_bf16_paged_decode_matches_reference(Hkv, G, D, bs, start):
     # per-(sequence, KV head) work items compute the very same numbers
     out2 = torch.empty_like(q)
     cpu_ops.paged_decode(q, kc, vc, tables, seq_lens, out2, 0.17, start=start, shared_prefix=True)
+    assert torch.equal(out2, out)
+
+
+@pytest.mark.parametrize("start", [0, 3])
+def test_bf16_paged_decode_long_contexts_alone_or_batched(start):
+    """Contexts past 512 keys (the dpbf16 kernel cuts them into parts run as separate work items, then merged): the
+    reference's numbers with the log-sum-exp, and each row's result the same bits alone as in a batch, in either
+    work order (a verify row and a plain decode row must agree)."""
+    Hkv, G, D, bs = 3, 3, 64, 16
+    lens = [1100, 513, 512, 40, 2049]
+    q, kc, vc, tables, seq_lens = _paged_case(len(lens), Hkv, G, D, bs, lens, 11)
+    q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    out, lse = torch.empty_like(q), torch.empty(len(lens), Hkv * G)
+    cpu_ops.paged_decode(q, kc, vc, tables, seq_lens, out, 0.125, start=start, lse=lse)
+    for b, L in enumerate(lens):
+        slots = torch.tensor([int(tables[b, p // bs]) * bs + p % bs for p in range(start, L)], dtype=torch.long)
+        k = kc.view(-1, Hkv, D)[slots].float().repeat_interleave(G, dim=1)
+        v = vc.view(-1, Hkv, D)[slots].float().repeat_interleave(G, dim=1)
+        s = torch.einsum("hd,lhd->hl", q[b].float(), k) * 0.125
+        torch.testing.assert_close(lse[b], torch.logsumexp(s, -1), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out[b].float(), torch.einsum("hl,lhd->hd", s.softmax(-1), v), atol=1e-2, rtol=1e-2)
+        one, one_lse = torch.empty_like(q[:1]), torch.empty(1, Hkv * G)
+        cpu_ops.paged_decode(q[b : b + 1], kc, vc, tables[b : b + 1], seq_lens[b : b + 1], one, 0.125, start=start,
+                             lse=one_lse)
+        assert torch.equal(one[0], out[b]) and torch.equal(one_lse[0], lse[b])
+    out2 = torch.empty_like(q)
+    cpu_ops.paged_decode(q, kc, vc, tables, seq_lens, out2, 0.125, start=start, shared_prefix=True)
     assert torch.equal(out2, out)
 
 
