@@ -91,31 +91,31 @@ class ModelRunner:
             return self._stage(batch, bucket, logit_rows, copies)
         bs = self.block_size
         ids: list[int] = []
-        pos_parts, slot_parts = [], []
+        pos: list[int] = []  # plain ints: one array at the end instead of two small arrays per sequence
+        slots: list[int] = []
         qlens, slens = [], []
-        width = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             s = seq.num_computed_tokens
-            ids.extend(seq.token_ids[s : s + n])
+            table = seq.block_table
             qlens.append(n)
             slens.append(s + n)
-            width = max(width, len(seq.block_table))
             if n == 1:
-                pos_parts.append(np.array([s], dtype=np.int64))
-                slot_parts.append(np.array([seq.block_table[s // bs] * bs + s % bs], dtype=np.int64))
+                ids.append(seq.token_ids[s])
+                pos.append(s)
+                slots.append(table[s // bs] * bs + s % bs)
             else:
-                pos = np.arange(s, s + n, dtype=np.int64)
-                table = np.asarray(seq.block_table, dtype=np.int64)
-                pos_parts.append(pos)
-                slot_parts.append(table[pos // bs] * bs + pos % bs)
-        tables = np.zeros((len(batch.seqs), width), dtype=np.int32)
-        for b, seq in enumerate(batch.seqs):
-            tables[b, : len(seq.block_table)] = seq.block_table
+                ids.extend(seq.token_ids[s : s + n])
+                p = np.arange(s, s + n, dtype=np.int64)
+                pos.extend(p.tolist())
+                slots.extend((np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs).tolist())
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        tables = np.array([seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs],
+                          dtype=np.int32).reshape(len(batch.seqs), width)
         qsl = np.zeros(len(qlens) + 1, dtype=np.int32)
         np.cumsum(qlens, out=qsl[1:])
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=torch.from_numpy(qsl).to(dev),
             seq_lens=torch.tensor(slens, dtype=torch.int32, device=dev),
             block_tables=torch.from_numpy(tables).to(dev),
@@ -129,7 +129,7 @@ class ModelRunner:
         self.backend.prepare(meta)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.from_numpy(np.concatenate(pos_parts)).to(dev),
+            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
             meta=meta,
             copies=copies,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
