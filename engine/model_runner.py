@@ -91,7 +91,9 @@ class ModelRunner:
             return self._stage(batch, bucket, logit_rows, copies)
         bs = self.block_size
         ids: list[int] = []
-        pos: list[int] = []  # plain ints: one array at the end instead of two small arrays per sequence
+        pos_parts: list[np.ndarray] = []  # decode tokens gather in plain int lists, one array per run of them
+        slot_parts: list[np.ndarray] = []
+        pos: list[int] = []
         slots: list[int] = []
         qlens, slens = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -103,11 +105,18 @@ class ModelRunner:
                 ids.append(seq.token_ids[s])
                 pos.append(s)
                 slots.append(table[s // bs] * bs + s % bs)
-            else:
-                ids.extend(seq.token_ids[s : s + n])
-                p = np.arange(s, s + n, dtype=np.int64)
-                pos.extend(p.tolist())
-                slots.extend((np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs).tolist())
+                continue
+            ids.extend(seq.token_ids[s : s + n])
+            if pos:
+                pos_parts.append(np.array(pos, dtype=np.int64))
+                slot_parts.append(np.array(slots, dtype=np.int64))
+                pos, slots = [], []
+            p = np.arange(s, s + n, dtype=np.int64)
+            pos_parts.append(p)
+            slot_parts.append(np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs)
+        if pos:
+            pos_parts.append(np.array(pos, dtype=np.int64))
+            slot_parts.append(np.array(slots, dtype=np.int64))
         width = max(len(seq.block_table) for seq in batch.seqs)
         tables = np.array([seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs],
                           dtype=np.int32).reshape(len(batch.seqs), width)
@@ -115,7 +124,7 @@ class ModelRunner:
         np.cumsum(qlens, out=qsl[1:])
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
             query_start_loc=torch.from_numpy(qsl).to(dev),
             seq_lens=torch.tensor(slens, dtype=torch.int32, device=dev),
             block_tables=torch.from_numpy(tables).to(dev),
@@ -129,7 +138,7 @@ class ModelRunner:
         self.backend.prepare(meta)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            positions=torch.from_numpy(np.concatenate(pos_parts)).to(dev),
             meta=meta,
             copies=copies,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
