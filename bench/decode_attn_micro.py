@@ -9,6 +9,7 @@ step does (30 layers of 32 x 200 tokens are ~150 MB) instead of from cache.
 and times the two alternately in this one process (the machine may be shared: rounds interleaved, best of each).
 
     python bench/decode_attn_micro.py [--dtype bfloat16] [--threads 1,2] [--against /tmp/old_cpu] [--rounds 5]
+                                      [--in-order] [--mbytes 160]
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ def load_from(src: Path) -> ctypes.CDLL:
         cpu_build.SOURCE_DIR = old
 
 
-def pools(B, L, bs, dtype, mbytes, seed=0):
+def pools(B, L, bs, dtype, mbytes, seed=0, scattered=True):
     """One layer's pools per entry, enough layers for `mbytes` of keys and values, each sequence's blocks scattered
-    over its pool; the queries, block tables and lengths the layers share."""
+    over its pool (else in order, as a fresh engine allocates them); the queries, block tables and lengths the layers
+    share."""
     g = torch.Generator().manual_seed(seed)
     Hkv, G, D = SMOLLM["Hkv"], SMOLLM["G"], SMOLLM["D"]
     nblk = (L + bs - 1) // bs
@@ -52,7 +54,8 @@ def pools(B, L, bs, dtype, mbytes, seed=0):
     layers = max(1, int(mbytes * 2**20 // layer_bytes))
     kv = [(torch.randn(N, bs, Hkv, D, generator=g).to(dtype), torch.randn(N, bs, Hkv, D, generator=g).to(dtype))
           for _ in range(layers)]
-    tables = torch.randperm(N, generator=g)[: B * nblk].view(B, nblk).to(torch.int32).contiguous()
+    order = torch.randperm(N, generator=g) if scattered else torch.arange(N)
+    tables = order[: B * nblk].view(B, nblk).to(torch.int32).contiguous()
     q = torch.randn(B, Hkv * G, D, generator=g).to(dtype)
     return q, kv, tables, torch.full((B,), L, dtype=torch.int32)
 
@@ -76,6 +79,7 @@ def main():
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--mbytes", type=float, default=160.0, help="keys + values cycled through per shape")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--in-order", action="store_true", help="each sequence's blocks in order (not scattered)")
     ap.add_argument("--against", type=Path, action="append", default=[],
                     help="kernel sources to time alongside (A/B in one process; repeatable)")
     a = ap.parse_args()
@@ -91,7 +95,7 @@ def main():
         for lib in libs.values():
             lib.flowrt_set_num_threads(nt)
         for B, L in SHAPES:
-            q, kv, tables, seq_lens = pools(B, L, a.block_size, dtype, a.mbytes)
+            q, kv, tables, seq_lens = pools(B, L, a.block_size, dtype, a.mbytes, scattered=not a.in_order)
             out = torch.empty_like(q)
             fns = {name: caller(lib, q, tables, seq_lens, out, scale) for name, lib in libs.items()}
             results = {}

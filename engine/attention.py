@@ -164,7 +164,10 @@ def _decode_program(p: dict, heads: int, head_dim: int) -> DecodeProgram:
 # members) when the step's groups hold at least this many (member x prefix token) pairs; below it, the decode kernel
 # reading each member's whole context (the prefix from the CPU caches after the first member) costs less. Zen3 fp32,
 # 30 layers: 1 x 32 members over 512 tokens 18.1 vs 23.4 ms, 4 x 8 over 256 14.3 vs 16.3; 4 x 8 over 96 9.5 vs 8.6,
-# 1 x 8 over 256 6.9 vs 5.7, 8 x 2 over 256 17.7 vs 15.5.
+# 1 x 8 over 256 6.9 vs 5.7, 8 x 2 over 256 17.7 vs 15.5. bf16 on AVX512-BF16 (EPYC, one thread, CPU time, SmolLM2
+# shape): the same threshold, flash / whole contexts at 8,192 pairs 0.77-0.93 (32 x 256, 16 x 512, 8 x 1,024), at 4,096
+# 0.91-1.23 (32 x 128 .. 4 x 1,024), below it 1.1-1.9; with 2 threads the flash kernel has 3 items for 9-21 members (one
+# tile per KV head), so lower thresholds would not pay there either.
 FLASH_DECODE_MIN_SHARED = 8192
 
 
@@ -286,7 +289,8 @@ class TorchAttentionBackend:
     attentions per shared prefix, one SDPA call per prefill chunk. Attention stays per sequence (or per shared prefix):
     never one dense mask over the batch. `prepare` builds immutable plans once per step (meta.prepared: "decode",
     "cascade", "cascade_prefixes", "cascade_prefill" groups with their "cascade_prefill_own" and
-    "cascade_prefill_prefixes", "prefill_flash"; the torch path's prefill plans, which need masks, on first use);
+    "cascade_prefill_prefixes", "prefill_flash", "all_decode"; the torch path's prefill plans, which need masks, and the
+    one-call decode step's "program", on first use);
     layers only read them.
     """
 

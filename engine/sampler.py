@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .sequence import Sequence
@@ -99,6 +98,19 @@ def _nucleus(out, srt, idx, probs, top_p) -> torch.Tensor:
     return out.scatter_(1, idx, srt.masked_fill(drop, float("-inf")))
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1) of [B, V] logits, the same indices (the first maximum, NaN counting as the maximum): the
+    maximum of each chunk of 256 (128, 64) entries, the first chunk holding the row's maximum, argmax within it. torch's
+    CPU argmax does not vectorize; amax does: 32 x 49,152 float32, 2 threads, ~0.65 -> ~0.09 ms a step."""
+    B, V = logits.shape
+    C = next((c for c in (256, 128, 64) if V % c == 0), 0)
+    if not C or logits.device.type != "cpu" or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    chunks = logits.view(B, V // C, C)
+    first = chunks.amax(dim=-1).argmax(dim=-1)
+    return first * C + chunks[torch.arange(B), first].argmax(dim=-1)
+
+
 @torch.inference_mode()
 def sample(
     logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...], generator: torch.Generator
@@ -111,7 +123,7 @@ def sample(
     if any(s.request.params.logprobs is not None for s in seqs):
         logprobs = torch.log_softmax(logits, dim=-1)
     rand = [r for r, s in enumerate(seqs) if not s.request.params.greedy]
-    tokens = greedy_tokens(logits) if len(rand) < len(seqs) else np.zeros(len(seqs), dtype=np.int64)
+    tokens = greedy_tokens(logits) if len(rand) < len(seqs) else torch.zeros(len(seqs), dtype=torch.long)
     if rand:
         # every row random: filter_logits makes its own tensor, no gathered copy needed
         rand_logits = logits if len(rand) == len(seqs) else logits.index_select(0, torch.tensor(rand))
@@ -126,14 +138,5 @@ def sample(
         if own:  # each seeded row from its own generator, in row order; written with one assignment
             u[own] = torch.cat([torch.rand(1, generator=seqs[rand[i]].generator) for i in own])[:, None]
         picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)
-        tokens[rand] = picked.squeeze(1).numpy()
+        tokens[rand] = picked.squeeze(1)
     return SampleResult(tokens.tolist(), logprobs)
-
-
-def greedy_tokens(logits: torch.Tensor) -> np.ndarray:
-    """Each row's argmax (the first index of its largest value; NaN counts as largest, like torch's). On CPU float32
-    through numpy, whose argmax is vectorized: torch's took ~1.4 ms of CPU for 32 rows of a 49,152-token vocabulary
-    on a Zen4 core (and opens an OpenMP region), numpy's ~0.1 ms."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return logits.numpy().argmax(axis=1)
-    return logits.argmax(dim=-1).cpu().numpy()

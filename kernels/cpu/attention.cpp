@@ -5,6 +5,8 @@
 #include "gemm.h"
 #include "tile512.h"
 
+#include <type_traits>
+
 // Decode attention for one (sequence, KV head) without AVX2 (or for a head size not a multiple of 8): its G query
 // heads against tokens start .. end-1, read in place from the paged pool [N, bs, Hkv, D].
 template <typename T>
@@ -280,10 +282,11 @@ static inline __m512 hsum16x16(const __m512* a) {
 // their value rows interleaved into (t, t+1) bf16 pairs once for all GN heads, and one dpbf16 per 16 columns per
 // head with the pair of probabilities (P rounded to bf16, as the flash kernel's value product). Accumulator lanes
 // come out in the interleaved order ([0..3, 8..11, ..] and [4..7, 12..15, ..] of each 32 columns); they are put
-// back in order, scaled by the heads' normalizers and stored as bf16 at op (head stride D).
-template <int NV, int GN>
+// back in order, scaled by the heads' normalizers and stored at op (head stride D) as O: bf16, or float32 (a part of
+// a split sequence, merged later).
+template <int NV, int GN, typename O>
 static inline void decode_values_dpbf16(const bf16_t* v0, const int64_t* off, int L, const bf16_t* pp, int Lp,
-                                        const float* inv, bf16_t* op, int D) {
+                                        const float* inv, O* op, int D) {
     __m512 acc[GN][NV];
     for (int g = 0; g < GN; ++g)
         for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
@@ -307,18 +310,23 @@ static inline void decode_values_dpbf16(const bf16_t* v0, const int64_t* off, in
         const __m512 vinv = _mm512_set1_ps(inv[g]);
         for (int c = 0; c < NV / 2; ++c) {
             const __m512 lo = acc[g][2 * c], hi = acc[g][2 * c + 1];
-            bf16_t* o = op + (int64_t)g * D + 32 * c;
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_permutex2var_ps(lo, lo_idx, hi), vinv)));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_permutex2var_ps(lo, hi_idx, hi), vinv)));
+            O* o = op + (int64_t)g * D + 32 * c;
+            const __m512 first = _mm512_mul_ps(_mm512_permutex2var_ps(lo, lo_idx, hi), vinv);
+            const __m512 second = _mm512_mul_ps(_mm512_permutex2var_ps(lo, hi_idx, hi), vinv);
+            if constexpr (sizeof(O) == 4) {
+                _mm512_storeu_ps(o, first);
+                _mm512_storeu_ps(o + 16, second);
+            } else {
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(first));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), (__m256i)_mm512_cvtneps_pbh(second));
+            }
         }
     }
 }
 
-template <int NV>
+template <int NV, typename O>
 static inline void decode_values_heads(const bf16_t* v0, const int64_t* off, int L, const bf16_t* pp, int Lp,
-                                       const float* inv, bf16_t* op, int D, int G) {
+                                       const float* inv, O* op, int D, int G) {
     for (int g = 0; g < G; g += 4) {
         const bf16_t* p = pp + (size_t)g * Lp;
         switch (std::min(4, G - g)) {
@@ -336,9 +344,9 @@ static inline void decode_values_heads(const bf16_t* v0, const int64_t* off, int
 // per 32 products, the sixteen accumulators summed by one transpose-and-add tree); the softmax is exponentiated
 // sixteen lanes at a time and rounded to bf16 for the value product, which reads each value row once per group of up
 // to four query heads (decode_values_dpbf16).
-template <int DD>
+template <int DD, typename O>
 static void decode_heads_dpbf16(const bf16_t* qp, const bf16_t* kc, const bf16_t* vc, const int32_t* tab, int start,
-                                int end, int Hkv, int kh0, int nkh, int G, int Drt, int bs, float scale, bf16_t* op,
+                                int end, int Hkv, int kh0, int nkh, int G, int Drt, int bs, float scale, O* op,
                                 float* lse_out, std::vector<float>& s) {
     const int D = DD > 0 ? DD : Drt;
     const int NH = nkh * G;
@@ -369,10 +377,17 @@ static void decode_heads_dpbf16(const bf16_t* qp, const bf16_t* kc, const bf16_t
     // on prefetched to L2) before computing its scores from cache. On the EPYC measured, loads from DRAM did not
     // overlap the arithmetic, prefetched or not (a prefetch of the next tokens' rows changed nothing), while a loop
     // of loads alone streams a block table's scattered rows at ~15 GB/s. One thread, 32 x 200 tokens, pools past L3,
-    // in-process A/B: 0.71 ms a layer without the streaming loop, 0.50 with it for the keys, 0.43 for both.
+    // in-process A/B: 0.71 ms a layer without the streaming loop, 0.50 with it for the keys, 0.43 for both (0.84 for
+    // the previous kernel). On a fresh engine's pools (every sequence's blocks in order) the previous kernel's loads
+    // did overlap its arithmetic and it took the same ~0.39 ms as this one.
     constexpr int SEG = 64, PF_AHEAD = 32;
     const int span = nkh * D;  // the item's heads' elements of a token row
     __m512i sink = _mm512_setzero_si512();
+    for (int t = 0; t < std::min(PF_AHEAD, L); ++t)  // (the first rows too: 0.41 -> 0.39 ms)
+        for (int o = 0; o < span; o += 32) {
+            _mm_prefetch(reinterpret_cast<const char*>(k0 + off[t] + o), _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(v0 + off[t] + o), _MM_HINT_T1);
+        }
     for (int t0 = 0; t0 < L; t0 += 16) {
         if (t0 % SEG == 0) {
             for (int t = t0; t < std::min(t0 + SEG, L); ++t) {
@@ -423,12 +438,102 @@ static void decode_heads_dpbf16(const bf16_t* qp, const bf16_t* kc, const bf16_t
     for (int k = 0; k < nkh; ++k)
         for (int d = 0; d < D; d += 64) {
             const bf16_t* vk = v0 + (int64_t)k * D + d;
-            bf16_t* ok = op + (int64_t)k * G * D + d;
+            O* ok = op + (int64_t)k * G * D + d;
             if (D - d >= 64)
                 decode_values_heads<4>(vk, off, L, pp + (size_t)k * G * Ls, Ls, inv + k * G, ok, D, G);
             else
                 decode_values_heads<2>(vk, off, L, pp + (size_t)k * G * Ls, Ls, inv + k * G, ok, D, G);
         }
+}
+
+// paged_decode for bf16 pools with AVX512-BF16 (decode_heads_dpbf16), head size a multiple of 32. A sequence with
+// more than DECODE_SPLIT keys is cut into equal parts of at most that many, each a work item of its own whose output
+// (float32) and log-sum-exp are merged afterwards, so that a few long sequences (batch 1 at long context) keep every
+// thread busy. The parts depend on the sequence's length only, never on the batch or the thread count: a row's
+// numbers are the same whatever else runs in the call (speculative verify rows and plain decode agree). Work items
+// as paged_decode's: whole (sequence, part) units, or (unit, KV head) pairs in one of two orders.
+static constexpr int DECODE_SPLIT = 512;
+
+static void paged_decode_dpbf16(const bf16_t* q, int64_t q_st, const bf16_t* kc, const bf16_t* vc,
+                                const int32_t* tables, int64_t tab_st, const int32_t* seq_lens, const int64_t* rows,
+                                int32_t start, bf16_t* out, int64_t o_st, float* lse, int B, int H, int Hkv, int D,
+                                int bs, float scale, int heads_outer) {
+    const int G = H / Hkv;
+    std::vector<int> unit_b, unit_p, parts(B);
+    for (int b = 0; b < B; ++b) {
+        const int L = seq_lens[b] - start;
+        parts[b] = L > DECODE_SPLIT ? (L + DECODE_SPLIT - 1) / DECODE_SPLIT : 1;
+        for (int p = 0; p < parts[b]; ++p) unit_b.push_back(b), unit_p.push_back(p);
+    }
+    const int U = (int)unit_b.size();
+    const bool split = U > B;
+    std::vector<float> part_out(split ? (size_t)U * H * D : 0), part_lse(split ? (size_t)U * H : 0);
+    const bool whole = !heads_outer && U >= flowrt_threads;
+    const int per_item = whole ? Hkv : 1;
+    const int items = whole ? U : Hkv * U;
+    #pragma omp parallel num_threads(flowrt_threads)
+    {
+        std::vector<float> s;
+        #pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < items; ++item) {
+            const int kh0 = whole ? 0 : heads_outer ? item / U : item % Hkv;
+            const int u = whole ? item : heads_outer ? item % U : item / Hkv;
+            const int b = unit_b[u];
+            const int64_t row = rows ? rows[b] : b;
+            const bf16_t* qp = q + row * q_st + (int64_t)kh0 * G * D;
+            const int end = seq_lens[b];
+            if (end <= start) {
+                bf16_t* op = out + row * o_st + (int64_t)kh0 * G * D;
+                for (int i = 0; i < per_item * G * D; ++i) op[i] = 0;
+                if (lse) for (int g = 0; g < per_item * G; ++g) lse[(int64_t)b * H + kh0 * G + g] = -INFINITY;
+                continue;
+            }
+            const int32_t* tab = tables + (int64_t)b * tab_st;
+            const int size = (end - start + parts[b] - 1) / parts[b];
+            const int s0 = start + unit_p[u] * size, e0 = std::min(end, s0 + size);
+            if (parts[b] == 1) {
+                bf16_t* op = out + row * o_st + (int64_t)kh0 * G * D;
+                float* lp = lse ? lse + (int64_t)b * H + kh0 * G : nullptr;
+                auto run = D == 64    ? decode_heads_dpbf16<64, bf16_t>
+                           : D == 128 ? decode_heads_dpbf16<128, bf16_t>
+                                      : decode_heads_dpbf16<0, bf16_t>;
+                run(qp, kc, vc, tab, s0, e0, Hkv, kh0, per_item, G, D, bs, scale, op, lp, s);
+            } else {
+                float* op = part_out.data() + ((size_t)u * H + kh0 * G) * D;
+                float* lp = part_lse.data() + (size_t)u * H + kh0 * G;
+                auto run = D == 64    ? decode_heads_dpbf16<64, float>
+                           : D == 128 ? decode_heads_dpbf16<128, float>
+                                      : decode_heads_dpbf16<0, float>;
+                run(qp, kc, vc, tab, s0, e0, Hkv, kh0, per_item, G, D, bs, scale, op, lp, s);
+            }
+        }
+        if (split) {
+            // each split sequence's parts merged: weights exp(lse_p - lse), lse = log sum exp(lse_p)
+            #pragma omp for schedule(static)
+            for (int u0 = 0; u0 < U; ++u0) {
+                const int b = unit_b[u0];
+                if (unit_p[u0] != 0 || parts[b] == 1) continue;
+                const int n = parts[b];
+                const int64_t row = rows ? rows[b] : b;
+                for (int h = 0; h < H; ++h) {
+                    float m = -INFINITY;
+                    for (int p = 0; p < n; ++p) m = std::max(m, part_lse[(size_t)(u0 + p) * H + h]);
+                    float sum = 0.f, acc[256];
+                    for (int d = 0; d < D; ++d) acc[d] = 0.f;
+                    for (int p = 0; p < n; ++p) {
+                        const float e = std::exp(part_lse[(size_t)(u0 + p) * H + h] - m);
+                        sum += e;
+                        const float* po = part_out.data() + ((size_t)(u0 + p) * H + h) * D;
+                        for (int d = 0; d < D; ++d) acc[d] += e * po[d];
+                    }
+                    const float inv = 1.f / sum;
+                    bf16_t* op = out + row * o_st + (int64_t)h * D;
+                    for (int d = 0; d < D; ++d) op[d] = f32_to_bf16(acc[d] * inv);
+                    if (lse) lse[(int64_t)b * H + h] = m + std::log(sum);
+                }
+            }
+        }
+    }
 }
 #endif
 
@@ -442,6 +547,15 @@ int paged_decode(const T* q, int64_t q_st, const T* kc, const T* vc, const int32
                  const int32_t* seq_lens, const int64_t* rows, int32_t start, T* out, int64_t o_st, float* lse, int B,
                  int H, int Hkv, int D, int bs, float scale, int heads_outer) {
     if (D > 256) return -1;
+#ifdef FLOWRT_AVX512BF16
+    if constexpr (sizeof(T) == 2) {
+        if (D % 32 == 0) {
+            paged_decode_dpbf16(q, q_st, kc, vc, tables, tab_st, seq_lens, rows, start, out, o_st, lse, B, H, Hkv, D,
+                                bs, scale, heads_outer);
+            return 0;
+        }
+    }
+#endif
     const int G = H / Hkv;
     // Items: whole sequences (all their heads) for independent sequences, as long as there are enough to keep
     // every thread busy; else (sequence, KV head) pairs, in one of two orders. heads_outer (sequences sharing a
@@ -469,17 +583,7 @@ int paged_decode(const T* q, int64_t q_st, const T* kc, const T* vc, const int32
                 continue;
             }
             const int32_t* tab = tables + (int64_t)b * tab_st;
-#ifdef FLOWRT_AVX512BF16
-            if constexpr (sizeof(T) == 2) {
-                if (D % 32 == 0) {
-                    auto run = D == 64    ? decode_heads_dpbf16<64>
-                               : D == 128 ? decode_heads_dpbf16<128>
-                                          : decode_heads_dpbf16<0>;
-                    run(qp, kc, vc, tab, start, end, Hkv, kh0, per_item, G, D, bs, scale, op, lp, s);
-                    continue;
-                }
-            }
-#elif defined(FLOWRT_AVX512)
+#if defined(FLOWRT_AVX512) && !defined(FLOWRT_AVX512BF16)
             if constexpr (sizeof(T) == 2) {
                 if (D % 32 == 0) {
                     auto run = D == 64    ? decode_heads_bf16_512<64>
@@ -738,6 +842,16 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
             const int pos = c0 + t;
             w.krow[t] = a.kc + ((int64_t)tab[pos / a.bs] * a.bs + pos % a.bs) * tok_st + (int64_t)kh * D;
         }
+        // the next chunk's keys and values towards L2 while this one computes: a shared prefix read by decode rows is
+        // past L3 by the next step (the weights stream through it), and its blocks are jumps the hardware
+        // prefetcher does not follow
+        for (int pos = c0 + FLASH512_CHUNK, stop = std::min(E, c0 + 2 * FLASH512_CHUNK); pos < stop; ++pos) {
+            const int64_t off = ((int64_t)tab[pos / a.bs] * a.bs + pos % a.bs) * tok_st + (int64_t)kh * D;
+            for (int o = 0; o < D * (int)sizeof(bf16_t); o += 64) {
+                _mm_prefetch(reinterpret_cast<const char*>(a.kc + off) + o, _MM_HINT_T1);
+                _mm_prefetch(reinterpret_cast<const char*>(a.vc + off) + o, _MM_HINT_T1);
+            }
+        }
         // the chunk's values: token pairs (a zero token after an odd last one), or widened rows
         for (int t = 0; t < n; t += 2) {
             const bf16_t* v0 = w.krow[t] - a.kc + a.vc;
@@ -767,15 +881,17 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
                             D, w.s + (size_t)t0 * ss + 16 * v0);
 #endif
             }
-        // online softmax, sixteen query vectors at a time; a key past a row's end (causal) gets probability 0
-        for (int v = 0; v < nqv; ++v) {
+        // online softmax, sixteen query vectors at a time; a key past a row's end (causal) gets probability 0. Where
+        // every lane sees the whole chunk (a shared prefix, the keys before a chunk's diagonal) nothing is masked.
+        auto softmax16 = [&](int v, auto whole) __attribute__((always_inline)) {
+            constexpr bool all_keys = decltype(whole)::value;
             const __m512i lim = _mm512_sub_epi32(_mm512_loadu_si512(w.lim + 16 * v), _mm512_set1_epi32(c0));
+            auto keep = [&](int t) __attribute__((always_inline)) {
+                return all_keys ? (__mmask16)0xffff : _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(t));
+            };
             const float* sv = w.s + 16 * v;
             __m512 mx = ninf;
-            for (int t = 0; t < n; ++t) {
-                const __mmask16 ok = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(t));
-                mx = _mm512_mask_max_ps(mx, ok, mx, _mm512_loadu_ps(sv + (size_t)t * ss));
-            }
+            for (int t = 0; t < n; ++t) mx = _mm512_mask_max_ps(mx, keep(t), mx, _mm512_loadu_ps(sv + (size_t)t * ss));
             // (the maximum of the raw scores, scaled once: scale > 0, as every attention scale is)
             const __m512 m_old = _mm512_loadu_ps(w.m + 16 * v), m_new = _mm512_max_ps(m_old, _mm512_mul_ps(mx, vscale));
             // rows without keys so far keep m = -inf; exponents are taken against 0 there (all masked anyway)
@@ -783,8 +899,7 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
                                                     _mm512_setzero_ps());
             __m512 sum = _mm512_setzero_ps();
             auto prob = [&](int t) __attribute__((always_inline)) {
-                const __mmask16 ok = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(t));
-                return exp16(_mm512_fmsub_ps(_mm512_loadu_ps(sv + (size_t)t * ss), vscale, m_ref), ok);
+                return exp16(_mm512_fmsub_ps(_mm512_loadu_ps(sv + (size_t)t * ss), vscale, m_ref), keep(t));
             };
 #ifdef FLOWRT_AVX512BF16
             // (P[i][t], P[i][t+1]) pairs: the two rows rounded to bf16, then interleaved
@@ -807,6 +922,12 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
             _mm512_storeu_ps(w.alpha + 16 * v, alpha);
             _mm512_storeu_ps(w.l + 16 * v, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(w.l + 16 * v), alpha), sum));
             _mm512_storeu_ps(w.m + 16 * v, m_new);
+        };
+        for (int v = 0; v < nqv; ++v) {
+            if (_mm512_reduce_min_epi32(_mm512_loadu_si512(w.lim + 16 * v)) >= c0 + n)
+                softmax16(v, std::true_type{});
+            else
+                softmax16(v, std::false_type{});
         }
         // o <- o * alpha + P V: six query vectors x up to 64 columns a tile
         for (int i = 0; i < Mq; i += 6)
@@ -837,12 +958,47 @@ int paged_flash(const T* q, int64_t q_st, const int64_t* rows, const int32_t* en
 #endif
     // rows per tile at most: ~FLASH_TILE_Q (FLASH512_TILE_Q) query vectors a tile
     const int rt = std::max(1, (wide ? FLASH512_TILE_Q : FLASH_TILE_Q) / G);
+    std::vector<int> tiles(NG);
+    int64_t n_items = 0;
+    for (int g = 0; g < NG; ++g) {
+        tiles[g] = (group_start[g + 1] - group_start[g] + rt - 1) / rt;
+        n_items += (int64_t)Hkv * tiles[g];
+    }
+    // Few items for the threads (decode rows of a few forks against their shared prefix: one tile per KV head, 3 items
+    // for 2 threads): each group's tiles multiplied by the factor (1-4) whose items the threads finish first, taken
+    // in order, an item costing its padded query lanes x its keys. Splitting rows adds no lanes where the query
+    // vectors were padded anyway (8 forks x 3 query heads: 24 lanes padded to 32, or twice 12 padded to 16) and
+    // rereads keys then in L2. 8 forks x 1,024 prefix tokens, 2 threads, bf16: 3 items of 32 lanes become 6 of 16.
+    if (n_items < 2 * (int64_t)flowrt_threads && flowrt_threads > 1) {
+        const int lane = wide ? 16 : 6;  // query vectors padded to 16 lanes (AVX-512 form), 6-row tiles (AVX2 form)
+        auto makespan = [&](int m) {
+            std::vector<int64_t> busy(flowrt_threads, 0);
+            for (int g = 0; g < NG; ++g) {
+                const int nr = group_start[g + 1] - group_start[g], nt = std::min(nr, tiles[g] * m);
+                const int rows_t = nr ? (nr + nt - 1) / nt : 0;
+                int64_t keys = 0;
+                for (int i = group_start[g]; i < group_start[g + 1]; ++i)
+                    keys = std::max<int64_t>(keys, ends[i] - key_start);
+                for (int kh = 0; kh < Hkv; ++kh)
+                    for (int t = 0; t < nt; ++t) {
+                        const int c = std::min(rows_t, nr - t * rows_t);
+                        if (c <= 0) continue;
+                        *std::min_element(busy.begin(), busy.end()) += (int64_t)(c * G + lane - 1) / lane * lane * keys;
+                    }
+            }
+            return *std::max_element(busy.begin(), busy.end());
+        };
+        int best = 1;
+        int64_t best_t = makespan(1);
+        for (int m = 2; m <= 4; ++m) {
+            const int64_t t = makespan(m);
+            if (t < best_t) best = m, best_t = t;
+        }
+        for (int g = 0; g < NG; ++g) tiles[g] = std::min(group_start[g + 1] - group_start[g], tiles[g] * best);
+    }
     // items: (group, KV head, tile), numbered through a prefix sum of each group's tiles
     std::vector<int64_t> first(NG + 1, 0);
-    for (int g = 0; g < NG; ++g) {
-        const int nr = group_start[g + 1] - group_start[g];
-        first[g + 1] = first[g] + (int64_t)Hkv * ((nr + rt - 1) / rt);
-    }
+    for (int g = 0; g < NG; ++g) first[g + 1] = first[g] + (int64_t)Hkv * tiles[g];
     const FlashArgs<T> a{q, q_st, rows, ends, kc, vc, out, o_st, lse_in, lse_out, H, Hkv, D, bs, scale};
     #pragma omp parallel if (first[NG] > 1) num_threads(flowrt_threads)
     {
@@ -852,12 +1008,14 @@ int paged_flash(const T* q, int64_t q_st, const int64_t* rows, const int32_t* en
             for (int64_t item = 0; item < first[NG]; ++item) {
                 while (first[g + 1] <= item) ++g;
                 while (first[g] > item) --g;
-                const int nr = group_start[g + 1] - group_start[g], tiles = (nr + rt - 1) / rt;
-                const int rows_t = (nr + tiles - 1) / tiles;  // the group's rows spread evenly over its tiles
+                const int nr = group_start[g + 1] - group_start[g], nt = tiles[g];
+                const int rows_t = (nr + nt - 1) / nt;  // the group's rows spread evenly over its tiles
                 const int64_t local = item - first[g];
-                const int kh = (int)(local / tiles), t = (int)(local % tiles);
+                const int kh = (int)(local / nt), t = (int)(local % nt);
                 const int i0 = group_start[g] + t * rows_t;
-                tile(a, tables + (int64_t)g * tab_st, key_start, kh, i0, std::min(rows_t, group_start[g + 1] - i0), w);
+                if (i0 < group_start[g + 1])
+                    tile(a, tables + (int64_t)g * tab_st, key_start, kh, i0, std::min(rows_t, group_start[g + 1] - i0),
+                         w);
             }
         };
 #ifdef FLOWRT_AVX512

@@ -38,9 +38,9 @@ static inline int32_t load_pair(const bf16_t* p) {
 
 // exp(x) on sixteen lanes for x <= ~0 (the softmax numerators): fexp's range reduction and polynomial, with fused
 // multiply-adds and the power of two applied by scalef (~1e-7 relative error, as fexp; not bit-identical to it).
-// Lanes outside `keep` are 0.
+// Lanes outside `keep` are 0 (whatever x holds there: no upper clamp is needed for the lanes kept).
 __attribute__((always_inline)) static inline __m512 exp16(__m512 x, __mmask16 keep = 0xffff) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);

@@ -189,6 +189,35 @@ def test_variant_matches_torch(name, dtype):
         _check_kernels(dtype)
 
 
+@pytest.mark.parametrize("name", [pytest.param("avx2", marks=pytest.mark.slow), "avx512bf16"])  # slow: a build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flash_splits_few_items_for_the_threads(name, dtype):
+    """Decode rows of 8 forks against their shared prefix are one tile per KV head (3 items); with 2 threads the flash
+    kernel splits their rows into more tiles: the same bits as 1 thread (no split), and the reference's values."""
+    n = torch.get_num_threads()
+    q, kc, vc, tables, _ = _paged(1, 3, 3, 64, 16, [100], dtype, seed=11)
+    rows = torch.arange(8)
+    qs = torch.randn(8, 9, 64, generator=torch.Generator().manual_seed(12)).to(dtype)
+    ends, starts = torch.full((8,), 100, dtype=torch.int32), torch.tensor([0, 8], dtype=torch.int32)
+    outs = {}
+    try:
+        with _variant(name):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                out, lse = torch.zeros_like(qs), torch.empty(8, 9)
+                cpu_ops.paged_flash(qs, kc, vc, rows, ends, starts, tables, out, 0.125, lse_out=lse)
+                outs[threads] = out, lse
+    finally:
+        torch.set_num_threads(n)
+        cpu_ops.lib()
+    assert torch.equal(outs[1][0], outs[2][0]) and torch.equal(outs[1][1], outs[2][1])
+    k = kc[tables[0, :7].long()].reshape(-1, 3, 64)[:100].float().repeat_interleave(3, dim=1).transpose(0, 1)
+    v = vc[tables[0, :7].long()].reshape(-1, 3, 64)[:100].float().repeat_interleave(3, dim=1).transpose(0, 1)
+    ref = F.scaled_dot_product_attention(qs.float().transpose(0, 1), k, v, scale=0.125).transpose(0, 1)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[2][0].float(), ref, **tol)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", cpu_build.ISA_NAMES[:-1])
 def test_lower_variant_forced_by_env(name):

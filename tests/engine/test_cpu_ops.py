@@ -296,6 +296,33 @@ def test_bf16_paged_decode_matches_reference(Hkv, G, D, bs, start):
     assert torch.equal(out2, out)
 
 
+@pytest.mark.parametrize("start", [0, 3])
+def test_bf16_paged_decode_long_contexts_alone_or_batched(start):
+    """Contexts past 512 keys (the dpbf16 kernel cuts them into parts run as separate work items, then merged): the
+    reference's numbers with the log-sum-exp, and each row's result the same bits alone as in a batch, in either
+    work order (a verify row and a plain decode row must agree)."""
+    Hkv, G, D, bs = 3, 3, 64, 16
+    lens = [1100, 513, 512, 40, 2049]
+    q, kc, vc, tables, seq_lens = _paged_case(len(lens), Hkv, G, D, bs, lens, 11)
+    q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    out, lse = torch.empty_like(q), torch.empty(len(lens), Hkv * G)
+    cpu_ops.paged_decode(q, kc, vc, tables, seq_lens, out, 0.125, start=start, lse=lse)
+    for b, L in enumerate(lens):
+        slots = torch.tensor([int(tables[b, p // bs]) * bs + p % bs for p in range(start, L)], dtype=torch.long)
+        k = kc.view(-1, Hkv, D)[slots].float().repeat_interleave(G, dim=1)
+        v = vc.view(-1, Hkv, D)[slots].float().repeat_interleave(G, dim=1)
+        s = torch.einsum("hd,lhd->hl", q[b].float(), k) * 0.125
+        torch.testing.assert_close(lse[b], torch.logsumexp(s, -1), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out[b].float(), torch.einsum("hl,lhd->hd", s.softmax(-1), v), atol=1e-2, rtol=1e-2)
+        one, one_lse = torch.empty_like(q[:1]), torch.empty(1, Hkv * G)
+        cpu_ops.paged_decode(q[b : b + 1], kc, vc, tables[b : b + 1], seq_lens[b : b + 1], one, 0.125, start=start,
+                             lse=one_lse)
+        assert torch.equal(one[0], out[b]) and torch.equal(one_lse[0], lse[b])
+    out2 = torch.empty_like(q)
+    cpu_ops.paged_decode(q, kc, vc, tables, seq_lens, out2, 0.125, start=start, shared_prefix=True)
+    assert torch.equal(out2, out)
+
+
 def test_flash_kernel_matches_reference_for_odd_shapes():
     """The flash kernel alone: head sizes 16-128, GQA and MHA, block sizes 4-16, chunks that end mid-block, rows in a
     shuffled order of a wider stream; the log-sum-exp it returns and a merge with a second part (key_start) agree."""

@@ -86,6 +86,23 @@ def test_top_p_keeps_the_same_tokens_as_a_full_sort():
     assert torch.equal(got[kept], logits[kept])
 
 
+def test_greedy_tokens_are_argmax():
+    """The chunked greedy pick returns torch.argmax's indices: ties (the first maximum, within a chunk and across
+    chunks), a maximum in the last entry, NaN, rows all -inf, vocabularies no chunk size divides, bf16."""
+    from flowrt.engine.sampler import greedy_tokens
+
+    torch.manual_seed(0)
+    for V in (49152, 512, 320, 1000):
+        x = torch.randn(7, V)
+        x[1, 3] = x[1, 200 % V] = 50.0  # a tie: the first wins
+        x[2, 5] = x[2, 6] = 50.0  # a tie inside one chunk
+        x[3, -1] = 50.0
+        x[4, V // 2] = float("nan")
+        x[5] = float("-inf")
+        for t in (x, x.bfloat16()):
+            assert torch.equal(greedy_tokens(t), t.argmax(dim=-1))
+
+
 def test_sampled_tokens_stay_in_top_k(llm):
     out = llm.generate([PROMPTS[0]], SamplingParams(n=4, max_tokens=12, temperature=1.5, top_k=1, seed=1))[0]
     greedy = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].token_ids
