@@ -182,6 +182,9 @@ class DecodeRows:
 
 
 def _decode_rows(meta: AttentionMetadata, qsl: list[int]) -> DecodeRows:
+    if meta.max_query_len == 1:  # a pure decode step: row b is sequence b's one token (no per-row loop)
+        every = list(range(len(meta.query_lens_list)))
+        return DecodeRows(every, every, list(meta.seq_lens_list))
     rows, seqs, lens = [], [], []
     for b, (q, ctx) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
         if q == 1 or b in meta.verify:
@@ -330,7 +333,7 @@ class TorchAttentionBackend:
         if plain:
             all_rows = len(plain) == qsl[-1]  # every row is a decode row, in order: the kernel writes them all
             seqs = [d.seqs[i] for i in plain]
-            nblk = (max(d.lens[i] for i in plain) + bs - 1) // bs
+            nblk = (max(d.lens if len(plain) == len(d.lens) else [d.lens[i] for i in plain]) + bs - 1) // bs
             if all_rows and not meta.verify:
                 tables, lens = meta.block_tables[:, :nblk], meta.seq_lens
             else:

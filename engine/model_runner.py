@@ -91,26 +91,35 @@ class ModelRunner:
             return self._stage(batch, bucket, logit_rows, copies)
         bs = self.block_size
         ids: list[int] = []
-        pos_parts, slot_parts = [], []
+        pos_parts: list[np.ndarray] = []  # decode tokens gather in plain int lists, one array per run of them
+        slot_parts: list[np.ndarray] = []
+        pos: list[int] = []
+        slots: list[int] = []
         qlens, slens = [], []
-        width = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             s = seq.num_computed_tokens
-            ids.extend(seq.token_ids[s : s + n])
+            table = seq.block_table
             qlens.append(n)
             slens.append(s + n)
-            width = max(width, len(seq.block_table))
             if n == 1:
-                pos_parts.append(np.array([s], dtype=np.int64))
-                slot_parts.append(np.array([seq.block_table[s // bs] * bs + s % bs], dtype=np.int64))
-            else:
-                pos = np.arange(s, s + n, dtype=np.int64)
-                table = np.asarray(seq.block_table, dtype=np.int64)
-                pos_parts.append(pos)
-                slot_parts.append(table[pos // bs] * bs + pos % bs)
-        tables = np.zeros((len(batch.seqs), width), dtype=np.int32)
-        for b, seq in enumerate(batch.seqs):
-            tables[b, : len(seq.block_table)] = seq.block_table
+                ids.append(seq.token_ids[s])
+                pos.append(s)
+                slots.append(table[s // bs] * bs + s % bs)
+                continue
+            ids.extend(seq.token_ids[s : s + n])
+            if pos:
+                pos_parts.append(np.array(pos, dtype=np.int64))
+                slot_parts.append(np.array(slots, dtype=np.int64))
+                pos, slots = [], []
+            p = np.arange(s, s + n, dtype=np.int64)
+            pos_parts.append(p)
+            slot_parts.append(np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs)
+        if pos:
+            pos_parts.append(np.array(pos, dtype=np.int64))
+            slot_parts.append(np.array(slots, dtype=np.int64))
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        tables = np.array([seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs],
+                          dtype=np.int32).reshape(len(batch.seqs), width)
         qsl = np.zeros(len(qlens) + 1, dtype=np.int32)
         np.cumsum(qlens, out=qsl[1:])
         dev = self.device

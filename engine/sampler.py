@@ -122,21 +122,21 @@ def sample(
     logprobs = None
     if any(s.request.params.logprobs is not None for s in seqs):
         logprobs = torch.log_softmax(logits, dim=-1)
-    tokens = greedy_tokens(logits)
     rand = [r for r, s in enumerate(seqs) if not s.request.params.greedy]
+    tokens = greedy_tokens(logits) if len(rand) < len(seqs) else torch.zeros(len(seqs), dtype=torch.long)
     if rand:
-        rows = torch.tensor(rand, dtype=torch.long)
-        probs = torch.softmax(filter_logits(logits[rows], [seqs[r] for r in rand]), dim=-1)
+        # every row random: filter_logits makes its own tensor, no gathered copy needed
+        rand_logits = logits if len(rand) == len(seqs) else logits.index_select(0, torch.tensor(rand))
+        probs = torch.softmax(filter_logits(rand_logits, [seqs[r] for r in rand]), dim=-1)
         # Inverse-CDF sampling: one uniform per row; the first token whose cumulative mass exceeds it.
         cdf = probs.cumsum(dim=-1)
         u = torch.empty(len(rand), 1)
         shared = [i for i, r in enumerate(rand) if seqs[r].generator is None]
         if shared:
             u[shared] = torch.rand(len(shared), 1, generator=generator)
-        for i, r in enumerate(rand):
-            g = seqs[r].generator
-            if g is not None:
-                u[i] = torch.rand(1, generator=g)
+        own = [i for i, r in enumerate(rand) if seqs[r].generator is not None]
+        if own:  # each seeded row from its own generator, in row order; written with one assignment
+            u[own] = torch.cat([torch.rand(1, generator=seqs[rand[i]].generator) for i in own])[:, None]
         picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)
-        tokens[rows] = picked.squeeze(1)
+        tokens[rand] = picked.squeeze(1)
     return SampleResult(tokens.tolist(), logprobs)
