@@ -2,9 +2,10 @@
 as tokens append instead of scanning the whole context every step.
 
 NgramIndex: for each n in n_min..n_max, the latest position that followed an n-gram of a token list (an n-gram counts
-once a token follows it, so a list's own suffix never matches itself: the same answer as spec_decode.ngram_draft's
-scan). `extend` indexes only what was appended since the last call; a list that no longer starts as the indexed one
-did (another sequence's, or one cut short) is indexed again from scratch.
+once a token follows it, so a list's own suffix never matches itself: the answer of a scan of the whole list, which
+tests/engine/test_spec_drafter.py keeps as the reference). `extend` indexes only what was appended since the last
+call; a list that no longer starts as the indexed one did (another sequence's, or one cut short) is indexed again
+from scratch.
 
 SuffixCache: the outputs of recently finished requests, indexed the same way (SuffixDecoding's idea, vLLM's `suffix`
 method): agent and extraction workloads repeat their output structures (a JSON template, a reply's phrasing), which

@@ -41,12 +41,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .sampler import filter_logits
 from .ngram_index import NgramIndex, SuffixCache
+from .sampler import filter_logits, greedy_tokens
 from .spec_policy import Acceptance, DraftBudget
 from .structured_output import draft_prefix
 
@@ -96,28 +95,6 @@ def strip_drafts(seq: Sequence, keep: int, block_size: int) -> None:
         del seq.token_ids[-drop:]
         del seq.block_hashes[seq.num_tokens // block_size:]
     seq.num_draft_tokens = keep
-
-
-def ngram_draft(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """The (up to) k tokens that followed the latest earlier occurrence of the longest suffix of `tokens` of
-    n_min..n_max tokens; [] if none occurred."""
-    L = len(tokens)
-    if L <= n_min:
-        return []
-    arr = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        suffix = arr[L - n:]
-        # candidate starts i < L - n whose n tokens equal the suffix (the suffix itself excluded)
-        hits = np.flatnonzero(arr[: L - n] == suffix[0])
-        for j in range(1, n):
-            if not len(hits):
-                break
-            hits = hits[arr[np.minimum(hits + j, L - 1)] == suffix[j]]
-        hits = hits[hits + n < L]
-        if len(hits):
-            start = int(hits[-1]) + n
-            return tokens[start:start + k]
-    return []
 
 
 @dataclass
@@ -283,7 +260,7 @@ class NgramSpeculator:
         accepted: list[int] = []
         final = sampled
         if p.greedy:
-            best = rows[:m].argmax(dim=-1).tolist()
+            best = greedy_tokens(rows[:m]).tolist()
             for d, b in zip(drafts, best):
                 if d != b:
                     final = b

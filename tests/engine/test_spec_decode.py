@@ -10,7 +10,8 @@ from flowrt.engine import LLM, SamplingParams
 from flowrt.engine.block_pool import BlockPool
 from flowrt.engine.kv_cache_manager import KVCacheManager
 from flowrt.engine.sequence import Request, Sequence
-from flowrt.engine.spec_decode import NgramSpeculator, SpeculativeConfig, ngram_draft
+from flowrt.engine.ngram_index import NgramIndex
+from flowrt.engine.spec_decode import NgramSpeculator, SpeculativeConfig
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 STORY_PROMPTS = [
@@ -27,6 +28,13 @@ def run(model_dir, prompts, params, **kw):
     stats = llm.stats()
     assert stats["kv_blocks_used"] == 0, "blocks leaked"
     return outs, stats
+
+
+def ngram_draft(tokens, k, n_min, n_max):
+    index = NgramIndex(n_min, n_max)
+    index.extend(tokens)
+    s = index.find(tokens, n_max, n_min)
+    return [] if s is None else tokens[s:s + k]
 
 
 def test_ngram_draft_takes_what_followed_the_latest_match():

@@ -3,6 +3,7 @@ the suffix cache of earlier outputs, the one-token fallback. Verification is unc
 
 import random
 
+import numpy as np
 import torch
 
 from flowrt.engine import LLM, SamplingParams
@@ -10,8 +11,31 @@ from flowrt.engine.block_pool import BlockPool
 from flowrt.engine.kv_cache_manager import KVCacheManager
 from flowrt.engine.ngram_index import NgramIndex, SuffixCache
 from flowrt.engine.sequence import Request, Sequence
-from flowrt.engine.spec_decode import NgramSpeculator, SpeculativeConfig, ngram_draft
+from flowrt.engine.spec_decode import NgramSpeculator, SpeculativeConfig
 from flowrt.engine.spec_policy import DraftBudget
+
+
+def ngram_draft(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The reference the index must agree with (the scan the engine used before it): the (up to) k tokens that
+    followed the latest earlier occurrence of the longest suffix of `tokens` of
+    n_min..n_max tokens; [] if none occurred."""
+    L = len(tokens)
+    if L <= n_min:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        suffix = arr[L - n:]
+        # candidate starts i < L - n whose n tokens equal the suffix (the suffix itself excluded)
+        hits = np.flatnonzero(arr[: L - n] == suffix[0])
+        for j in range(1, n):
+            if not len(hits):
+                break
+            hits = hits[arr[np.minimum(hits + j, L - 1)] == suffix[j]]
+        hits = hits[hits + n < L]
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start:start + k]
+    return []
 
 
 def test_index_finds_what_the_scan_finds():
