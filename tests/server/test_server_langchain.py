@@ -64,7 +64,8 @@ def test_invoke(llm):
 
 
 def test_bind_tools_and_a_tool_result_follow_up(llm):
-    bound = llm.bind_tools([get_weather], tool_choice="get_weather")
+    # one call: the random model's sampled path decides whether it adds more, and may run out of tokens doing so
+    bound = llm.bind_tools([get_weather], tool_choice="get_weather", parallel_tool_calls=False)
     question = HumanMessage("Weather in Paris?")
     ai = bound.invoke([question])
     assert ai.response_metadata["finish_reason"] == "tool_calls" and "<tool_call>" not in ai.content
