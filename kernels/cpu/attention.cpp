@@ -48,6 +48,22 @@ static void decode_scalar(const T* qp, const T* kc, const T* vc, const int32_t* 
     }
 }
 
+// The work items of a decode call over U units (sequences, or parts of long ones): whole units (all their KV heads)
+// for independent units, as long as there are enough to keep every thread busy; else (unit, KV head) pairs, in one of
+// two orders. heads_outer (units sharing a prefix: forks, prefix-cache hits): consecutive items (one thread's, and the
+// two threads' neighbouring ones) read the same head's keys and values, so the shared prefix stays in the core's L2
+// for all of them instead of cycling every head's copy through L3. Otherwise a unit's heads run back to back.
+struct DecodeItems {
+    int U, Hkv;
+    bool heads_outer, whole;
+    DecodeItems(int U_, int Hkv_, int heads_outer_)
+        : U(U_), Hkv(Hkv_), heads_outer(heads_outer_ != 0), whole(!heads_outer_ && U_ >= flowrt_threads) {}
+    int count() const { return whole ? U : Hkv * U; }
+    int heads() const { return whole ? Hkv : 1; }  // KV heads an item covers
+    int kv_head(int item) const { return whole ? 0 : heads_outer ? item / U : item % Hkv; }
+    int unit(int item) const { return whole ? item : heads_outer ? item % U : item / Hkv; }
+};
+
 #ifdef FLOWRT_AVX2
 // The pieces of decode_heads that do not depend on the vector width, shared by its AVX2 and AVX-512 forms.
 
@@ -450,8 +466,8 @@ static void decode_heads_dpbf16(const bf16_t* qp, const bf16_t* kc, const bf16_t
 // more than DECODE_SPLIT keys is cut into equal parts of at most that many, each a work item of its own whose output
 // (float32) and log-sum-exp are merged afterwards, so that a few long sequences (batch 1 at long context) keep every
 // thread busy. The parts depend on the sequence's length only, never on the batch or the thread count: a row's
-// numbers are the same whatever else runs in the call (speculative verify rows and plain decode agree). Work items
-// as paged_decode's: whole (sequence, part) units, or (unit, KV head) pairs in one of two orders.
+// numbers are the same whatever else runs in the call (speculative verify rows and plain decode agree). Work items:
+// DecodeItems over the (sequence, part) units.
 static constexpr int DECODE_SPLIT = 512;
 
 static void paged_decode_dpbf16(const bf16_t* q, int64_t q_st, const bf16_t* kc, const bf16_t* vc,
@@ -468,16 +484,14 @@ static void paged_decode_dpbf16(const bf16_t* q, int64_t q_st, const bf16_t* kc,
     const int U = (int)unit_b.size();
     const bool split = U > B;
     std::vector<float> part_out(split ? (size_t)U * H * D : 0), part_lse(split ? (size_t)U * H : 0);
-    const bool whole = !heads_outer && U >= flowrt_threads;
-    const int per_item = whole ? Hkv : 1;
-    const int items = whole ? U : Hkv * U;
+    const DecodeItems it(U, Hkv, heads_outer);
+    const int per_item = it.heads(), items = it.count();
     #pragma omp parallel num_threads(flowrt_threads)
     {
         std::vector<float> s;
         #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; ++item) {
-            const int kh0 = whole ? 0 : heads_outer ? item / U : item % Hkv;
-            const int u = whole ? item : heads_outer ? item % U : item / Hkv;
+            const int kh0 = it.kv_head(item), u = it.unit(item);
             const int b = unit_b[u];
             const int64_t row = rows ? rows[b] : b;
             const bf16_t* qp = q + row * q_st + (int64_t)kh0 * G * D;
@@ -557,21 +571,14 @@ int paged_decode(const T* q, int64_t q_st, const T* kc, const T* vc, const int32
     }
 #endif
     const int G = H / Hkv;
-    // Items: whole sequences (all their heads) for independent sequences, as long as there are enough to keep
-    // every thread busy; else (sequence, KV head) pairs, in one of two orders. heads_outer (sequences sharing a
-    // prefix: forks, prefix-cache hits): consecutive items (one thread's, and the two threads' neighbouring ones)
-    // read the same head's keys and values, so the shared prefix stays in the core's L2 for all of them instead of
-    // cycling every head's copy through L3. Otherwise a sequence's heads run back to back.
-    const bool whole = !heads_outer && B >= flowrt_threads;
-    const int per_item = whole ? Hkv : 1;
-    const int items = whole ? B : Hkv * B;
+    const DecodeItems it(B, Hkv, heads_outer);  // units: the sequences
+    const int per_item = it.heads(), items = it.count();
     #pragma omp parallel num_threads(flowrt_threads)
     {
         std::vector<float> s;
         #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; ++item) {
-            const int kh0 = whole ? 0 : heads_outer ? item / B : item % Hkv;
-            const int b = whole ? item : heads_outer ? item % B : item / Hkv;
+            const int kh0 = it.kv_head(item), b = it.unit(item);
             const int64_t row = rows ? rows[b] : b;
             const T* qp = q + row * q_st + (int64_t)kh0 * G * D;
             T* op = out + row * o_st + (int64_t)kh0 * G * D;
