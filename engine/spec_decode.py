@@ -144,10 +144,10 @@ class NgramSpeculator:
     def propose(self, running: list[Sequence]) -> None:
         """Appends drafts to the eligible running sequences (seq.num_draft_tokens of them)."""
         self._forget(running)
+        base = self._base(running)
         # one-token drafts only where a row is cheap for what such drafts are accepted at (the adaptive rule)
         fallback = self.cfg.fallback_tokens > 0 and (
-            self.budget is None
-            or self.budget.pays(self._acceptance["fallback"].overall(), *self._base(running, 0)))
+            self.budget is None or self.budget.pays(self._acceptance["fallback"].overall(), *base))
         found = []
         for seq in running:
             if self.eligible(seq):
@@ -155,7 +155,7 @@ class NgramSpeculator:
                 if draft:
                     found.append((seq, draft, src))
         if self.budget is not None:
-            found = self._budgeted(running, found)
+            found = self._budgeted(running, found, base)
         free = self.kv.pool.num_free
         for seq, draft, src in found:
             need = self.kv.blocks_needed(seq, 1 + len(draft)) - self.kv.blocks_needed(seq, 1)
@@ -211,26 +211,28 @@ class NgramSpeculator:
         return draft, src
 
     @staticmethod
-    def _base(running: list[Sequence], extra: int) -> tuple[int, int]:
+    def _base(running: list[Sequence]) -> tuple[int, int]:
         """A step's rows (the running sequences' uncomputed tokens) and output tokens (a decoding sequence's pending
-        token and those its grammar forced), without drafts; `extra`: draft rows counted as paying for themselves.
-        Fewer tokens than rows: a prefill chunk (or a recompute) runs."""
-        rows = tokens = extra
+        token and those its grammar forced), without drafts. Fewer tokens than rows: a prefill chunk (or a recompute)
+        runs."""
+        rows = tokens = 0
         for s in running:
             k = s.num_tokens - s.num_computed_tokens
             rows += k
             tokens += k if _decoding(s) else 0
         return rows, tokens
 
-    def _budgeted(self, running: list[Sequence], found: list[tuple[Sequence, list[int], str]]):
-        """The drafts cut to what the DraftBudget keeps (rows: the running sequences' uncomputed tokens). A request
-        with its own seed keeps every draft: its random draws must not depend on measured times."""
+    def _budgeted(self, running: list[Sequence], found: list[tuple[Sequence, list[int], str]],
+                  base: tuple[int, int]):
+        """The drafts cut to what the DraftBudget keeps (base: _base(running)). A request with its own seed keeps
+        every draft (counted as rows that pay for themselves): its random draws must not depend on measured times."""
         ids = {s.seq_id for s in running}
         for acc in self._acceptance.values():
             acc.keep_only(ids)
         fixed = [f for f in found if f[0].generator is not None and not f[0].request.params.greedy]
         rest = [f for f in found if f[0].generator is None or f[0].request.params.greedy]
-        rows, tokens = self._base(running, sum(len(d) for _, d, _ in fixed))
+        extra = sum(len(d) for _, d, _ in fixed)
+        rows, tokens = base[0] + extra, base[1] + extra
         keep = self.budget.plan([(len(d), self._acceptance[src].rate(seq.seq_id)) for seq, d, src in rest],
                                 rows, tokens)
         return fixed + [(seq, d[:k], src) for (seq, d, src), k in zip(rest, keep) if k]
