@@ -1,0 +1,112 @@
+"""One projection whose weight stays in a GGUF block format: ``y = x @ W^T (+ bias)``.
+
+``QuantLinear`` holds the rows' blocks as the file stores them (uint8 [n, row_bytes]; a row is whole blocks, so
+rows can be permuted, sliced and concatenated on the bytes) and multiplies with the CPU kernels where they are
+loaded, else through the plain-torch reference (dequantize, then F.linear: slow, for machines without a compiler).
+Fused projections (q/k/v, gate/up) are one QuantLinear when their parts share a format, else a
+:class:`ConcatLinear` that writes each part into its slice of one output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import reference
+from .formats import QuantType, block_shape, row_bytes
+
+
+@dataclass(eq=False)
+class QuantLinear:
+    """A projection over quantized rows. ``data`` is uint8 [n, row_bytes(qtype, k)]; ``bias`` float32 [n] or None."""
+
+    qtype: QuantType
+    data: torch.Tensor
+    n: int
+    k: int
+    bias: torch.Tensor | None = None
+    _plain: torch.Tensor | None = field(default=None, init=False, repr=False)  # dequantized, for the torch path
+
+    def __post_init__(self):
+        self.qtype = QuantType.parse(self.qtype)
+        block_shape(self.qtype)  # KeyError-free check that the format is a known block type
+        expected = (self.n, row_bytes(self.qtype, self.k))
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected:
+            raise ValueError(f"{self.qtype.name} weight [{self.n}, {self.k}] needs uint8 data of shape {expected}, "
+                             f"got {self.data.dtype} {tuple(self.data.shape)}")
+        if not self.data.is_contiguous():
+            self.data = self.data.contiguous()
+        if self.bias is not None:
+            self.bias = self.bias.detach().float().contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of the weight (and bias)."""
+        return self.data.numel() + (0 if self.bias is None else self.bias.numel() * 4)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [n, k] as ``dtype`` (a new tensor)."""
+        return reference.dequantize_rows(self.data, self.qtype, self.n, self.k).to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """y [M, n] in x's dtype for x [M, k]."""
+        if x.dim() != 2 or x.shape[1] != self.k:
+            raise ValueError(f"{self.qtype.name} projection [{self.n}, {self.k}]: x must be [M, {self.k}], "
+                             f"got {tuple(x.shape)}")
+        return self._torch(x)
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
+        """The plain-torch path: the reference numerics (int8 activations), weights dequantized once and kept."""
+        if self._plain is None:
+            self._plain = self.dequantize(torch.float32)
+        xq = reference.dequantize_activations(*reference.quantize_activations(x))
+        y = torch.nn.functional.linear(xq, self._plain, self.bias)
+        return y.to(x.dtype)
+
+
+@dataclass(eq=False)
+class ConcatLinear:
+    """Parts of different formats stacked by rows: one output [M, sum(n)], each part writing its slice."""
+
+    parts: list[QuantLinear]
+
+    @property
+    def n(self) -> int:
+        return sum(p.n for p in self.parts)
+
+    @property
+    def k(self) -> int:
+        return self.parts[0].k
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
+        start = 0
+        for p in self.parts:
+            out[:, start:start + p.n] = p(x)
+            start += p.n
+        return out
+
+
+def concat(parts: list[QuantLinear]) -> QuantLinear | ConcatLinear:
+    """Row-stack projections over the same input (q/k/v, gate/up): one QuantLinear when all share a format."""
+    if len({p.k for p in parts}) != 1:
+        raise ValueError(f"cannot stack projections with different inputs: {[p.k for p in parts]}")
+    if len({p.qtype for p in parts}) == 1:
+        biases = [p.bias for p in parts]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else torch.zeros(p.n) for b, p in zip(biases, parts)])
+        return QuantLinear(parts[0].qtype, torch.cat([p.data for p in parts]), sum(p.n for p in parts), parts[0].k,
+                           bias)
+    return ConcatLinear(list(parts))
