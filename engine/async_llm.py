@@ -110,6 +110,9 @@ class AsyncLLM:
     def kv_fingerprint(self) -> str:
         return self.engine.kv_fingerprint()
 
+    def kv_block_bytes(self) -> int:
+        return self.engine.kv_block_bytes()
+
     def kv_export(self, token_ids, skip=None) -> list[tuple[bytes, bytes | None]]:
         return self.engine.kv_export(token_ids, skip)
 

@@ -21,7 +21,7 @@ from .block_pool import BlockHash, NoFreeBlocksError, hash_block
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
 
-__all__ = ["KV_FORMAT", "chain_hashes", "fingerprint", "export_blocks", "import_blocks"]
+__all__ = ["KV_FORMAT", "chain_hashes", "fingerprint", "block_bytes", "export_blocks", "import_blocks"]
 
 KV_FORMAT = 1
 _SAMPLES = 4096   # values of each weight tensor in the fingerprint (evenly spaced; every value of small ones)
@@ -57,7 +57,8 @@ def fingerprint(engine: "LLMEngine") -> str:
     return h.hexdigest()
 
 
-def _block_bytes(engine: "LLMEngine") -> int:
+def block_bytes(engine: "LLMEngine") -> int:
+    """The size of one block's content (every layer's K and V of its slots)."""
     kv = engine.kv
     return kv[:, :, 0].numel() * kv.element_size()
 
@@ -126,7 +127,7 @@ def import_blocks(engine: "LLMEngine", blocks: Iterable[tuple[BlockHash, bytes]]
     wrong size is a ValueError."""
     if not engine.pool.enable_prefix_caching:
         return 0
-    size, raw = _block_bytes(engine), _raw(engine.kv)
+    size, raw = block_bytes(engine), _raw(engine.kv)
     n, budget = 0, engine.pool.num_free
     for h, data in blocks:
         if len(data) != size:

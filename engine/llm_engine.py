@@ -355,6 +355,9 @@ class LLMEngine:
             self._kv_fingerprint = kv_transfer.fingerprint(self)
         return self._kv_fingerprint
 
+    def kv_block_bytes(self) -> int:
+        return kv_transfer.block_bytes(self)
+
     def kv_export(self, token_ids, skip=None) -> list[tuple[bytes, bytes | None]]:
         return kv_transfer.export_blocks(self, list(token_ids), skip)
 

@@ -115,6 +115,10 @@ class KVTransfer(Protocol):
         """A hash of what KV content depends on: weights, dtypes, block size, attention backend, version."""
         ...
 
+    def kv_block_bytes(self) -> int:
+        """The size of one block's content: what ``kv_import`` takes (a caller checks saved blocks by it)."""
+        ...
+
     def kv_export(self, token_ids: Sequence[int], skip: Callable[[bytes], bool] | None = None
                   ) -> list[tuple[bytes, bytes | None]]:
         """The full blocks of ``token_ids`` in order, as (hash, content) while the engine holds them,

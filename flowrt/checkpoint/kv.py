@@ -6,9 +6,10 @@ what a warm resume computes (each thread's last partial block).
 * Blocks are content-addressed: ``DIR/<model fingerprint>/<hash[:2]>/<hash>.kv``, the hash being the
   engine's prefix hash (the token ids of the whole prefix), so a prompt that a thousand runs share is
   stored once, and a block is written once however many checkpoints refer to it.
-* A file holds a header (fingerprint, hash, size, BLAKE2b of the content) and the content. A block whose
-  file is missing, truncated, corrupt or of another model (fingerprint) is not loaded: the engine computes
-  it, as it would without KV checkpoints.
+* A file holds a header (fingerprint, hash, size, BLAKE2b of the content) and the content
+  (flowrt.checkpoint.kv_blocks; kv_files: reading and writing a shared directory safely). A block that is
+  missing, not a regular file, of the wrong size, corrupt or of another model (fingerprint) is not loaded:
+  the engine computes it, as it would without KV checkpoints.
 * A checkpoint's state refers to its blocks (``state["kv"]``: fingerprint and each live thread's chain of
   hashes), in the checkpoint store. ``collect`` deletes the files that no unfinished run refers to (a run
   that is done drops its references), sparing files younger than ``grace_s`` (another process may have
@@ -17,18 +18,14 @@ what a warm resume computes (each thread's last partial block).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from .kv_blocks import KVBlockStore
 from .store import CheckpointError
 
-__all__ = ["KVBlockStore", "KVCheckpoint", "kv_dir_for"]
-
-_MAGIC = b"flowrt-kv 1\n"
+__all__ = ["KVBlockStore", "KVCheckpoint", "KVLoad", "kv_dir_for"]
 
 
 def kv_dir_for(spec: Any, kv: Any) -> str:
@@ -42,87 +39,6 @@ def kv_dir_for(spec: Any, kv: Any) -> str:
                               f"{'an in-memory store' if path == ':memory:' else 'this store'} give it a directory "
                               "(--checkpoint-kv DIR; shared storage for several machines)")
     return path + ".kv"
-
-
-class KVBlockStore:
-    """Block files under one directory (see the module docstring)."""
-
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self._dirs: set[str] = set()   # folders made (or found) already
-        try:
-            os.makedirs(root, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"cannot create the KV block directory {root}: {e}") from None
-
-    def path(self, fingerprint: str, h: bytes) -> str:
-        x = h.hex()
-        return os.path.join(self.root, fingerprint, x[:2], x + ".kv")
-
-    def has(self, fingerprint: str, h: bytes) -> bool:
-        return os.path.exists(self.path(fingerprint, h))
-
-    def write(self, fingerprint: str, h: bytes, data: bytes) -> None:
-        """Atomically (a temporary file renamed): a crash leaves the block whole or absent."""
-        p = self.path(fingerprint, h)
-        folder = os.path.dirname(p)
-        if folder not in self._dirs:
-            os.makedirs(folder, exist_ok=True)
-            self._dirs.add(folder)
-        header = json.dumps({"fingerprint": fingerprint, "hash": h.hex(), "bytes": len(data),
-                             "blake2b": hashlib.blake2b(data, digest_size=16).hexdigest()}).encode()
-        tmp = f"{p}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(_MAGIC + header + b"\n")
-            f.write(data)
-        os.replace(tmp, p)
-
-    def read(self, fingerprint: str, h: bytes) -> tuple[bytes | None, str]:
-        """The block's content, or None and why not (missing, corrupt, foreign)."""
-        try:
-            with open(self.path(fingerprint, h), "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
-            return None, "missing"
-        except OSError as e:
-            return None, f"unreadable ({e})"
-        end = raw.find(b"\n", len(_MAGIC))
-        if not raw.startswith(_MAGIC) or end < 0:
-            return None, "corrupt"
-        head, data = raw[len(_MAGIC):end], raw[end + 1:]
-        try:
-            meta = json.loads(head)
-        except ValueError:
-            return None, "corrupt"
-        if meta.get("fingerprint") != fingerprint or meta.get("hash") != h.hex():
-            return None, "foreign"
-        if meta.get("bytes") != len(data) or meta.get("blake2b") != hashlib.blake2b(data, digest_size=16).hexdigest():
-            return None, "corrupt"
-        return data, ""
-
-    def touch(self, fingerprint: str, h: bytes) -> None:
-        try:
-            os.utime(self.path(fingerprint, h))
-        except OSError:
-            pass
-
-    def collect(self, referenced: dict[str, set[str]], grace_s: float) -> int:
-        """Delete block files no reference names (by fingerprint and hash) and older than ``grace_s``."""
-        now, removed = time.time(), 0
-        for dirpath, _, files in os.walk(self.root):
-            fingerprint = os.path.relpath(dirpath, self.root).split(os.sep)[0]
-            keep = referenced.get(fingerprint, set())
-            for name in files:
-                p = os.path.join(dirpath, name)
-                if name.endswith(".kv") and name[:-3] in keep:
-                    continue
-                try:
-                    if now - os.path.getmtime(p) >= grace_s:
-                        os.remove(p)
-                        removed += 1
-                except OSError:
-                    pass
-        return removed
 
 
 @dataclass
@@ -141,6 +57,7 @@ class KVCheckpoint:
         self.grace_s = grace_s
         self._engine: Any = None
         self.fingerprint = ""
+        self.block_bytes = 0
 
     def bind(self, engine: Any) -> None:
         if self._engine is engine:
@@ -150,7 +67,7 @@ class KVCheckpoint:
         if not isinstance(engine, KVTransfer):
             raise CheckpointError(f"checkpoint_kv needs an engine that exports its KV blocks (AsyncLLM); "
                                   f"{type(engine).__name__} does not")
-        self._engine, self.fingerprint = engine, engine.kv_fingerprint()
+        self._engine, self.fingerprint, self.block_bytes = engine, engine.kv_fingerprint(), engine.kv_block_bytes()
 
     @property
     def bound(self) -> bool:
@@ -174,7 +91,7 @@ class KVCheckpoint:
     def load(self, ref: dict[str, Any] | None) -> KVLoad:
         """Load a checkpoint's blocks into the prefix cache, each chain up to its first unusable block."""
         out = KVLoad()
-        if not ref or not self.bound:
+        if not ref or not ref.get("threads") or not self.bound:
             return out
         if ref.get("fingerprint") != self.fingerprint:
             out.rejected["foreign"] = sum(len(c) for c in ref.get("threads", []))
@@ -186,9 +103,9 @@ class KVCheckpoint:
                 if x in seen:
                     continue   # loaded with an earlier chain (a shared prefix)
                 h = bytes.fromhex(x)
-                data, why = self.blocks.read(self.fingerprint, h)
+                data, why = self.blocks.read(self.fingerprint, h, self.block_bytes)
                 if data is None:
-                    out.rejected[why] = out.rejected.get(why, 0) + 1
+                    out.rejected[why.value] = out.rejected.get(why.value, 0) + 1
                     break
                 seen.add(x)
                 blocks.append((h, data))

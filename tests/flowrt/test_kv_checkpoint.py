@@ -56,22 +56,23 @@ def wf_file(tmp_path):
 # ---------------------------------------------------------------------------------------------- block files
 def test_block_files_are_verified_by_hash_fingerprint_and_checksum(tmp_path):
     store = KVBlockStore(str(tmp_path / "kv"))
+    fp, fp2 = "a" * 32, "b" * 32
     h, data = b"\x01" * 16, bytes(range(256)) * 4
-    store.write("fp", h, data)
-    assert store.read("fp", h) == (data, "")
-    assert store.read("fp", b"\x02" * 16) == (None, "missing")
-    assert store.read("other", h) == (None, "missing")
-    p = store.path("fp", h)
+    store.write(fp, h, data)
+    assert store.read(fp, h, len(data)) == (data, None)
+    assert store.read(fp, b"\x02" * 16, len(data)) == (None, "missing")
+    assert store.read(fp2, h, len(data)) == (None, "missing")
+    p = store.path(fp, h)
     raw = open(p, "rb").read()
     open(p, "wb").write(raw[:-1] + bytes([raw[-1] ^ 1]))      # one bit of the content
-    assert store.read("fp", h) == (None, "corrupt")
+    assert store.read(fp, h, len(data)) == (None, "corrupt")
     open(p, "wb").write(raw[:-10])                             # truncated
-    assert store.read("fp", h) == (None, "corrupt")
-    store.write("fp", h, data)
-    for fp, other in (("fp2", h), ("fp", b"\x03" * 16)):   # another model's block; a file under another hash
-        os.makedirs(os.path.dirname(store.path(fp, other)), exist_ok=True)
-        shutil.copy(store.path("fp", h), store.path(fp, other))
-        assert store.read(fp, other) == (None, "foreign")
+    assert store.read(fp, h, len(data)) == (None, "corrupt")
+    store.write(fp, h, data)
+    for f, other in ((fp2, h), (fp, b"\x03" * 16)):   # another model's block; a file under another hash
+        os.makedirs(os.path.dirname(store.path(f, other)), exist_ok=True)
+        shutil.copy(store.path(fp, h), store.path(f, other))
+        assert store.read(f, other, len(data)) == (None, "foreign")
 
 
 def test_checkpoint_kv_needs_a_place_for_blocks(tmp_path):

@@ -1,0 +1,129 @@
+"""``KVBlockStore``: the block files of one KV directory (``DIR/<fingerprint>/<hash[:2]>/<hash>.kv``).
+
+A file holds a header line (fingerprint, hash, size, BLAKE2b of the content) after a magic line, then the
+content. A block that is missing, not a regular file, of the wrong size, corrupt or another's (fingerprint,
+hash) is rejected, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from enum import Enum
+
+from .kv_files import NotRegularFile, TooLarge, read_regular, real_dir, write_atomic
+from .store import CheckpointError
+
+__all__ = ["KVBlockStore", "Rejection", "MAGIC", "HEADER_MAX", "parse_header", "is_own"]
+
+MAGIC = b"flowrt-kv 1\n"
+HEADER_MAX = 512                          # magic and header line: ~170 bytes
+
+
+class Rejection(str, Enum):
+    """Why a saved block was not loaded (the keys of a resume's ``kv_blocks_rejected``)."""
+
+    MISSING = "missing"
+    CORRUPT = "corrupt"          # truncated, wrong size, bad checksum, not a block file
+    FOREIGN = "foreign"          # another model's block (fingerprint), or filed under another hash
+    NOT_A_FILE = "not_a_file"    # a symlink, FIFO, device or directory at the block's path
+    UNREADABLE = "unreadable"    # the file system refused (permissions, I/O error)
+
+
+def parse_header(raw: bytes) -> dict | None:
+    """The header of ``raw`` (a block file's first bytes), with ``offset`` where the content starts; None
+    when it is not a block file's."""
+    end = raw.find(b"\n", len(MAGIC))
+    if not raw.startswith(MAGIC) or end < 0:
+        return None
+    try:
+        meta = json.loads(raw[len(MAGIC):end])
+    except ValueError:
+        return None
+    return {**meta, "offset": end + 1} if isinstance(meta, dict) else None
+
+
+def is_own(meta: dict | None, fingerprint: str, hexhash: str) -> bool:
+    """The header is of this block: the fingerprint and hash its path names."""
+    return meta is not None and meta.get("fingerprint") == fingerprint and meta.get("hash") == hexhash
+
+
+class KVBlockStore:
+    """Block files under one directory (see the module docstring)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._dirs: set[str] = set()                 # folders made (or found) already
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot create the KV block directory {root}: {e}") from None
+
+    def path(self, fingerprint: str, h: bytes) -> str:
+        x = h.hex()
+        return os.path.join(self.root, fingerprint, x[:2], x + ".kv")
+
+    def has(self, fingerprint: str, h: bytes) -> bool:
+        return os.path.exists(self.path(fingerprint, h))
+
+    def write(self, fingerprint: str, h: bytes, data: bytes) -> None:
+        """Atomically (a new temporary file renamed): a crash leaves the block whole or absent. ``OSError``
+        when the file system refuses (full, read-only)."""
+        x = h.hex()
+        folder = os.path.join(self.root, fingerprint, x[:2])
+        if folder not in self._dirs:
+            real_dir(self.root, fingerprint, x[:2])
+            self._dirs.add(folder)
+        header = json.dumps({"fingerprint": fingerprint, "hash": x, "bytes": len(data),
+                             "blake2b": hashlib.blake2b(data, digest_size=16).hexdigest()}).encode()
+        write_atomic(folder, x + ".kv", (MAGIC + header + b"\n", data))
+
+    def read(self, fingerprint: str, h: bytes, size: int) -> tuple[bytes | None, Rejection | None]:
+        """The block's content (``size`` bytes, this engine's block), or None and why not. Reads at most
+        the header and ``size`` bytes, from a regular file only."""
+        try:
+            raw = read_regular(self.path(fingerprint, h), HEADER_MAX + size)
+        except FileNotFoundError:
+            return None, Rejection.MISSING
+        except NotRegularFile:
+            return None, Rejection.NOT_A_FILE
+        except TooLarge:
+            return None, Rejection.CORRUPT
+        except OSError:
+            return None, Rejection.UNREADABLE
+        meta = parse_header(raw)
+        if meta is None:
+            return None, Rejection.CORRUPT
+        if not is_own(meta, fingerprint, h.hex()):
+            return None, Rejection.FOREIGN
+        data = raw[meta["offset"]:]
+        if meta.get("bytes") != size or len(data) != size \
+                or meta.get("blake2b") != hashlib.blake2b(data, digest_size=16).hexdigest():
+            return None, Rejection.CORRUPT
+        return data, None
+
+    def touch(self, fingerprint: str, h: bytes) -> None:
+        try:
+            os.utime(self.path(fingerprint, h))
+        except OSError:
+            pass
+
+    def collect(self, referenced: dict[str, set[str]], grace_s: float) -> int:
+        """Delete block files no reference names (by fingerprint and hash) and older than ``grace_s``."""
+        now, removed = time.time(), 0
+        for dirpath, _, files in os.walk(self.root):
+            fingerprint = os.path.relpath(dirpath, self.root).split(os.sep)[0]
+            keep = referenced.get(fingerprint, set())
+            for name in files:
+                p = os.path.join(dirpath, name)
+                if name.endswith(".kv") and name[:-3] in keep:
+                    continue
+                try:
+                    if now - os.path.getmtime(p) >= grace_s:
+                        os.remove(p)
+                        removed += 1
+                except OSError:
+                    pass
+        return removed
