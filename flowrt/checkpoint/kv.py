@@ -9,7 +9,9 @@ what a warm resume computes (each thread's last partial block).
 * A file holds a header (fingerprint, hash, size, BLAKE2b of the content) and the content
   (flowrt.checkpoint.kv_blocks; kv_files: reading and writing a shared directory safely). A block that is
   missing, not a regular file, of the wrong size, corrupt or of another model (fingerprint) is not loaded:
-  the engine computes it, as it would without KV checkpoints.
+  the engine computes it, as it would without KV checkpoints, and the next save replaces it.
+* Saving is an optimisation: a block that cannot be written (a full or read-only file system) is skipped
+  with one warning, counted in the run's ``kv_blocks_save_failed``, and the run goes on.
 * A checkpoint's state refers to its blocks (``state["kv"]``: fingerprint and each live thread's chain of
   hashes), in the checkpoint store. ``collect`` deletes the files that no unfinished run refers to (a run
   that is done drops its references), sparing files younger than ``grace_s`` (another process may have
@@ -18,6 +20,7 @@ what a warm resume computes (each thread's last partial block).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -25,7 +28,9 @@ from typing import Any, Iterable
 from .kv_blocks import KVBlockStore
 from .store import CheckpointError
 
-__all__ = ["KVBlockStore", "KVCheckpoint", "KVLoad", "kv_dir_for"]
+__all__ = ["KVBlockStore", "KVCheckpoint", "KVLoad", "KVSaved", "kv_dir_for"]
+
+logger = logging.getLogger("flowrt.checkpoint")
 
 
 def kv_dir_for(spec: Any, kv: Any) -> str:
@@ -49,6 +54,14 @@ class KVLoad:
     rejected: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class KVSaved:
+    """What a save wrote: the reference the checkpoint state keeps, and how many blocks could not be written."""
+
+    ref: dict[str, Any]
+    failed: int = 0   # distinct blocks
+
+
 class KVCheckpoint:
     """KV checkpoints of a runtime's runs: one block store, bound to the engine on a run's first use."""
 
@@ -58,6 +71,7 @@ class KVCheckpoint:
         self._engine: Any = None
         self.fingerprint = ""
         self.block_bytes = 0
+        self._warned: set[str] = set()   # reasons a write failed, each warned about once
 
     def bind(self, engine: Any) -> None:
         if self._engine is engine:
@@ -73,20 +87,37 @@ class KVCheckpoint:
     def bound(self) -> bool:
         return self._engine is not None
 
-    def save(self, threads: Iterable[list[int]]) -> dict[str, Any]:
+    def save(self, threads: Iterable[list[int]]) -> KVSaved:
         """Write the new full blocks of each thread; the reference a checkpoint state keeps."""
-        fp, chains = self.fingerprint, []
+        fp, chains, failed = self.fingerprint, [], set()
         for token_ids in threads:
-            chain = []
-            for h, data in self._engine.kv_export(token_ids, skip=lambda h: self.blocks.has(fp, h)):
+            chain, broken = [], False
+            for h, data in self._engine.kv_export(token_ids, skip=lambda h: self.blocks.fresh(fp, h)):
+                if not broken and (data is None or (h not in failed and self._write(h, data))):
+                    chain.append(h.hex())
+                    continue
+                broken = True   # the chain's later blocks are unusable without this one
                 if data is not None:
-                    self.blocks.write(fp, h, data)
-                else:
-                    self.blocks.touch(fp, h)   # referenced again: young for collect's grace period
-                chain.append(h.hex())
+                    failed.add(h)
             if chain:
                 chains.append(chain)
-        return {"fingerprint": fp, "threads": chains}
+        return KVSaved({"fingerprint": fp, "threads": chains}, len(failed))
+
+    def _write(self, h: bytes, data: bytes) -> bool:
+        try:
+            self.blocks.write(self.fingerprint, h, data)
+            return True
+        except OSError as e:
+            self._warn(e, "write KV blocks")
+            return False
+
+    def _warn(self, e: OSError, action: str) -> None:
+        """Once per reason (a full disk, a read-only file system): KV saving is an optimisation."""
+        reason = e.strerror or str(e)
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning("KV checkpoints in %s: cannot %s (%s); the run goes on (kv_blocks_save_failed in its "
+                           "stats counts the blocks not saved)", self.blocks.root, action, reason)
 
     def load(self, ref: dict[str, Any] | None) -> KVLoad:
         """Load a checkpoint's blocks into the prefix cache, each chain up to its first unusable block."""

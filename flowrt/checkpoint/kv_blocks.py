@@ -2,14 +2,17 @@
 
 A file holds a header line (fingerprint, hash, size, BLAKE2b of the content) after a magic line, then the
 content. A block that is missing, not a regular file, of the wrong size, corrupt or another's (fingerprint,
-hash) is rejected, never used.
+hash) is rejected, never used; the store remembers the rejected ones so that the next save replaces them
+(a file that exists is otherwise not written again).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import stat
 import time
 from enum import Enum
 
@@ -56,6 +59,7 @@ class KVBlockStore:
     def __init__(self, root: str) -> None:
         self.root = root
         self._dirs: set[str] = set()                 # folders made (or found) already
+        self._bad: set[tuple[str, bytes]] = set()    # rejected on read: replaced by the next save
         try:
             os.makedirs(root, exist_ok=True)
         except OSError as e:
@@ -65,8 +69,20 @@ class KVBlockStore:
         x = h.hex()
         return os.path.join(self.root, fingerprint, x[:2], x + ".kv")
 
-    def has(self, fingerprint: str, h: bytes) -> bool:
-        return os.path.exists(self.path(fingerprint, h))
+    def fresh(self, fingerprint: str, h: bytes) -> bool:
+        """The block is on disk, a regular file not rejected since: it need not be written. Its mtime is
+        renewed (collection spares young files); a file that cannot be touched is written again (it may
+        be another user's, or be collected right now), except on a read-only file system."""
+        if (fingerprint, h) in self._bad:
+            return False
+        p = self.path(fingerprint, h)
+        try:
+            if not stat.S_ISREG(os.lstat(p).st_mode):
+                return False
+            os.utime(p, follow_symlinks=False)
+        except OSError as e:
+            return e.errno == errno.EROFS
+        return True
 
     def write(self, fingerprint: str, h: bytes, data: bytes) -> None:
         """Atomically (a new temporary file renamed): a crash leaves the block whole or absent. ``OSError``
@@ -79,10 +95,17 @@ class KVBlockStore:
         header = json.dumps({"fingerprint": fingerprint, "hash": x, "bytes": len(data),
                              "blake2b": hashlib.blake2b(data, digest_size=16).hexdigest()}).encode()
         write_atomic(folder, x + ".kv", (MAGIC + header + b"\n", data))
+        self._bad.discard((fingerprint, h))
 
     def read(self, fingerprint: str, h: bytes, size: int) -> tuple[bytes | None, Rejection | None]:
         """The block's content (``size`` bytes, this engine's block), or None and why not. Reads at most
         the header and ``size`` bytes, from a regular file only."""
+        data, why = self._read(fingerprint, h, size)
+        if why not in (None, Rejection.MISSING):
+            self._bad.add((fingerprint, h))
+        return data, why
+
+    def _read(self, fingerprint: str, h: bytes, size: int) -> tuple[bytes | None, Rejection | None]:
         try:
             raw = read_regular(self.path(fingerprint, h), HEADER_MAX + size)
         except FileNotFoundError:
@@ -103,12 +126,6 @@ class KVBlockStore:
                 or meta.get("blake2b") != hashlib.blake2b(data, digest_size=16).hexdigest():
             return None, Rejection.CORRUPT
         return data, None
-
-    def touch(self, fingerprint: str, h: bytes) -> None:
-        try:
-            os.utime(self.path(fingerprint, h))
-        except OSError:
-            pass
 
     def collect(self, referenced: dict[str, set[str]], grace_s: float) -> int:
         """Delete block files no reference names (by fingerprint and hash) and older than ``grace_s``."""

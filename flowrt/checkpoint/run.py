@@ -58,6 +58,7 @@ class RunCheckpoint:
         self.answers = answers or {}          # by step, for a run waiting at several interrupts
         self.kv = kv                          # KV saved with the checkpoints (flowrt.checkpoint.kv)
         self.kv_load: KVLoad | None = None    # what a resume loaded
+        self.kv_save_failed = 0               # KV blocks that could not be written (a full disk, ...)
         self._enc: dict[str, dict[str, Any]] = {}
         self._scope: Any = None
         self.restored_steps: list[str] = []   # steps a resume did not run again
@@ -239,7 +240,9 @@ class RunCheckpoint:
         status = own.status.get(name, "") if name else run_status
         live, state = self._threads(threads), self._state(st)
         if self.kv is not None and self.kv.bound and run_status != "done":   # a finished run keeps no KV
-            state["kv"] = self.kv.save([t["token_ids"] for t in live])
+            saved = self.kv.save([t["token_ids"] for t in live])
+            state["kv"] = saved.ref
+            self.kv_save_failed += saved.failed
         self.store.save(self.run_id, step=step, visit=own.visits.get(name, 0) if name else 0, step_status=status,
                         result=self._enc.get(step) if step and name in own.outputs else None,
                         route=route, threads=live, state=state,

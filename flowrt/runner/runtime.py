@@ -323,8 +323,11 @@ class Runtime:
 
 
 def _kv_stats(result: RunResult, run: Any) -> RunResult:
-    """A resume with KV checkpoints: how many saved KV blocks it loaded, and how many it could not use
-    (by reason: missing, corrupt, foreign), in ``result.stats``."""
+    """With KV checkpoints: how many KV blocks could not be saved (a full or read-only file system), and for
+    a resume how many saved blocks it loaded and how many it could not use (by reason: missing, corrupt,
+    foreign, not_a_file, unreadable), in ``result.stats``."""
+    if getattr(run, "kv", None) is not None and run.kv.bound:
+        result.stats["kv_blocks_save_failed"] = run.kv_save_failed
     if getattr(run, "kv_load", None) is not None:
         result.stats["kv_blocks_loaded"] = run.kv_load.loaded
         result.stats["kv_blocks_rejected"] = dict(run.kv_load.rejected)

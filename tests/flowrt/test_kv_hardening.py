@@ -1,15 +1,23 @@
-"""Issue 39 items 5, 7, 8: a KV block directory that others can write (shared storage) never makes flowrt
-follow a planted symlink, hang or run out of memory; a block of the wrong size is rejected and recomputed.
+"""Issue 39 items 4-8: a KV block directory that others can write (shared storage) never makes flowrt
+follow a planted symlink, hang, run out of memory or fail a run; a block that fails its checks is rejected,
+recomputed and replaced.
 
 Fast tests drive ``KVCheckpoint`` with a stand-in engine (blocks of 4 tokens, 64 bytes); the runs use
-stories260K in process."""
+stories260K in process; the mount tests (a 2 MiB tmpfs, a read-only bind mount, each in a private mount
+namespace) run the CLI and are skipped, saying why, where mounting is not permitted."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import json
+import logging
 import os
+import shutil
 import stat
+import subprocess
+import sys
 import threading
 
 import anyio
@@ -19,7 +27,7 @@ import flowrt as fr
 from flowrt.checkpoint import kv_files, open_store
 from flowrt.checkpoint.kv import KVCheckpoint
 from flowrt.checkpoint.kv_blocks import MAGIC
-from support import STORIES
+from support import ROOT, STORIES
 
 FP = "f" * 32
 SIZE = 64
@@ -51,6 +59,16 @@ class FakeEngine:
         return len(blocks)
 
 
+class OsWith:
+    """The ``os`` module with some functions replaced, for one module under test (``os`` itself untouched)."""
+
+    def __init__(self, **replaced) -> None:
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
 def content(h: bytes) -> bytes:
     return (h * (SIZE // len(h) + 1))[:SIZE]
 
@@ -62,6 +80,14 @@ def kv_checkpoint(root, grace_s: float = 0.0) -> KVCheckpoint:
 
 
 THREAD = list(range(1, 13))   # three full blocks
+
+
+def block_files(root) -> set[str]:
+    return {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".kv")}
+
+
+def temp_files(root) -> list[str]:
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
 
 
 def two_steps() -> fr.Workflow:
@@ -81,6 +107,104 @@ def two_steps() -> fr.Workflow:
     return wf
 
 
+# ------------------------------------------------------------------------ 4. a full or read-only file system
+class FullDisk(io.FileIO):
+    def write(self, b):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("where", ["write", "create"])
+def test_blocks_that_cannot_be_written_are_skipped_counted_and_warned_once(tmp_path, monkeypatch, caplog, where):
+    """ENOSPC while writing a block, EROFS creating its temporary file (no mount needed): the save goes on,
+    leaves no temporary file, counts the blocks and warns once naming the directory and the reason."""
+    root = tmp_path / "kv"
+    kvc = kv_checkpoint(root)
+    if where == "write":
+        monkeypatch.setattr(kv_files, "open", lambda fd, mode, closefd=True: FullDisk(fd, "wb", closefd=closefd),
+                            raising=False)
+        reason = "No space left on device"
+    else:
+        def read_only(path, flags, *a):
+            if flags & os.O_CREAT:
+                raise OSError(errno.EROFS, "Read-only file system", path)
+            return os.open(path, flags, *a)
+
+        monkeypatch.setattr(kv_files, "os", OsWith(open=read_only))
+        reason = "Read-only file system"
+    with caplog.at_level(logging.WARNING, logger="flowrt.checkpoint"):
+        first = kvc.save([THREAD, THREAD[:8] + [99] * 4])
+        again = kvc.save([THREAD])
+    assert first.failed == 4 and first.ref["threads"] == [] and again.failed == 3   # 3 + 1 (shared prefix)
+    assert not block_files(root) and not temp_files(root)
+    warnings = [r for r in caplog.records if r.name == "flowrt.checkpoint"]
+    assert len(warnings) == 1 and str(root) in warnings[0].getMessage() and reason in warnings[0].getMessage()
+
+
+def _unshare_sh() -> list[str]:
+    """``unshare -m sh -c``: mounts in a private namespace (they go with the process); skips where not permitted."""
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-m", "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", "/mnt"],
+            capture_output=True).returncode != 0:
+        pytest.skip("mounting is not permitted here (needs root and unshare -m); the injected ENOSPC/EROFS "
+                    "test covers the same code")
+    return ["unshare", "-m", "sh", "-c"]
+
+
+def _cli_run(tmp_path, setup: str, kv_dir, after: str = "true") -> tuple[dict, str, str]:
+    """``flowrt run`` (to the end) in a private mount namespace after ``setup``, then ``after`` there."""
+    wf_file = tmp_path / "wf.py"
+    wf_file.write_text(WF_FILE)
+    db = tmp_path / "runs.db"
+    script = (f'{setup} && "{sys.executable}" -m flowrt.cli run "{wf_file}" --checkpoint "{db}" '
+              f'--checkpoint-kv "{kv_dir}" --model "{STORIES}" --dtype float32 --input "start=Once upon a time" '
+              f'--json --no-progress; echo rc=$? >&2; {after}')
+    p = subprocess.run([*_unshare_sh(), script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0 and "rc=0" in p.stderr, p.stderr
+    return json.loads(p.stdout), p.stderr, open_store(str(db)).list_runs()[0].status
+
+
+WF_FILE = '''
+import flowrt as fr
+
+wf = fr.Workflow("two_steps")
+
+
+@wf.step
+async def a(start: str, llm: fr.Model) -> dict:
+    t = llm.thread(start)
+    return {"text": await t.gen(max_tokens=60, temperature=0), "t": t}
+
+
+@wf.step
+async def b(a: dict) -> str:
+    return await a["t"].gen(max_tokens=8, temperature=0)
+'''
+
+
+@pytest.mark.slow
+def test_a_run_on_a_full_tmpfs_finishes(tmp_path):
+    """The probe: a 2 MiB tmpfs nearly full. ``flowrt run`` finishes (done), warns once, leaves no temp file."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    setup = (f'mount -t tmpfs -o size=2m tmpfs "{mnt}" && mkdir "{mnt}/kv" && '
+             f'dd if=/dev/zero of="{mnt}/filler" bs=4k count=508 2>/dev/null')   # 16 KiB left: no block fits
+    out, err, status = _cli_run(tmp_path, setup, mnt / "kv",
+                                after=f'echo temp_files=$(find "{mnt}" -name "*.tmp" | wc -l) >&2')
+    assert status == "done" and out["stats"]["kv_blocks_save_failed"] > 0
+    assert err.count("cannot write KV blocks") == 1 and "No space left on device" in err and f"{mnt}/kv" in err
+    assert "temp_files=0" in err
+
+
+@pytest.mark.slow
+def test_a_run_on_a_read_only_kv_directory_finishes(tmp_path):
+    kv_dir = tmp_path / "kv"
+    kv_dir.mkdir()
+    out, err, status = _cli_run(tmp_path, f'mount --bind -o ro "{kv_dir}" "{kv_dir}"', kv_dir)
+    assert status == "done" and out["stats"]["kv_blocks_save_failed"] > 0
+    assert err.count("cannot write KV blocks") == 1 and "Read-only file system" in err
+    assert os.listdir(kv_dir) == []
+
+
 # ------------------------------------------------------------------------ 5, 6. rejected blocks
 def write_block(path: str, data: bytes, fp: str = FP) -> None:
     """A block file as the store writes it: valid header and checksum for ``data``, whatever its size."""
@@ -93,7 +217,7 @@ def write_block(path: str, data: bytes, fp: str = FP) -> None:
 
 def test_a_block_of_the_wrong_size_is_rejected_as_corrupt(tmp_path):
     kvc = kv_checkpoint(tmp_path / "kv")
-    ref = kvc.save([THREAD])
+    ref = kvc.save([THREAD]).ref
     first = kvc.blocks.path(FP, bytes.fromhex(ref["threads"][0][1]))
     write_block(first, bytes(100))     # valid header and checksum, 100 bytes: not this engine's block
     got = kvc.load(ref)
@@ -128,6 +252,21 @@ def test_a_wrong_size_block_does_not_stop_a_resume(tmp_path, monkeypatch):
     assert open_store(db).get_run(paused.run_id).status == "done"
 
 
+def test_a_block_that_failed_its_checks_is_replaced_by_the_next_save(tmp_path):
+    kvc = kv_checkpoint(tmp_path / "kv")
+    ref = kvc.save([THREAD]).ref
+    h = bytes.fromhex(ref["threads"][0][0])
+    p = kvc.blocks.path(FP, h)
+    with open(p, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\xff")
+    assert kvc.load(ref).rejected == {"corrupt": 1}
+    assert kvc.save([THREAD]).failed == 0
+    assert kvc.blocks.read(FP, h, SIZE) == (content(h), None)
+    fresh = kv_checkpoint(tmp_path / "kv")   # another process: all three load
+    assert fresh.load(ref).loaded == 3
+
+
 # ------------------------------------------------------------------------ 7. only regular files are read
 @pytest.mark.timeout(20)
 @pytest.mark.parametrize("kind", ["dev_zero", "fifo", "huge"])
@@ -135,7 +274,7 @@ def test_a_block_path_that_is_no_block_file_is_rejected_at_once(tmp_path, kind):
     """A symlink to /dev/zero (3 GiB RSS in the probe), a FIFO (a hang), a 1 GiB sparse file: rejected
     without reading more than a block's header and size."""
     kvc = kv_checkpoint(tmp_path / "kv")
-    ref = kvc.save([THREAD])
+    ref = kvc.save([THREAD]).ref
     p = kvc.blocks.path(FP, bytes.fromhex(ref["threads"][0][0]))
     os.unlink(p)
     if kind == "dev_zero":
@@ -173,8 +312,26 @@ def test_a_symlink_planted_at_a_temp_name_is_not_followed(tmp_path, monkeypatch)
     monkeypatch.setattr(kv_files.secrets, "token_hex", lambda n: "ab" * n)
     os.makedirs(os.path.dirname(paths[1]), exist_ok=True)
     os.symlink(outside, f"{paths[1]}.{'ab' * 8}.tmp")
-    with pytest.raises(FileExistsError):   # its temp name was taken: not written
-        kvc.save([THREAD])
+    saved = kvc.save([THREAD])
     assert outside.read_bytes() == b"precious"
     assert stat.S_ISREG(os.lstat(paths[0]).st_mode)
-    assert not os.path.lexists(paths[1]) and os.path.islink(f"{paths[1]}.{'ab' * 8}.tmp")
+    assert saved.failed == 2 and not os.path.lexists(paths[1])   # its temp name was taken: not written
+    assert os.path.islink(f"{paths[1]}.{'ab' * 8}.tmp")
+
+
+def test_symlinks_at_a_block_path_or_folder_are_not_written_through(tmp_path):
+    kvc = kv_checkpoint(tmp_path / "kv")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim.txt"
+    victim.write_bytes(b"precious")
+    hashes = [h for h, _ in FakeEngine().kv_export(THREAD)]
+    block, second = kvc.blocks.path(FP, hashes[0]), kvc.blocks.path(FP, hashes[1])
+    assert os.path.dirname(block) != os.path.dirname(second)
+    os.makedirs(os.path.dirname(block))
+    os.symlink(victim, block)                            # at the block path: replaced by the block
+    os.symlink(outside, os.path.dirname(second))         # a block folder: not written into
+    saved = kvc.save([THREAD])
+    assert victim.read_bytes() == b"precious" and os.listdir(outside) == ["victim.txt"]
+    assert stat.S_ISREG(os.lstat(block).st_mode) and kvc.blocks.read(FP, hashes[0], SIZE)[1] is None
+    assert saved.ref["threads"] == [[hashes[0].hex()]] and saved.failed == 2
