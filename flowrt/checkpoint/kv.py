@@ -13,9 +13,9 @@ what a warm resume computes (each thread's last partial block).
 * Saving is an optimisation: a block that cannot be written (a full or read-only file system) is skipped
   with one warning, counted in the run's ``kv_blocks_save_failed``, and the run goes on.
 * A checkpoint's state refers to its blocks (``state["kv"]``: fingerprint and each live thread's chain of
-  hashes), in the checkpoint store. ``collect`` deletes the files that no unfinished run refers to (a run
-  that is done drops its references), sparing files younger than ``grace_s`` (another process may have
-  written them for a checkpoint it has not saved yet).
+  hashes), in the checkpoint store. ``collect`` deletes the store's files that no unfinished run refers to
+  (a run that is done drops its references), sparing files younger than ``grace_s``
+  (flowrt.checkpoint.kv_collect); a directory holding other files is refused (kv_layout).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from .kv_blocks import KVBlockStore
+from .kv_collect import collect_blocks
 from .store import CheckpointError
 
 __all__ = ["KVBlockStore", "KVCheckpoint", "KVLoad", "KVSaved", "kv_dir_for"]
@@ -153,4 +154,4 @@ class KVCheckpoint:
             keep = referenced.setdefault(kv.get("fingerprint", ""), set())
             for chain in kv.get("threads", []):
                 keep.update(chain)
-        return self.blocks.collect(referenced, self.grace_s)
+        return collect_blocks(self.blocks.root, referenced, self.grace_s)

@@ -13,10 +13,10 @@ import hashlib
 import json
 import os
 import stat
-import time
 from enum import Enum
 
 from .kv_files import NotRegularFile, TooLarge, read_regular, real_dir, write_atomic
+from .kv_layout import foreign_entries
 from .store import CheckpointError
 
 __all__ = ["KVBlockStore", "Rejection", "MAGIC", "HEADER_MAX", "parse_header", "is_own"]
@@ -64,6 +64,16 @@ class KVBlockStore:
             os.makedirs(root, exist_ok=True)
         except OSError as e:
             raise CheckpointError(f"cannot create the KV block directory {root}: {e}") from None
+        try:
+            foreign = foreign_entries(root)
+        except OSError as e:
+            raise CheckpointError(f"cannot read the KV block directory {root}: {e}") from None
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise CheckpointError(
+                f"the KV block directory {root} holds files flowrt did not write ({shown}); KV blocks are a "
+                f"cache flowrt deletes from, so they need a directory of their own: give --checkpoint-kv "
+                f"(checkpoint_kv=) a new or empty directory, e.g. {os.path.join(root, 'flowrt-kv')}")
 
     def path(self, fingerprint: str, h: bytes) -> str:
         x = h.hex()
@@ -126,21 +136,3 @@ class KVBlockStore:
                 or meta.get("blake2b") != hashlib.blake2b(data, digest_size=16).hexdigest():
             return None, Rejection.CORRUPT
         return data, None
-
-    def collect(self, referenced: dict[str, set[str]], grace_s: float) -> int:
-        """Delete block files no reference names (by fingerprint and hash) and older than ``grace_s``."""
-        now, removed = time.time(), 0
-        for dirpath, _, files in os.walk(self.root):
-            fingerprint = os.path.relpath(dirpath, self.root).split(os.sep)[0]
-            keep = referenced.get(fingerprint, set())
-            for name in files:
-                p = os.path.join(dirpath, name)
-                if name.endswith(".kv") and name[:-3] in keep:
-                    continue
-                try:
-                    if now - os.path.getmtime(p) >= grace_s:
-                        os.remove(p)
-                        removed += 1
-                except OSError:
-                    pass
-        return removed

@@ -1,6 +1,6 @@
-"""Issue 39 items 4-8: a KV block directory that others can write (shared storage) never makes flowrt
-follow a planted symlink, hang, run out of memory or fail a run; a block that fails its checks is rejected,
-recomputed and replaced.
+"""Issue 39 items 1, 4-8: a KV block directory that others can write (shared storage) never makes flowrt
+delete a user's files, follow a planted symlink, hang, run out of memory or fail a run; a block that fails
+its checks is rejected, recomputed and replaced.
 
 Fast tests drive ``KVCheckpoint`` with a stand-in engine (blocks of 4 tokens, 64 bytes); the runs use
 stories260K in process; the mount tests (a 2 MiB tmpfs, a read-only bind mount, each in a private mount
@@ -19,18 +19,20 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import anyio
 import pytest
 
 import flowrt as fr
-from flowrt.checkpoint import kv_files, open_store
+from flowrt.checkpoint import CheckpointError, kv_files, open_store
 from flowrt.checkpoint.kv import KVCheckpoint
 from flowrt.checkpoint.kv_blocks import MAGIC
 from support import ROOT, STORIES
 
 FP = "f" * 32
 SIZE = 64
+OLD = time.time() - 365 * 86400   # a year ago: past any grace period
 
 
 class FakeEngine:
@@ -88,6 +90,94 @@ def block_files(root) -> set[str]:
 
 def temp_files(root) -> list[str]:
     return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
+
+
+# ------------------------------------------------------------------------ 1. only the store's own files
+def plant_user_files(root) -> dict[str, bytes]:
+    """A user's files, a year old: what ``--checkpoint-kv mydocs`` found in the probe."""
+    files = {"README.md": b"# my project\n", "data.csv": b"a,b\n1,2\n", "notes/todo.txt": b"buy milk\n",
+             "backup.db": b"SQLite format 3\x00" + bytes(100)}
+    for name, body in files.items():
+        p = os.path.join(root, name)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(body)
+        os.utime(p, (OLD, OLD))
+    return files
+
+
+def assert_intact(root, files: dict[str, bytes]) -> None:
+    for name, body in files.items():
+        with open(os.path.join(root, name), "rb") as f:
+            assert f.read() == body, name
+
+
+def test_a_directory_holding_other_files_is_refused_and_left_as_it_is(tmp_path):
+    docs = tmp_path / "mydocs"
+    files = plant_user_files(docs)
+    with pytest.raises(CheckpointError, match=r"mydocs holds files flowrt did not write \(README\.md, backup\.db, "
+                                              r"data\.csv, notes/\).*mydocs/flowrt-kv"):
+        fr.Runtime(checkpoint=":memory:", checkpoint_kv=str(docs))
+    assert_intact(docs, files)
+    assert sorted(os.listdir(docs)) == ["README.md", "backup.db", "data.csv", "notes"]
+    rt = fr.Runtime(checkpoint=":memory:", checkpoint_kv=str(docs / "flowrt-kv"))   # what the error suggests
+    assert rt.kv_checkpoint is not None
+
+
+def test_collection_deletes_only_the_stores_own_block_files(tmp_path):
+    """Files put into an accepted directory later, under the layout's names or not, a year old and referred to
+    by no run: collection deletes the store's blocks and nothing else."""
+    root = tmp_path / "kv"
+    kvc = kv_checkpoint(root)
+    ref = kvc.save([THREAD]).ref
+    ours = block_files(root)
+    assert len(ours) == 3
+    shard = os.path.dirname(sorted(ours)[0])
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"not the store's")
+    planted = {name: b"user data\n" for name in ("README.md", "data.csv", ".profile", "lost+found/x")}
+    planted |= {os.path.join(FP, "notes.txt"): b"mine", os.path.join(shard, "data.csv"): b"mine",
+                os.path.join(shard, "0" * 32 + ".kv"): b"a user's file named like a block",
+                os.path.join(shard, "1" * 32 + ".kv.0123456789abcdef.tmp"): b"not a temp file of the store"}
+    with open(sorted(ours)[0], "rb") as f:   # a block file of the store's, filed under another fingerprint
+        planted[os.path.join("e" * 32, ref["threads"][0][0][:2], ref["threads"][0][0] + ".kv")] = f.read()
+    for name, body in planted.items():
+        p = os.path.join(root, name)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(body)
+    link = os.path.join(shard, "2" * 32 + ".kv")
+    os.symlink(outside, link)
+    for d, _, fs in os.walk(root):
+        for f in fs:
+            os.utime(os.path.join(d, f), (OLD, OLD), follow_symlinks=False)
+    assert kvc.collect(open_store(":memory:")) == 3
+    assert not block_files(root) & ours
+    assert_intact(root, planted)
+    assert os.path.islink(link) and outside.read_bytes() == b"not the store's"
+
+
+def test_user_files_survive_a_finished_runs_collection(tmp_path):
+    """The probe: a run with KV checkpoints finishes while a user's files (a year old) are in the directory;
+    its collection takes its blocks and leaves the files."""
+    from flowrt.engine import AsyncLLM
+
+    kv_dir, wf, files = tmp_path / "kv", two_steps(), {}
+
+    async def go() -> fr.RunResult:
+        eng = AsyncLLM(model=str(STORIES), dtype="float32", seed=0, num_kv_blocks=64)
+        try:
+            async with fr.Runtime(eng, checkpoint=str(tmp_path / "runs.db"), checkpoint_kv=str(kv_dir)) as rt:
+                rt.kv_checkpoint.grace_s = 0
+                files["placed"] = plant_user_files(kv_dir)   # after the directory was accepted (it was empty)
+                return await rt.run(wf, start="Once upon a time")
+        finally:
+            eng.shutdown()
+
+    r = anyio.run(go)
+    assert r.status == "done"
+    assert not block_files(kv_dir)   # the run's blocks were saved after step a, and collected at its end
+    assert_intact(kv_dir, files["placed"])
 
 
 def two_steps() -> fr.Workflow:

@@ -1,0 +1,88 @@
+"""Collection: delete the block files no run refers to, and only files this store wrote.
+
+A file is deleted only when its name is of the layout (flowrt.checkpoint.kv_layout), it is a regular file
+(not a symlink), older than the grace period (another process may have written it for a checkpoint it has
+not saved yet), and starts with the store's header for the fingerprint and hash its path names (a temporary
+file: with the store's magic, or empty). Anything else is left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import stat
+import time
+from typing import Iterator
+
+from .kv_blocks import HEADER_MAX, MAGIC, is_own, parse_header
+from .kv_files import read_regular
+from .kv_layout import BLOCK_FILE, HEX128
+
+__all__ = ["collect_blocks"]
+
+_SHARD = re.compile(r"[0-9a-f]{2}")
+
+
+def collect_blocks(root: str, referenced: dict[str, set[str]], grace_s: float) -> int:
+    """Delete the store's files under ``root`` that ``referenced`` (hashes by fingerprint) does not name
+    and that are older than ``grace_s``; returns how many blocks were deleted."""
+    removed = 0
+    for fp in _subdirs(root, HEX128):
+        keep = referenced.get(fp, set())
+        for shard in _subdirs(os.path.join(root, fp), _SHARD):
+            folder = os.path.join(root, fp, shard)
+            for name in _names(folder):
+                m = BLOCK_FILE.fullmatch(name)
+                if m is None or m["hash"][:2] != shard:
+                    continue
+                with contextlib.suppress(OSError):
+                    removed += _visit(folder, name, fp, m["hash"], m["kind"], keep, grace_s)
+    return removed
+
+
+def _visit(folder: str, name: str, fp: str, hexhash: str, kind: str | None, keep: set[str],
+           grace_s: float) -> int:
+    """One file of the layout: a temporary file or a block."""
+    path = os.path.join(folder, name)
+    if kind == "tmp":
+        _remove_temp(path, MAGIC, grace_s)
+        return 0
+    if hexhash in keep or not _old(path, grace_s) or not _own_block(path, fp, hexhash):
+        return 0
+    os.unlink(path)
+    return 1
+
+
+def _remove_temp(path: str, start: bytes, grace_s: float) -> None:
+    """A temporary file its writer left (it crashed): old, and empty or beginning as the store's files do."""
+    if _old(path, grace_s):
+        head = read_regular(path, len(start), head=True)
+        if start.startswith(head):
+            os.unlink(path)
+
+
+def _own_block(path: str, fp: str, hexhash: str) -> bool:
+    return is_own(parse_header(read_regular(path, HEADER_MAX, head=True)), fp, hexhash)
+
+
+def _old(path: str, grace_s: float) -> bool:
+    st = os.lstat(path)
+    return stat.S_ISREG(st.st_mode) and time.time() - st.st_mtime >= grace_s
+
+
+def _names(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
+
+
+def _subdirs(folder: str, pattern: re.Pattern[str]) -> Iterator[str]:
+    try:
+        with os.scandir(folder) as it:
+            entries = [e for e in it if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    for e in entries:
+        yield e.name
