@@ -111,8 +111,8 @@ def main() -> None:
         paused, kv = os.path.join(d, "paused.db"), os.path.join(d, "blocks")
         info = child("pause", wf_file, paused, kv, args.model, args.dtype, str(args.threads), str(args.words))
         assert info["status"] == "interrupted", info
-        blocks = sum(len(fs) for _, _, fs in os.walk(kv))
-        size = sum(os.path.getsize(os.path.join(p, f)) for p, _, fs in os.walk(kv) for f in fs)
+        blocks = sum(f.endswith(".kv") for _, _, fs in os.walk(kv) for f in fs)
+        size = sum(os.path.getsize(os.path.join(p, f)) for p, _, fs in os.walk(kv) for f in fs if f.endswith(".kv"))
         print(f"paused run: threads of {info['tokens']} tokens ({info['prefill']} prefill tokens); "
               f"{blocks} KV blocks saved, {size / 2**20:.1f} MiB", flush=True)
         res: dict[str, list[dict]] = {"with": [], "without": []}

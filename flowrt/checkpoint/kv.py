@@ -5,16 +5,16 @@ what a warm resume computes (each thread's last partial block).
 
 * Blocks are content-addressed: ``DIR/<model fingerprint>/<hash[:2]>/<hash>.kv``, the hash being the
   engine's prefix hash (the token ids of the whole prefix), so a prompt that a thousand runs share is
-  stored once, and a block is written once however many checkpoints refer to it.
-* A file holds a header (fingerprint, hash, size, BLAKE2b of the content) and the content
-  (flowrt.checkpoint.kv_blocks; kv_files: reading and writing a shared directory safely). A block that is
-  missing, not a regular file, of the wrong size, corrupt or of another model (fingerprint) is not loaded:
-  the engine computes it, as it would without KV checkpoints, and the next save replaces it.
+  stored once, and a block is written once however many checkpoints refer to it (flowrt.checkpoint.kv_blocks:
+  files, checks; kv_files: reading and writing a shared directory safely).
+* A block that is missing, not a regular file, of the wrong size, corrupt or of another model is not
+  loaded: the engine computes it, as it would without KV checkpoints, and the next save replaces it.
 * Saving is an optimisation: a block that cannot be written (a full or read-only file system) is skipped
   with one warning, counted in the run's ``kv_blocks_save_failed``, and the run goes on.
-* A checkpoint's state refers to its blocks (``state["kv"]``: fingerprint and each live thread's chain of
-  hashes), in the checkpoint store. ``collect`` deletes the store's files that no unfinished run refers to
-  (a run that is done drops its references), sparing files younger than ``grace_s``
+* A checkpoint's state refers to its blocks (``state["kv"]``: fingerprint, each live thread's chain of
+  hashes, and the run's owner token), and so does the run's reference file in the directory
+  (flowrt.checkpoint.kv_refs), which every database sharing the directory sees. ``collect`` deletes the
+  store's files that no unfinished run of any of them refers to, sparing files younger than ``grace_s``
   (flowrt.checkpoint.kv_collect); a directory holding other files is refused (kv_layout).
 """
 
@@ -27,9 +27,10 @@ from typing import Any, Iterable
 
 from .kv_blocks import KVBlockStore
 from .kv_collect import collect_blocks
-from .store import CheckpointError
+from .kv_refs import RunRef, RunRefs, blocks_of, owner_of
+from .store import CheckpointError, UnknownRunError
 
-__all__ = ["KVBlockStore", "KVCheckpoint", "KVLoad", "KVSaved", "kv_dir_for"]
+__all__ = ["KVBlockStore", "KVCheckpoint", "KVLoad", "KVSaved", "kv_dir_for", "owner_of"]
 
 logger = logging.getLogger("flowrt.checkpoint")
 
@@ -68,6 +69,7 @@ class KVCheckpoint:
 
     def __init__(self, root: str, *, grace_s: float = 600.0) -> None:
         self.blocks = KVBlockStore(root)
+        self.refs = RunRefs(root)
         self.grace_s = grace_s
         self._engine: Any = None
         self.fingerprint = ""
@@ -88,8 +90,10 @@ class KVCheckpoint:
     def bound(self) -> bool:
         return self._engine is not None
 
-    def save(self, threads: Iterable[list[int]]) -> KVSaved:
-        """Write the new full blocks of each thread; the reference a checkpoint state keeps."""
+    def save(self, threads: Iterable[list[int]], *, owner: str, run_id: str,
+             kept: dict[str, Any] | None = None) -> KVSaved:
+        """Write the new full blocks of each thread, then the run's reference file (these blocks and
+        ``kept``'s, the state its database holds until this checkpoint is saved)."""
         fp, chains, failed = self.fingerprint, [], set()
         for token_ids in threads:
             chain, broken = [], False
@@ -102,7 +106,12 @@ class KVCheckpoint:
                     failed.add(h)
             if chain:
                 chains.append(chain)
-        return KVSaved({"fingerprint": fp, "threads": chains}, len(failed))
+        ref = {"fingerprint": fp, "threads": chains, "owner": owner, "run": run_id}
+        try:
+            self.refs.write(RunRef(owner, run_id, blocks_of(ref, kept)))
+        except OSError as e:
+            self._warn(e, "write the run's KV reference file")
+        return KVSaved(ref, len(failed))
 
     def _write(self, h: bytes, data: bytes) -> bool:
         try:
@@ -144,14 +153,43 @@ class KVCheckpoint:
         out.loaded = self._engine.kv_import(blocks)
         return out
 
+    def release(self, owner: str) -> None:
+        """A finished run's references go (its blocks are collected unless another run refers to them)."""
+        try:
+            self.refs.remove(owner)
+        except OSError as e:
+            self._warn(e, "remove the run's KV reference file")
+
     def collect(self, store: Any) -> int:
-        """Delete the blocks that no unfinished run of ``store`` refers to."""
+        """Delete the blocks that no unfinished run refers to: of ``store`` (its checkpoint states) or of
+        any database sharing the directory (the reference files). The reference files of ``store``'s
+        finished runs go first (a run that finished without KV checkpoints left its own)."""
+        try:
+            refs = self.refs.read_all()
+        except CheckpointError as e:
+            logger.warning("%s; KV blocks are not collected", e)
+            return 0
         referenced: dict[str, set[str]] = {}
+        with_refs = {r.run_id for r in refs.values()}
         for rec in store.list_runs(limit=2**31 - 1):
-            if rec.status == "done":
+            if rec.status == "done" and rec.run_id not in with_refs:
                 continue
-            kv = (store.get_run(rec.run_id).state or {}).get("kv") or {}
-            keep = referenced.setdefault(kv.get("fingerprint", ""), set())
-            for chain in kv.get("threads", []):
-                keep.update(chain)
+            try:
+                kv = (store.get_run(rec.run_id).state or {}).get("kv")
+            except UnknownRunError:
+                continue   # deleted meanwhile
+            if rec.status != "done":
+                _merge(referenced, blocks_of(kv))
+                continue
+            owner = owner_of(kv, rec.run_id)
+            if owner in refs and refs[owner].run_id == rec.run_id:
+                self.release(owner)
+                del refs[owner]
+        for ref in refs.values():
+            _merge(referenced, ref.blocks)
         return collect_blocks(self.blocks.root, referenced, self.grace_s)
+
+
+def _merge(into: dict[str, set[str]], more: dict[str, set[str]]) -> None:
+    for fp, hashes in more.items():
+        into.setdefault(fp, set()).update(hashes)

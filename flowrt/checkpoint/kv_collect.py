@@ -1,9 +1,16 @@
 """Collection: delete the block files no run refers to, and only files this store wrote.
 
 A file is deleted only when its name is of the layout (flowrt.checkpoint.kv_layout), it is a regular file
-(not a symlink), older than the grace period (another process may have written it for a checkpoint it has
-not saved yet), and starts with the store's header for the fingerprint and hash its path names (a temporary
-file: with the store's magic, or empty). Anything else is left alone.
+(not a symlink), older than the grace period, and starts with the store's header for the fingerprint and
+hash its path names (a temporary file: with the store's magic, or empty). Anything else is left alone.
+
+Under concurrency (other processes and databases saving into the directory while it runs), a block is not
+deleted from under a run that starts using it: a save renews the mtime of each block it keeps (failing if
+the block is gone, and then writing it again) before it publishes its references. Collection renames a
+candidate to a private ``.del`` name, then looks at its mtime again: renewed meanwhile, it is put back;
+else deleted. So a block a save kept is either seen young (kept) or was gone before the save renewed it
+(written again by the save). The grace period covers the time from a save's renewal to its published
+references (milliseconds; 10 minutes by default).
 """
 
 from __future__ import annotations
@@ -11,17 +18,19 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import stat
 import time
 from typing import Iterator
 
 from .kv_blocks import HEADER_MAX, MAGIC, is_own, parse_header
 from .kv_files import read_regular
-from .kv_layout import BLOCK_FILE, HEX128
+from .kv_layout import BLOCK_FILE, HEX128, REF_FILE, REFS_DIR
 
 __all__ = ["collect_blocks"]
 
 _SHARD = re.compile(r"[0-9a-f]{2}")
+_REF_START = b'{"run": '
 
 
 def collect_blocks(root: str, referenced: dict[str, set[str]], grace_s: float) -> int:
@@ -38,18 +47,42 @@ def collect_blocks(root: str, referenced: dict[str, set[str]], grace_s: float) -
                     continue
                 with contextlib.suppress(OSError):
                     removed += _visit(folder, name, fp, m["hash"], m["kind"], keep, grace_s)
+    refs = os.path.join(root, REFS_DIR)
+    for name in _names(refs):
+        m = REF_FILE.fullmatch(name)
+        if m is not None and m["kind"] == "tmp":
+            with contextlib.suppress(OSError):
+                _remove_temp(os.path.join(refs, name), _REF_START, grace_s)
     return removed
 
 
 def _visit(folder: str, name: str, fp: str, hexhash: str, kind: str | None, keep: set[str],
            grace_s: float) -> int:
-    """One file of the layout: a temporary file or a block."""
-    path = os.path.join(folder, name)
+    """One file of the layout: a temporary file, a block or a block being collected (``.del``)."""
+    path, block = os.path.join(folder, name), os.path.join(folder, hexhash + ".kv")
     if kind == "tmp":
         _remove_temp(path, MAGIC, grace_s)
         return 0
-    if hexhash in keep or not _old(path, grace_s) or not _own_block(path, fp, hexhash):
+    if hexhash in keep:
+        if kind == "del" and _own_block(path, fp, hexhash):   # a collection stopped half-way: put it back
+            if os.path.lexists(block):
+                os.unlink(path)
+            else:
+                os.replace(path, block)
         return 0
+    if not _old(path, grace_s) or not _own_block(path, fp, hexhash):
+        return 0
+    return _remove_block(path, block, kind == "del", grace_s)
+
+
+def _remove_block(path: str, block: str, tombstone: bool, grace_s: float) -> int:
+    if not tombstone:
+        dead = f"{block}.{secrets.token_hex(8)}.del"
+        os.rename(path, dead)
+        if not _old(dead, grace_s):   # a save renewed it between the look and the rename: still in use
+            os.replace(dead, block)
+            return 0
+        path = dead
     os.unlink(path)
     return 1
 

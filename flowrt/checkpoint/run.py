@@ -9,7 +9,8 @@ from typing import Any, Iterator
 
 from ..render import to_jsonable
 from .codec import NotRestorable, decode, encode, encode_thread
-from .kv import KVCheckpoint, KVLoad
+from .kv import KVCheckpoint, KVLoad, owner_of
+from .kv_refs import new_owner
 from .lease import LEASE_TTL_S, holder_is_dead, new_holder, renewer
 from .store import CheckpointError, CheckpointStore, RunBusyError, RunRecord
 
@@ -59,6 +60,8 @@ class RunCheckpoint:
         self.kv = kv                          # KV saved with the checkpoints (flowrt.checkpoint.kv)
         self.kv_load: KVLoad | None = None    # what a resume loaded
         self.kv_save_failed = 0               # KV blocks that could not be written (a full disk, ...)
+        self.kv_owner: str | None = None      # the run's KV reference file (flowrt.checkpoint.kv_refs)
+        self._kv_kept: dict[str, Any] | None = None   # the KV reference of the state the store holds
         self._enc: dict[str, dict[str, Any]] = {}
         self._scope: Any = None
         self.restored_steps: list[str] = []   # steps a resume did not run again
@@ -119,6 +122,8 @@ class RunCheckpoint:
         if self.kv is not None and model is not None:
             self.kv.bind(model.engine)
         state = self.record.state if self.record is not None else None
+        self._kv_kept = (state or {}).get("kv")
+        self.kv_owner = owner_of(self._kv_kept, self.run_id)   # a resume keeps it, a fork gets its own
         if state and self.kv is not None:
             self.kv_load = self.kv.load(state.get("kv"))   # into the prefix cache, before any prefill
         if not state:
@@ -240,16 +245,23 @@ class RunCheckpoint:
         status = own.status.get(name, "") if name else run_status
         live, state = self._threads(threads), self._state(st)
         if self.kv is not None and self.kv.bound and run_status != "done":   # a finished run keeps no KV
-            saved = self.kv.save([t["token_ids"] for t in live])
+            self.kv_owner = self.kv_owner or new_owner()
+            saved = self.kv.save([t["token_ids"] for t in live], owner=self.kv_owner, run_id=self.run_id,
+                                 kept=self._kv_kept)
             state["kv"] = saved.ref
             self.kv_save_failed += saved.failed
+        elif self.kv_owner is not None:   # its reference file names the owner: any collection can drop it
+            state["kv"] = {"owner": self.kv_owner, "run": self.run_id}
         self.store.save(self.run_id, step=step, visit=own.visits.get(name, 0) if name else 0, step_status=status,
                         result=self._enc.get(step) if step and name in own.outputs else None,
                         route=route, threads=live, state=state,
                         run_status=run_status if step is None else "running", interrupt=st.interrupt,
                         holder=self.holder)
+        self._kv_kept = state.get("kv")
 
     def finish(self, st: Any, status: str, threads: Any) -> None:
         self.save(st, None, threads, run_status=status)
         if self.kv is not None and status == "done":
+            if self.kv_owner is not None:
+                self.kv.release(self.kv_owner)
             self.kv.collect(self.store)   # its blocks go unless another unfinished run refers to them

@@ -127,9 +127,12 @@ def test_cold_resume_loads_blocks_and_old_blocks_are_collected(tmp_path, wf_file
             eng.shutdown()
 
     a_id, b_id = anyio.run(paused)
-    files = lambda: set(os.path.join(d, f) for d, _, fs in os.walk(kv_dir) for f in fs)  # noqa: E731
+    files = lambda: set(os.path.join(d, f) for d, _, fs in os.walk(kv_dir) for f in fs  # noqa: E731
+                        if not d.endswith(os.sep + "runs"))
+    refs = lambda: os.listdir(os.path.join(kv_dir, "runs"))  # noqa: E731
     both = files()
     assert both and all(f.endswith(".kv") for f in both)
+    assert len(refs()) == 2                           # each paused run's reference file
 
     a, computed_with, kvc = anyio.run(resume, a_id, True)
     b, computed_without, _ = anyio.run(resume, b_id, False)
@@ -146,9 +149,9 @@ def test_cold_resume_loads_blocks_and_old_blocks_are_collected(tmp_path, wf_file
     # a finished: its blocks were collected; b (paused, referring to its own) kept its blocks until it
     # finished without KV, which dropped its references: the next collect takes them
     left = files()
-    assert left and left < both
+    assert left and left < both and len(refs()) == 1
     store = open_store(db)
-    assert kvc.collect(store) == len(left) and not files()
+    assert kvc.collect(store) == len(left) and not files() and not refs()   # b's file went with its blocks
     store.close()
 
 
@@ -179,7 +182,7 @@ def test_sigkill_then_cold_resume_with_kv_computes_one_block_per_thread(tmp_path
     # killed with s1 finished (two threads of ~65 and ~60 tokens) and s2 running
     kill_at("s2", ready, "run", str(wf_file), "--checkpoint", db, "--checkpoint-kv", *common)
     run_id = open_store(db).list_runs()[0].run_id
-    blocks = sorted(os.path.join(d, f) for d, _, fs in os.walk(db + ".kv") for f in fs)
+    blocks = sorted(os.path.join(d, f) for d, _, fs in os.walk(db + ".kv") for f in fs if f.endswith(".kv"))
     assert len(blocks) >= 6
 
     shutil.copytree(run_dir, tmp_path / "b")          # the same crashed run, to resume with a corrupt block

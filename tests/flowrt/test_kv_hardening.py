@@ -1,6 +1,6 @@
-"""Issue 39 items 1, 4-8: a KV block directory that others can write (shared storage) never makes flowrt
-delete a user's files, follow a planted symlink, hang, run out of memory or fail a run; a block that fails
-its checks is rejected, recomputed and replaced.
+"""Issue 39 items 1, 2, 4-8: a KV block directory that others can write (shared storage) never makes flowrt
+delete a user's files or another database's blocks, follow a planted symlink, hang, run out of memory or fail
+a run; a block that fails its checks is rejected, recomputed and replaced.
 
 Fast tests drive ``KVCheckpoint`` with a stand-in engine (blocks of 4 tokens, 64 bytes); the runs use
 stories260K in process; the mount tests (a 2 MiB tmpfs, a read-only bind mount, each in a private mount
@@ -25,7 +25,8 @@ import anyio
 import pytest
 
 import flowrt as fr
-from flowrt.checkpoint import CheckpointError, kv_files, open_store
+from flowrt.checkpoint import CheckpointError, open_store
+from flowrt.checkpoint import kv_collect, kv_files
 from flowrt.checkpoint.kv import KVCheckpoint
 from flowrt.checkpoint.kv_blocks import MAGIC
 from support import ROOT, STORIES
@@ -129,7 +130,7 @@ def test_collection_deletes_only_the_stores_own_block_files(tmp_path):
     by no run: collection deletes the store's blocks and nothing else."""
     root = tmp_path / "kv"
     kvc = kv_checkpoint(root)
-    ref = kvc.save([THREAD]).ref
+    ref = kvc.save([THREAD], owner="0" * 32, run_id="r").ref
     ours = block_files(root)
     assert len(ours) == 3
     shard = os.path.dirname(sorted(ours)[0])
@@ -151,6 +152,7 @@ def test_collection_deletes_only_the_stores_own_block_files(tmp_path):
     for d, _, fs in os.walk(root):
         for f in fs:
             os.utime(os.path.join(d, f), (OLD, OLD), follow_symlinks=False)
+    kvc.release("0" * 32)
     assert kvc.collect(open_store(":memory:")) == 3
     assert not block_files(root) & ours
     assert_intact(root, planted)
@@ -197,6 +199,85 @@ def two_steps() -> fr.Workflow:
     return wf
 
 
+# ------------------------------------------------------------------------ 2. databases sharing a directory
+def test_another_databases_interrupted_run_keeps_its_blocks(tmp_path, monkeypatch):
+    """DB A's run waits at an interrupt; DB B's run finishes and collects (no grace period); A's resume in a
+    fresh engine loads every block (none missing)."""
+    from flowrt.engine import AsyncLLM
+
+    kv_dir, wf = str(tmp_path / "shared-kv"), two_steps()
+
+    async def run(db: str, start: str, **resume) -> fr.RunResult:
+        eng = AsyncLLM(model=str(STORIES), dtype="float32", seed=0, num_kv_blocks=64)
+        try:
+            async with fr.Runtime(eng, checkpoint=db, checkpoint_kv=kv_dir) as rt:
+                rt.kv_checkpoint.grace_s = 0
+                if resume:
+                    return await rt.resume(resume["run_id"], workflow=wf, answer="yes")
+                return await rt.run(wf, start=start)
+        finally:
+            eng.shutdown()
+
+    monkeypatch.setenv("KV_INTERRUPT", "1")
+    a = anyio.run(run, str(tmp_path / "a.db"), "Once upon a time")
+    assert a.status == "interrupted"
+    a_blocks = block_files(kv_dir)
+    assert len(a_blocks) >= 2
+    for p in a_blocks:
+        os.utime(p, (OLD, OLD))
+    monkeypatch.delenv("KV_INTERRUPT")
+    b = anyio.run(run, str(tmp_path / "b.db"), "One day a dog")
+    assert b.status == "done"
+    assert block_files(kv_dir) == a_blocks           # B's blocks collected, A's all kept
+    resumed = anyio.run(lambda: run(str(tmp_path / "a.db"), "", run_id=a.run_id))
+    assert resumed.status == "done"
+    assert resumed.stats["kv_blocks_rejected"] == {} and resumed.stats["kv_blocks_loaded"] == len(a_blocks)
+
+
+def test_a_block_a_save_renews_during_collection_is_put_back(tmp_path, monkeypatch):
+    """The race collection is built for: a save keeps an old unreferenced block (renews its mtime) after the
+    collection looked at it and before it renamed it away. The block stays."""
+    root = tmp_path / "kv"
+    kvc = kv_checkpoint(root)
+    kvc.save([THREAD[:4]], owner="0" * 32, run_id="r")
+    (block,) = block_files(root)
+    os.utime(block, (OLD, OLD))
+    kvc.release("0" * 32)
+    def save_meanwhile(src, dst):
+        assert kvc.blocks.fresh(FP, bytes.fromhex(os.path.basename(src)[:-3]))   # the other save's renewal
+        os.rename(src, dst)
+
+    monkeypatch.setattr(kv_collect, "os", OsWith(rename=save_meanwhile))
+    kvc.grace_s = 60
+    assert kvc.collect(open_store(":memory:")) == 0
+    assert block_files(root) == {block} and not [f for _, _, fs in os.walk(root) for f in fs if ".del" in f]
+
+
+def test_a_collection_that_stopped_half_way_puts_referenced_blocks_back(tmp_path):
+    root = tmp_path / "kv"
+    kvc = kv_checkpoint(root)
+    ref = kvc.save([THREAD[:4]], owner="0" * 32, run_id="r").ref
+    (block,) = block_files(root)
+    os.rename(block, block + ".0123456789abcdef.del")   # a collection killed after its rename
+    assert kvc.collect(open_store(":memory:")) == 0     # the run's reference file still names it
+    assert block_files(root) == {block}
+    assert kvc.load(ref).loaded == 1
+
+
+def test_an_unreadable_reference_file_stops_collection(tmp_path, caplog):
+    root = tmp_path / "kv"
+    kvc = kv_checkpoint(root)
+    kvc.save([THREAD], owner="0" * 32, run_id="r")
+    kvc.release("0" * 32)
+    bad = os.path.join(root, "runs", "1" * 32 + ".json")
+    with open(bad, "w") as f:
+        f.write("{not json")
+    with caplog.at_level(logging.WARNING, logger="flowrt.checkpoint"):
+        assert kvc.collect(open_store(":memory:")) == 0
+    assert len(block_files(root)) == 3
+    assert bad in caplog.text and "not collected" in caplog.text
+
+
 # ------------------------------------------------------------------------ 4. a full or read-only file system
 class FullDisk(io.FileIO):
     def write(self, b):
@@ -222,8 +303,8 @@ def test_blocks_that_cannot_be_written_are_skipped_counted_and_warned_once(tmp_p
         monkeypatch.setattr(kv_files, "os", OsWith(open=read_only))
         reason = "Read-only file system"
     with caplog.at_level(logging.WARNING, logger="flowrt.checkpoint"):
-        first = kvc.save([THREAD, THREAD[:8] + [99] * 4])
-        again = kvc.save([THREAD])
+        first = kvc.save([THREAD, THREAD[:8] + [99] * 4], owner="0" * 32, run_id="r")
+        again = kvc.save([THREAD], owner="0" * 32, run_id="r")
     assert first.failed == 4 and first.ref["threads"] == [] and again.failed == 3   # 3 + 1 (shared prefix)
     assert not block_files(root) and not temp_files(root)
     warnings = [r for r in caplog.records if r.name == "flowrt.checkpoint"]
@@ -307,7 +388,7 @@ def write_block(path: str, data: bytes, fp: str = FP) -> None:
 
 def test_a_block_of_the_wrong_size_is_rejected_as_corrupt(tmp_path):
     kvc = kv_checkpoint(tmp_path / "kv")
-    ref = kvc.save([THREAD]).ref
+    ref = kvc.save([THREAD], owner="0" * 32, run_id="r").ref
     first = kvc.blocks.path(FP, bytes.fromhex(ref["threads"][0][1]))
     write_block(first, bytes(100))     # valid header and checksum, 100 bytes: not this engine's block
     got = kvc.load(ref)
@@ -344,14 +425,14 @@ def test_a_wrong_size_block_does_not_stop_a_resume(tmp_path, monkeypatch):
 
 def test_a_block_that_failed_its_checks_is_replaced_by_the_next_save(tmp_path):
     kvc = kv_checkpoint(tmp_path / "kv")
-    ref = kvc.save([THREAD]).ref
+    ref = kvc.save([THREAD], owner="0" * 32, run_id="r").ref
     h = bytes.fromhex(ref["threads"][0][0])
     p = kvc.blocks.path(FP, h)
     with open(p, "r+b") as f:
         f.seek(-1, os.SEEK_END)
         f.write(b"\xff")
     assert kvc.load(ref).rejected == {"corrupt": 1}
-    assert kvc.save([THREAD]).failed == 0
+    assert kvc.save([THREAD], owner="0" * 32, run_id="r").failed == 0
     assert kvc.blocks.read(FP, h, SIZE) == (content(h), None)
     fresh = kv_checkpoint(tmp_path / "kv")   # another process: all three load
     assert fresh.load(ref).loaded == 3
@@ -364,7 +445,7 @@ def test_a_block_path_that_is_no_block_file_is_rejected_at_once(tmp_path, kind):
     """A symlink to /dev/zero (3 GiB RSS in the probe), a FIFO (a hang), a 1 GiB sparse file: rejected
     without reading more than a block's header and size."""
     kvc = kv_checkpoint(tmp_path / "kv")
-    ref = kvc.save([THREAD]).ref
+    ref = kvc.save([THREAD], owner="0" * 32, run_id="r").ref
     p = kvc.blocks.path(FP, bytes.fromhex(ref["threads"][0][0]))
     os.unlink(p)
     if kind == "dev_zero":
@@ -402,7 +483,7 @@ def test_a_symlink_planted_at_a_temp_name_is_not_followed(tmp_path, monkeypatch)
     monkeypatch.setattr(kv_files.secrets, "token_hex", lambda n: "ab" * n)
     os.makedirs(os.path.dirname(paths[1]), exist_ok=True)
     os.symlink(outside, f"{paths[1]}.{'ab' * 8}.tmp")
-    saved = kvc.save([THREAD])
+    saved = kvc.save([THREAD], owner="0" * 32, run_id="r")
     assert outside.read_bytes() == b"precious"
     assert stat.S_ISREG(os.lstat(paths[0]).st_mode)
     assert saved.failed == 2 and not os.path.lexists(paths[1])   # its temp name was taken: not written
@@ -421,7 +502,7 @@ def test_symlinks_at_a_block_path_or_folder_are_not_written_through(tmp_path):
     os.makedirs(os.path.dirname(block))
     os.symlink(victim, block)                            # at the block path: replaced by the block
     os.symlink(outside, os.path.dirname(second))         # a block folder: not written into
-    saved = kvc.save([THREAD])
+    saved = kvc.save([THREAD], owner="0" * 32, run_id="r")
     assert victim.read_bytes() == b"precious" and os.listdir(outside) == ["victim.txt"]
     assert stat.S_ISREG(os.lstat(block).st_mode) and kvc.blocks.read(FP, hashes[0], SIZE)[1] is None
     assert saved.ref["threads"] == [[hashes[0].hex()]] and saved.failed == 2
