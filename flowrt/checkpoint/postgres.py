@@ -14,12 +14,12 @@ TTL (30 s).
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from typing import Any, Callable, TypeVar
 
 from .compact import pack
+from .redact import redact_url, scrub
 from .rows import HISTORY_COLUMNS, dumps, history_entry, run_columns, run_record, stored_state
 from .store import RESUMABLE, CheckpointError, LeaseLostError, RunRecord, UnknownRunError, claim_refusal
 
@@ -68,11 +68,6 @@ def is_postgres_url(spec: str) -> bool:
     return spec.startswith(("postgresql://", "postgres://"))
 
 
-def _redact(url: str) -> str:
-    """The URL without its password (error messages are printed and logged)."""
-    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
-
-
 class PostgresStore:
     """A ``CheckpointStore`` in a PostgreSQL database (``postgresql://user:pass@host:port/db``)."""
 
@@ -84,7 +79,7 @@ class PostgresStore:
                                   ) from None
         self._psycopg = psycopg
         self.url = url
-        self.where = _redact(url)
+        self.where = redact_url(url)   # how the store is named in messages: never its password
         self._timeout = connect_timeout
         self._lock = threading.Lock()
         self._conn: Any = None
@@ -100,8 +95,12 @@ class PostgresStore:
             self._conn = self._psycopg.connect(self.url, autocommit=True, connect_timeout=max(1, int(self._timeout)))
         except self._psycopg.Error as e:
             raise CheckpointError(f"cannot connect to the checkpoint database {self.where}: "
-                                  f"{str(e).strip() or type(e).__name__}") from None
+                                  f"{self._message(e)}") from None
         return self._conn
+
+    def _message(self, e: Exception) -> str:
+        """A driver error's text, without the password should it quote the connection string."""
+        return scrub(str(e).strip() or type(e).__name__, self.url)
 
     def _guard(self, what: str, fn: Callable[[Any], T]) -> T:
         """``fn(connection)`` in one transaction, under the store's lock; database errors as ``CheckpointError``
@@ -112,8 +111,7 @@ class PostgresStore:
                 with conn.transaction():
                     return fn(conn)
             except self._psycopg.Error as e:
-                raise CheckpointError(f"checkpoint database {self.where}: {what} failed: "
-                                      f"{str(e).strip() or type(e).__name__}") from None
+                raise CheckpointError(f"checkpoint database {self.where}: {what} failed: {self._message(e)}") from None
 
     def _init_schema(self, c: Any) -> None:
         c.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
