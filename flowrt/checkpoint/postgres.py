@@ -21,7 +21,7 @@ from typing import Any, Callable, TypeVar
 from .compact import pack
 from .redact import redact_url, scrub
 from .rows import HISTORY_COLUMNS, dumps, history_entry, run_columns, run_record, stored_state
-from .store import RESUMABLE, CheckpointError, LeaseLostError, RunRecord, UnknownRunError, claim_refusal
+from .store import RESUMABLE, CheckpointError, RunRecord, UnknownRunError, check_holder, claim_refusal
 
 __all__ = ["PostgresStore", "is_postgres_url"]
 
@@ -172,12 +172,13 @@ class PostgresStore:
 
     def renew_lease(self, run_id: str, holder: str, ttl: float) -> bool:
         return self._guard("renewing a run's lease", lambda c: c.execute(
-            "UPDATE flowrt_runs SET lease_expires = %s WHERE run_id = %s AND lease_holder = %s",
+            "UPDATE flowrt_runs SET lease_expires = %s WHERE run_id = %s AND lease_holder = %s "
+                 "AND lease_expires IS NOT NULL",
             (time.time() + ttl, run_id, holder)).rowcount == 1)
 
     def release_run(self, run_id: str, holder: str, *, status: str | None = None) -> None:
         self._guard("releasing a run", lambda c: c.execute(
-            "UPDATE flowrt_runs SET lease_holder = NULL, lease_expires = NULL, status = COALESCE(%s, status) "
+            "UPDATE flowrt_runs SET lease_expires = NULL, status = COALESCE(%s, status) "
             "WHERE run_id = %s AND lease_holder = %s", (status, run_id, holder)))
 
     def save(self, run_id: str, *, step: str | None, visit: int, step_status: str, result: Any, route: Any,
@@ -186,19 +187,18 @@ class PostgresStore:
         now = time.time()
 
         def go(c: Any) -> int:
-            run = c.execute("SELECT state, lease_holder FROM flowrt_runs WHERE run_id = %s FOR UPDATE",
-                            (run_id,)).fetchone()
+            run = c.execute("SELECT state, lease_holder, lease_expires, status FROM flowrt_runs WHERE run_id = %s "
+                            "FOR UPDATE", (run_id,)).fetchone()
             if run is None:
                 raise UnknownRunError(f"no run {run_id!r} in {self.where}")
-            if holder is not None and run[1] != holder:
-                raise LeaseLostError(run_id, holder, run[1])
+            check_holder(run_id, holder, run[1], run[2], run[3])
             seq = int(c.execute("SELECT COALESCE(MAX(seq), 0) FROM flowrt_checkpoints WHERE run_id = %s",
                                 (run_id,)).fetchone()[0]) + 1
             packed = pack(state, step, visit, seq, result, route, json.loads(run[0]) if run[0] else None)
             c.execute("INSERT INTO flowrt_checkpoints (run_id, seq, step, visit, status, result, route, created) "
                       "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
                       (run_id, seq, step, visit, step_status, dumps(result), dumps(route), now))
-            lease = "" if run_status == "running" else ", lease_holder = NULL, lease_expires = NULL"   # it ended
+            lease = "" if run_status == "running" else ", lease_expires = NULL"   # it ended: given back
             c.execute(f"UPDATE flowrt_runs SET status = %s, interrupt = %s, updated = %s, state = %s, threads = %s"
                       f"{lease} WHERE run_id = %s", (run_status, dumps(interrupt) if interrupt is not None else None,
                                                      now, dumps(packed), dumps(threads), run_id))
