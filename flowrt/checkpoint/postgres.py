@@ -21,7 +21,8 @@ from typing import Any, Callable, TypeVar
 from .compact import pack
 from .redact import redact_url, scrub
 from .rows import HISTORY_COLUMNS, dumps, history_entry, run_columns, run_record, stored_state
-from .store import RESUMABLE, CheckpointError, RunRecord, UnknownRunError, check_holder, claim_refusal
+from .store import (RESUMABLE, CheckpointError, ReadOnlyStoreError, RunRecord, UnknownRunError, check_holder,
+                    claim_refusal)
 
 __all__ = ["PostgresStore", "is_postgres_url"]
 
@@ -69,9 +70,15 @@ def is_postgres_url(spec: str) -> bool:
 
 
 class PostgresStore:
-    """A ``CheckpointStore`` in a PostgreSQL database (``postgresql://user:pass@host:port/db``)."""
+    """A ``CheckpointStore`` in a PostgreSQL database (``postgresql://user:pass@host:port/db``).
 
-    def __init__(self, url: str, *, connect_timeout: float = 10.0) -> None:
+    ``readonly=True`` (reading commands: ``flowrt runs list|show``): never creates or changes a table (the
+    session's transactions are read-only, and the writing methods raise ``ReadOnlyStoreError``), as on SQLite.
+    ``create=False`` (readonly implies it): a database without flowrt's tables is a ``CheckpointError`` ("no
+    flowrt checkpoints in ...") instead of getting them."""
+
+    def __init__(self, url: str, *, connect_timeout: float = 10.0, readonly: bool = False,
+                 create: bool = True) -> None:
         try:
             import psycopg
         except ImportError:
@@ -81,11 +88,14 @@ class PostgresStore:
         self.url = url
         self.where = redact_url(url)   # how the store is named in messages: never its password
         self._timeout = connect_timeout
+        self.readonly = readonly
+        self._create = create and not readonly
+        self._cols = run_columns()
         self._lock = threading.Lock()
         self._conn: Any = None
         with self._lock:
             self._connect()
-        self._guard("opening the database", self._init_schema)
+        self._guard("opening the database", self._init_schema, writes=False)
 
     # ------------------------------------------------------------------ connection
     def _connect(self) -> Any:
@@ -93,6 +103,8 @@ class PostgresStore:
             return self._conn
         try:
             self._conn = self._psycopg.connect(self.url, autocommit=True, connect_timeout=max(1, int(self._timeout)))
+            if self.readonly:   # the server itself refuses any write of this session
+                self._conn.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
         except self._psycopg.Error as e:
             raise CheckpointError(f"cannot connect to the checkpoint database {self.where}: "
                                   f"{self._message(e)}") from None
@@ -102,9 +114,12 @@ class PostgresStore:
         """A driver error's text, without the password should it quote the connection string."""
         return scrub(str(e).strip() or type(e).__name__, self.url)
 
-    def _guard(self, what: str, fn: Callable[[Any], T]) -> T:
+    def _guard(self, what: str, fn: Callable[[Any], T], *, writes: bool = True) -> T:
         """``fn(connection)`` in one transaction, under the store's lock; database errors as ``CheckpointError``
         (a connection lost since the last call is opened again first)."""
+        if writes and self.readonly:
+            raise ReadOnlyStoreError(f"checkpoint database {self.where} was opened read-only: {what} needs a "
+                                     f"writable one")
         with self._lock:
             conn = self._connect()
             try:
@@ -114,7 +129,8 @@ class PostgresStore:
                 raise CheckpointError(f"checkpoint database {self.where}: {what} failed: {self._message(e)}") from None
 
     def _init_schema(self, c: Any) -> None:
-        c.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
+        if not self.readonly:
+            c.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
         tables = {r[0] for r in c.execute("SELECT table_name FROM information_schema.tables "
                                           "WHERE table_schema = current_schema() AND table_name LIKE 'flowrt%%'")}
         if "flowrt_schema_version" in tables:
@@ -125,6 +141,12 @@ class PostgresStore:
             if version > SCHEMA_VERSION:
                 raise CheckpointError(f"{self.where} was written by a newer flowrt (checkpoint format {version}; "
                                       f"this flowrt reads format {SCHEMA_VERSION} and older): upgrade flowrt")
+            if self.readonly:   # read as it is: format 1 lacks only the lease columns
+                self._cols = run_columns(lease=version >= 2)
+                return
+        elif not self._create:
+            raise CheckpointError(f"no flowrt checkpoints in {self.where} (the database has no flowrt tables: "
+                                  f"no run was saved there)")
         for stmt in _SCHEMA:
             c.execute(stmt)
         if not c.execute("SELECT 1 FROM flowrt_schema_version").fetchone():
@@ -161,7 +183,7 @@ class PostgresStore:
                 "OR lease_expires <= %s OR lease_holder = %s OR lease_holder = %s)",
                 (holder, now + ttl, now, run_id, ["interrupted"] if waiting else list(RESUMABLE), now, holder,
                  take_over)).rowcount
-            row = c.execute(f"SELECT {self._COLS}, state FROM flowrt_runs WHERE run_id = %s", (run_id,)).fetchone()
+            row = c.execute(f"SELECT {self._cols}, state FROM flowrt_runs WHERE run_id = %s", (run_id,)).fetchone()
             if row is None:
                 raise UnknownRunError(f"no run {run_id!r} in {self.where}")
             if not taken:
@@ -226,20 +248,20 @@ class PostgresStore:
 
     def get_run(self, run_id: str, *, with_state: bool = True) -> RunRecord:
         def go(c: Any) -> RunRecord:
-            row = c.execute(f"SELECT {self._COLS}, state FROM flowrt_runs WHERE run_id = %s", (run_id,)).fetchone()
+            row = c.execute(f"SELECT {self._cols}, state FROM flowrt_runs WHERE run_id = %s", (run_id,)).fetchone()
             if row is None:
                 raise UnknownRunError(f"no run {run_id!r} in {self.where}")
             return self._record(c, row, with_state)
 
-        return self._guard("reading a run", go)
+        return self._guard("reading a run", go, writes=False)
 
     def list_runs(self, limit: int = 50) -> list[RunRecord]:
         def go(c: Any) -> list[RunRecord]:
-            rows = c.execute(f"SELECT {self._COLS}, NULL FROM flowrt_runs ORDER BY created DESC LIMIT %s",
+            rows = c.execute(f"SELECT {self._cols}, NULL FROM flowrt_runs ORDER BY created DESC LIMIT %s",
                              (limit,)).fetchall()
             return [self._record(c, r, False) for r in rows]
 
-        return self._guard("listing runs", go)
+        return self._guard("listing runs", go, writes=False)
 
     def history(self, run_id: str) -> list[dict[str, Any]]:
         def go(c: Any) -> list[dict[str, Any]]:
@@ -247,7 +269,7 @@ class PostgresStore:
                              (run_id,)).fetchall()
             return [history_entry(r) for r in rows]
 
-        return self._guard("reading a run's history", go)
+        return self._guard("reading a run's history", go, writes=False)
 
     def close(self) -> None:
         with self._lock:
