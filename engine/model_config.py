@@ -84,7 +84,7 @@ def _check_sizes(hf) -> None:
 
 
 def _check_ranges(cfg: ModelConfig) -> None:
-    """What the sizes must satisfy together, and the float parameters' ranges."""
+    """What the sizes must satisfy together for the model to run, and the float parameters' ranges."""
     if cfg.num_heads % cfg.num_kv_heads:
         raise ValueError(f"the model's config has num_attention_heads={cfg.num_heads} and num_key_value_heads="
                          f"{cfg.num_kv_heads}: the heads must divide into the KV heads' groups")
@@ -130,7 +130,7 @@ def model_config_from_hf(hf, generation_eos=None) -> ModelConfig:
     qkv_bias = model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
     if getattr(hf, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported")
-    cfg = ModelConfig(
+    return ModelConfig(
         model_type=model_type,
         vocab_size=int(hf.vocab_size),
         hidden_size=int(hf.hidden_size),
@@ -149,8 +149,6 @@ def model_config_from_hf(hf, generation_eos=None) -> ModelConfig:
         sliding_window=int(sliding) if sliding else None,
         eos_token_ids=_eos_ids(generation_eos, getattr(hf, "eos_token_id", None)),
     )
-    _check_ranges(cfg)
-    return cfg
 
 
 #: The defaults of transformers' config classes (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config) for
@@ -255,6 +253,7 @@ def check_model_config(cfg: ModelConfig, tensors: Mapping[str, Any], max_positio
     """The config against the checkpoint's tensors (names and shapes only) and the rotary tables' size, before
     the model allocates anything: a ValueError naming the config field (a config.json edited, or a GGUF's
     metadata) instead of gigabytes allocated and a missing tensor or a torch shape error later."""
+    _check_ranges(cfg)
     if max_positions * cfg.head_dim > MAX_ROTARY_ELEMENTS:
         field = "max_model_len" if (max_model_len or 0) > cfg.max_position_embeddings else "max_position_embeddings"
         gib = 2 * max_positions * cfg.head_dim * 4 / 2**30
