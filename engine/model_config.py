@@ -8,10 +8,12 @@ start-up); ``model_config_from_hf`` accepts either.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -20,6 +22,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_MODEL_TYPES = set(SUPPORTED_ARCHITECTURES.values())
+
+# config.json's sizes (head_dim and num_key_value_heads may be left out: derived)
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "head_dim", "max_position_embeddings")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -59,9 +66,39 @@ def _eos_ids(*sources) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _check_sizes(hf) -> None:
+    """The config's sizes are positive integers (before any is divided by or allocated with), named as in
+    config.json when one is not."""
+    for name in _SIZES:
+        v = getattr(hf, name, None)
+        if v is None and name in _OPTIONAL_SIZES:
+            continue
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)   # JSON may write 1e3 for 1000
+        if not _positive_int(v):
+            raise ValueError(f"the model's config has {name}={v!r}: it must be a positive integer")
+
+
+def _check_ranges(cfg: ModelConfig) -> None:
+    """What the sizes must satisfy together for the model to run, and the float parameters' ranges."""
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ValueError(f"the model's config has num_attention_heads={cfg.num_heads} and num_key_value_heads="
+                         f"{cfg.num_kv_heads}: the heads must divide into the KV heads' groups")
+    if cfg.head_dim % 2:
+        raise ValueError(f"the model's config has head_dim={cfg.head_dim}: rotary embeddings need an even one")
+    if not (math.isfinite(cfg.rms_norm_eps) and cfg.rms_norm_eps >= 0):
+        raise ValueError(f"the model's config has rms_norm_eps={cfg.rms_norm_eps}: it must be finite and >= 0")
+    if not (math.isfinite(cfg.rope_theta) and cfg.rope_theta > 0):
+        raise ValueError(f"the model's config has rope_theta={cfg.rope_theta}: it must be finite and > 0")
+
+
 def model_config_from_hf(hf, generation_eos=None) -> ModelConfig:
     """Translate a transformers PretrainedConfig (or :func:`hf_config_from_dict`'s namespace); raises
-    ValueError naming what is unsupported."""
+    ValueError naming what is unsupported or out of range."""
     archs = list(getattr(hf, "architectures", None) or [])
     model_type = getattr(hf, "model_type", None)
     if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
@@ -84,8 +121,9 @@ def model_config_from_hf(hf, generation_eos=None) -> ModelConfig:
     scaling = None if rope_type in (None, "default") else {**rope, "rope_type": rope_type}
     if scaling is not None and rope_type not in ("llama3", "linear"):
         raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: llama3, linear)")
-    num_heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    _check_sizes(hf)
+    num_heads = int(hf.num_attention_heads)
+    head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // num_heads)
     sliding = getattr(hf, "sliding_window", None)
     if getattr(hf, "use_sliding_window", True) is False:
         sliding = None
@@ -94,12 +132,12 @@ def model_config_from_hf(hf, generation_eos=None) -> ModelConfig:
         raise ValueError("mlp_bias=True is not supported")
     return ModelConfig(
         model_type=model_type,
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
+        vocab_size=int(hf.vocab_size),
+        hidden_size=int(hf.hidden_size),
+        intermediate_size=int(hf.intermediate_size),
+        num_layers=int(hf.num_hidden_layers),
         num_heads=num_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+        num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or num_heads),
         head_dim=head_dim,
         rms_norm_eps=float(hf.rms_norm_eps),
         rope_theta=rope_theta,
@@ -155,8 +193,8 @@ def hf_config_from_dict(raw: dict[str, Any]) -> SimpleNamespace:
     cfg = {**_COMMON_DEFAULTS, **_TYPE_DEFAULTS[model_type], **raw}
     if cfg["num_key_value_heads"] is None:
         cfg["num_key_value_heads"] = cfg["num_attention_heads"]
-    if cfg["head_dim"] is None and model_type != "qwen2":
-        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    if cfg["head_dim"] is None and model_type != "qwen2" and _positive_int(cfg["num_attention_heads"]):
+        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]   # else model_config_from_hf refuses
     if model_type in ("qwen2", "qwen3") and not cfg["use_sliding_window"]:
         cfg["sliding_window"] = None
     cfg["rope_parameters"] = _standard_rope(cfg)
@@ -174,3 +212,61 @@ def read_hf_config(model_dir: str | Path) -> SimpleNamespace:
     if not isinstance(raw, dict):
         raise ValueError(f"{path} does not hold a JSON object")
     return hf_config_from_dict(raw)
+
+
+#: Positions x head_dim of each rotary table (cos, sin) at most: 512 MiB each in float32, a context of 1M
+#: tokens at head_dim 128. The tables are built at load time for the whole context.
+MAX_ROTARY_ELEMENTS = 1 << 27
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def expected_shapes(cfg: ModelConfig, layers: range) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The Hugging Face-named tensors the model loads (of ``layers``), each with its shape and the config fields
+    that decide it (for the message when a checkpoint's tensor differs)."""
+    V, Hs, F, D = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
+    qf, kvf = "num_attention_heads x head_dim", "num_key_value_heads x head_dim"
+    out = {"model.embed_tokens.weight": ((V, Hs), "vocab_size, hidden_size"),
+           "model.norm.weight": ((Hs,), "hidden_size")}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = ((V, Hs), "vocab_size, hidden_size")
+    for i in layers:
+        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        out |= {p + "input_layernorm.weight": ((Hs,), "hidden_size"),
+                p + "post_attention_layernorm.weight": ((Hs,), "hidden_size"),
+                a + "q_proj.weight": ((q, Hs), f"{qf}, hidden_size"),
+                a + "k_proj.weight": ((kv, Hs), f"{kvf}, hidden_size"),
+                a + "v_proj.weight": ((kv, Hs), f"{kvf}, hidden_size"),
+                a + "o_proj.weight": ((Hs, q), f"hidden_size, {qf}"),
+                m + "gate_proj.weight": ((F, Hs), "intermediate_size, hidden_size"),
+                m + "up_proj.weight": ((F, Hs), "intermediate_size, hidden_size"),
+                m + "down_proj.weight": ((Hs, F), "hidden_size, intermediate_size")}
+        if cfg.qkv_bias:
+            out |= {a + "q_proj.bias": ((q,), qf), a + "k_proj.bias": ((kv,), kvf), a + "v_proj.bias": ((kv,), kvf)}
+        if cfg.qk_norm:
+            out |= {a + "q_norm.weight": ((D,), "head_dim"), a + "k_norm.weight": ((D,), "head_dim")}
+    return out
+
+
+def check_model_config(cfg: ModelConfig, tensors: Mapping[str, Any], max_positions: int,
+                       max_model_len: int | None = None) -> None:
+    """The config against the checkpoint's tensors (names and shapes only) and the rotary tables' size, before
+    the model allocates anything: a ValueError naming the config field (a config.json edited, or a GGUF's
+    metadata) instead of gigabytes allocated and a missing tensor or a torch shape error later."""
+    _check_ranges(cfg)
+    if max_positions * cfg.head_dim > MAX_ROTARY_ELEMENTS:
+        field = "max_model_len" if (max_model_len or 0) > cfg.max_position_embeddings else "max_position_embeddings"
+        gib = 2 * max_positions * cfg.head_dim * 4 / 2**30
+        raise ValueError(f"{field}={max_positions} is out of range: its rotary tables would take {gib:,.1f} GiB "
+                         f"(at most {MAX_ROTARY_ELEMENTS // cfg.head_dim:,} positions at head_dim {cfg.head_dim})")
+    present = {int(m.group(1)) for name in tensors if (m := _LAYER.match(name))}
+    if len(present) != cfg.num_layers:
+        raise ValueError(f"the model's config has num_hidden_layers={cfg.num_layers}, but the checkpoint holds "
+                         f"tensors for {len(present)} layers")
+    for name, (shape, fields) in expected_shapes(cfg, range(cfg.num_layers)).items():
+        t = tensors.get(name)
+        if t is None:
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
+        got = tuple(getattr(t, "shape", shape))
+        if got != shape:
+            raise ValueError(f"tensor {name!r} has shape {got}, but the model's config ({fields}) makes it {shape}")

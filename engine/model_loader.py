@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .model_config import ModelConfig, hf_config_from_dict, model_config_from_hf, read_hf_config
+from .model_config import ModelConfig, check_model_config, hf_config_from_dict, model_config_from_hf, read_hf_config
 from .models.llama import LlamaModel
 
 
@@ -64,6 +64,7 @@ def load_model(
     if not cfg.eos_token_ids and tokenizer.eos_token_id is not None:
         cfg = ModelConfig(**{**cfg.__dict__, "eos_token_ids": (tokenizer.eos_token_id,)})
     max_positions = max(max_model_len or 0, cfg.max_position_embeddings)
+    check_model_config(cfg, tensors, max_positions, max_model_len)   # before any allocation, naming the field
     model = LlamaModel(cfg, dtype, max_positions)
     model.load_hf_state_dict(tensors)
     del tensors

@@ -72,7 +72,7 @@ class BeamSearchParams(BaseModel):
     max_tokens: int = Field(16, ge=1)
     ignore_eos: bool = False
     temperature: float = 0.0
-    length_penalty: float = 1.0
+    length_penalty: float = Field(1.0, allow_inf_nan=False)   # NaN or inf would make every score NaN
     structured_outputs: StructuredOutputsParams | None = None  # every beam follows the constraint
 
     @field_validator("temperature")

@@ -54,24 +54,31 @@ if TYPE_CHECKING:
     from .sequence import Sequence
 
 
+MAX_DRAFTS = 32                      # drafts per step (num_speculative_tokens, fallback_tokens)
+MAX_LOOKUP = 16                      # n-gram length (prompt_lookup_min, prompt_lookup_max)
+MAX_SUFFIX_CACHE_TOKENS = 1 << 18    # 16x the default: the cache indexes every n-gram of what it keeps
+
+
 class SpeculativeConfig(BaseModel):
-    """vLLM's speculative_config keys for the ngram method."""
+    """vLLM's speculative_config keys for the ngram method. Every size is bounded (a field out of range is a
+    ValidationError naming it and its range): an unbounded one costs memory and time in every step."""
 
     model_config = ConfigDict(extra="forbid")
 
     method: Literal["ngram"] = "ngram"
-    num_speculative_tokens: int = Field(8, ge=1, le=32)  # the engine's default; the adaptive rule trims
-    prompt_lookup_min: int = Field(2, ge=1)
-    prompt_lookup_max: int = Field(4, ge=1)
+    num_speculative_tokens: int = Field(8, ge=1, le=MAX_DRAFTS)  # the engine's default; the adaptive rule trims
+    # Bounded: indexing a token costs (max - min + 1) n-grams of up to max tokens, kept per running sequence
+    prompt_lookup_min: int = Field(2, ge=1, le=MAX_LOOKUP)
+    prompt_lookup_max: int = Field(4, ge=1, le=MAX_LOOKUP)
     # flowrt: draft only as much as the measured step cost and acceptance say pays (engine/spec_policy.py)
     adaptive: bool = True
     # flowrt: where the context has no match, draft from the outputs of recently finished requests (at most this
     # many tokens of them remembered; 0: off). Cross-request: a request's drafts may come from other requests'
     # outputs (verified like any draft, so outputs are unchanged; only step timing can tell)
-    suffix_cache_tokens: int = Field(16384, ge=0)
+    suffix_cache_tokens: int = Field(16384, ge=0, le=MAX_SUFFIX_CACHE_TOKENS)
     # flowrt: where neither found a match, up to this many drafts after the latest earlier occurrence of the last
     # token alone, in steps where the adaptive rule says a row is cheap (0: off)
-    fallback_tokens: int = Field(3, ge=0)
+    fallback_tokens: int = Field(3, ge=0, le=MAX_DRAFTS)
 
     @model_validator(mode="after")
     def _range(self) -> "SpeculativeConfig":

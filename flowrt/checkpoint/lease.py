@@ -3,8 +3,8 @@
 A holder is named ``host:pid:random`` (one per run execution; two resumes in one process differ). The
 holder renews its lease every ``ttl / 3`` seconds from one background thread per process (a thread, so a
 step that blocks the event loop does not let the lease run out), and a holder that died stops renewing:
-its lease runs out after ``LEASE_TTL_S``. On the same host a dead holder is seen at once (its pid is gone),
-so ``flowrt resume`` right after a crash does not wait for the expiry.
+its lease runs out after ``LEASE_TTL_S``. On the same host a dead holder is seen at once (its pid is gone,
+or is a zombie its parent has not reaped yet), so ``flowrt resume`` right after a crash does not wait for the expiry.
 """
 
 from __future__ import annotations
@@ -40,8 +40,20 @@ def holder_is_dead(holder: str) -> bool:
     except ProcessLookupError:
         return True
     except OSError:   # exists, owned by another user
+        pass
+    return _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    """True when ``pid`` has exited but its parent has not reaped it yet (state Z, or X: dead), as right after
+    a ``kill -9``: its pid still exists, but it runs nothing. False when unsure (no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
         return False
-    return False
+    state = stat[stat.rfind(b")") + 1:].split()[:1]   # after the command name, which may hold ')' and spaces
+    return state in ([b"Z"], [b"X"])
 
 
 def live_holder(record: Any) -> str | None:

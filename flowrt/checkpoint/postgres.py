@@ -14,14 +14,15 @@ TTL (30 s).
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from typing import Any, Callable, TypeVar
 
 from .compact import pack
+from .redact import redact_url, scrub
 from .rows import HISTORY_COLUMNS, dumps, history_entry, run_columns, run_record, stored_state
-from .store import RESUMABLE, CheckpointError, LeaseLostError, RunRecord, UnknownRunError, claim_refusal
+from .store import (RESUMABLE, CheckpointError, ReadOnlyStoreError, RunRecord, UnknownRunError, check_holder,
+                    claim_refusal)
 
 __all__ = ["PostgresStore", "is_postgres_url"]
 
@@ -68,15 +69,16 @@ def is_postgres_url(spec: str) -> bool:
     return spec.startswith(("postgresql://", "postgres://"))
 
 
-def _redact(url: str) -> str:
-    """The URL without its password (error messages are printed and logged)."""
-    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
-
-
 class PostgresStore:
-    """A ``CheckpointStore`` in a PostgreSQL database (``postgresql://user:pass@host:port/db``)."""
+    """A ``CheckpointStore`` in a PostgreSQL database (``postgresql://user:pass@host:port/db``).
 
-    def __init__(self, url: str, *, connect_timeout: float = 10.0) -> None:
+    ``readonly=True`` (reading commands: ``flowrt runs list|show``): never creates or changes a table (the
+    session's transactions are read-only, and the writing methods raise ``ReadOnlyStoreError``), as on SQLite.
+    ``create=False`` (readonly implies it): a database without flowrt's tables is a ``CheckpointError`` ("no
+    flowrt checkpoints in ...") instead of getting them."""
+
+    def __init__(self, url: str, *, connect_timeout: float = 10.0, readonly: bool = False,
+                 create: bool = True) -> None:
         try:
             import psycopg
         except ImportError:
@@ -84,13 +86,16 @@ class PostgresStore:
                                   ) from None
         self._psycopg = psycopg
         self.url = url
-        self.where = _redact(url)
+        self.where = redact_url(url)   # how the store is named in messages: never its password
         self._timeout = connect_timeout
+        self.readonly = readonly
+        self._create = create and not readonly
+        self._cols = run_columns()
         self._lock = threading.Lock()
         self._conn: Any = None
         with self._lock:
             self._connect()
-        self._guard("opening the database", self._init_schema)
+        self._guard("opening the database", self._init_schema, writes=False)
 
     # ------------------------------------------------------------------ connection
     def _connect(self) -> Any:
@@ -98,25 +103,34 @@ class PostgresStore:
             return self._conn
         try:
             self._conn = self._psycopg.connect(self.url, autocommit=True, connect_timeout=max(1, int(self._timeout)))
+            if self.readonly:   # the server itself refuses any write of this session
+                self._conn.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
         except self._psycopg.Error as e:
             raise CheckpointError(f"cannot connect to the checkpoint database {self.where}: "
-                                  f"{str(e).strip() or type(e).__name__}") from None
+                                  f"{self._message(e)}") from None
         return self._conn
 
-    def _guard(self, what: str, fn: Callable[[Any], T]) -> T:
+    def _message(self, e: Exception) -> str:
+        """A driver error's text, without the password should it quote the connection string."""
+        return scrub(str(e).strip() or type(e).__name__, self.url)
+
+    def _guard(self, what: str, fn: Callable[[Any], T], *, writes: bool = True) -> T:
         """``fn(connection)`` in one transaction, under the store's lock; database errors as ``CheckpointError``
         (a connection lost since the last call is opened again first)."""
+        if writes and self.readonly:
+            raise ReadOnlyStoreError(f"checkpoint database {self.where} was opened read-only: {what} needs a "
+                                     f"writable one")
         with self._lock:
             conn = self._connect()
             try:
                 with conn.transaction():
                     return fn(conn)
             except self._psycopg.Error as e:
-                raise CheckpointError(f"checkpoint database {self.where}: {what} failed: "
-                                      f"{str(e).strip() or type(e).__name__}") from None
+                raise CheckpointError(f"checkpoint database {self.where}: {what} failed: {self._message(e)}") from None
 
     def _init_schema(self, c: Any) -> None:
-        c.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
+        if not self.readonly:
+            c.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
         tables = {r[0] for r in c.execute("SELECT table_name FROM information_schema.tables "
                                           "WHERE table_schema = current_schema() AND table_name LIKE 'flowrt%%'")}
         if "flowrt_schema_version" in tables:
@@ -127,6 +141,12 @@ class PostgresStore:
             if version > SCHEMA_VERSION:
                 raise CheckpointError(f"{self.where} was written by a newer flowrt (checkpoint format {version}; "
                                       f"this flowrt reads format {SCHEMA_VERSION} and older): upgrade flowrt")
+            if self.readonly:   # read as it is: format 1 lacks only the lease columns
+                self._cols = run_columns(lease=version >= 2)
+                return
+        elif not self._create:
+            raise CheckpointError(f"no flowrt checkpoints in {self.where} (the database has no flowrt tables: "
+                                  f"no run was saved there)")
         for stmt in _SCHEMA:
             c.execute(stmt)
         if not c.execute("SELECT 1 FROM flowrt_schema_version").fetchone():
@@ -163,7 +183,7 @@ class PostgresStore:
                 "OR lease_expires <= %s OR lease_holder = %s OR lease_holder = %s)",
                 (holder, now + ttl, now, run_id, ["interrupted"] if waiting else list(RESUMABLE), now, holder,
                  take_over)).rowcount
-            row = c.execute(f"SELECT {self._COLS}, state FROM flowrt_runs WHERE run_id = %s", (run_id,)).fetchone()
+            row = c.execute(f"SELECT {self._cols}, state FROM flowrt_runs WHERE run_id = %s", (run_id,)).fetchone()
             if row is None:
                 raise UnknownRunError(f"no run {run_id!r} in {self.where}")
             if not taken:
@@ -174,12 +194,13 @@ class PostgresStore:
 
     def renew_lease(self, run_id: str, holder: str, ttl: float) -> bool:
         return self._guard("renewing a run's lease", lambda c: c.execute(
-            "UPDATE flowrt_runs SET lease_expires = %s WHERE run_id = %s AND lease_holder = %s",
+            "UPDATE flowrt_runs SET lease_expires = %s WHERE run_id = %s AND lease_holder = %s "
+                 "AND lease_expires IS NOT NULL",
             (time.time() + ttl, run_id, holder)).rowcount == 1)
 
     def release_run(self, run_id: str, holder: str, *, status: str | None = None) -> None:
         self._guard("releasing a run", lambda c: c.execute(
-            "UPDATE flowrt_runs SET lease_holder = NULL, lease_expires = NULL, status = COALESCE(%s, status) "
+            "UPDATE flowrt_runs SET lease_expires = NULL, status = COALESCE(%s, status) "
             "WHERE run_id = %s AND lease_holder = %s", (status, run_id, holder)))
 
     def save(self, run_id: str, *, step: str | None, visit: int, step_status: str, result: Any, route: Any,
@@ -188,19 +209,18 @@ class PostgresStore:
         now = time.time()
 
         def go(c: Any) -> int:
-            run = c.execute("SELECT state, lease_holder FROM flowrt_runs WHERE run_id = %s FOR UPDATE",
-                            (run_id,)).fetchone()
+            run = c.execute("SELECT state, lease_holder, lease_expires, status FROM flowrt_runs WHERE run_id = %s "
+                            "FOR UPDATE", (run_id,)).fetchone()
             if run is None:
                 raise UnknownRunError(f"no run {run_id!r} in {self.where}")
-            if holder is not None and run[1] != holder:
-                raise LeaseLostError(run_id, holder, run[1])
+            check_holder(run_id, holder, run[1], run[2], run[3])
             seq = int(c.execute("SELECT COALESCE(MAX(seq), 0) FROM flowrt_checkpoints WHERE run_id = %s",
                                 (run_id,)).fetchone()[0]) + 1
             packed = pack(state, step, visit, seq, result, route, json.loads(run[0]) if run[0] else None)
             c.execute("INSERT INTO flowrt_checkpoints (run_id, seq, step, visit, status, result, route, created) "
                       "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
                       (run_id, seq, step, visit, step_status, dumps(result), dumps(route), now))
-            lease = "" if run_status == "running" else ", lease_holder = NULL, lease_expires = NULL"   # it ended
+            lease = "" if run_status == "running" else ", lease_expires = NULL"   # it ended: given back
             c.execute(f"UPDATE flowrt_runs SET status = %s, interrupt = %s, updated = %s, state = %s, threads = %s"
                       f"{lease} WHERE run_id = %s", (run_status, dumps(interrupt) if interrupt is not None else None,
                                                      now, dumps(packed), dumps(threads), run_id))
@@ -228,20 +248,20 @@ class PostgresStore:
 
     def get_run(self, run_id: str, *, with_state: bool = True) -> RunRecord:
         def go(c: Any) -> RunRecord:
-            row = c.execute(f"SELECT {self._COLS}, state FROM flowrt_runs WHERE run_id = %s", (run_id,)).fetchone()
+            row = c.execute(f"SELECT {self._cols}, state FROM flowrt_runs WHERE run_id = %s", (run_id,)).fetchone()
             if row is None:
                 raise UnknownRunError(f"no run {run_id!r} in {self.where}")
             return self._record(c, row, with_state)
 
-        return self._guard("reading a run", go)
+        return self._guard("reading a run", go, writes=False)
 
     def list_runs(self, limit: int = 50) -> list[RunRecord]:
         def go(c: Any) -> list[RunRecord]:
-            rows = c.execute(f"SELECT {self._COLS}, NULL FROM flowrt_runs ORDER BY created DESC LIMIT %s",
+            rows = c.execute(f"SELECT {self._cols}, NULL FROM flowrt_runs ORDER BY created DESC LIMIT %s",
                              (limit,)).fetchall()
             return [self._record(c, r, False) for r in rows]
 
-        return self._guard("listing runs", go)
+        return self._guard("listing runs", go, writes=False)
 
     def history(self, run_id: str) -> list[dict[str, Any]]:
         def go(c: Any) -> list[dict[str, Any]]:
@@ -249,7 +269,7 @@ class PostgresStore:
                              (run_id,)).fetchall()
             return [history_entry(r) for r in rows]
 
-        return self._guard("reading a run's history", go)
+        return self._guard("reading a run's history", go, writes=False)
 
     def close(self) -> None:
         with self._lock:

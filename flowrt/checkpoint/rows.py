@@ -29,12 +29,13 @@ def run_columns(lease: bool = True) -> str:
 
 
 def run_record(row: Sequence[Any], checkpoints: int, state: dict[str, Any] | None) -> RunRecord:
-    """The run of a row of ``run_columns()`` (extra trailing columns are ignored)."""
+    """The run of a row of ``run_columns()`` (extra trailing columns are ignored). A lease given back keeps
+    its last holder's name without an expiry (for ``LeaseLostError``): the run has no holder then."""
     run_id, workflow, file, status, inputs, meta, interrupt, created, updated, holder, expires = row[:11]
     return RunRecord(run_id=run_id, workflow=workflow, status=status, inputs=json.loads(inputs), file=file,
                      meta=json.loads(meta), created=created, updated=updated,
                      interrupt=json.loads(interrupt) if interrupt else None, checkpoints=int(checkpoints),
-                     state=state, holder=holder, lease_expires=expires)
+                     state=state, holder=holder if expires is not None else None, lease_expires=expires)
 
 
 def history_entry(row: Sequence[Any]) -> dict[str, Any]:

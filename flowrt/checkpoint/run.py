@@ -21,8 +21,9 @@ NO_ANSWER: Any = object()
 
 def open_store(spec: Any, *, readonly: bool = False, create: bool = True) -> CheckpointStore | None:
     """A store from ``None``, a path (SQLite file; ``":memory:"``), a ``postgresql://`` URL (PostgreSQL) or a
-    store object. For an SQLite file, ``readonly`` (reading commands) and ``create=False`` (a missing file is
-    an error, not a new database): see ``SQLiteStore``."""
+    store object. ``readonly`` (reading commands: nothing is created or changed) and ``create=False`` (a missing
+    SQLite file, or a PostgreSQL database without flowrt's tables, is an error, not a new store): see
+    ``SQLiteStore`` and ``PostgresStore``."""
     if spec is None:
         return None
     if isinstance(spec, (str, bytes, os.PathLike)):
@@ -30,7 +31,7 @@ def open_store(spec: Any, *, readonly: bool = False, create: bool = True) -> Che
         from .postgres import PostgresStore, is_postgres_url
 
         if is_postgres_url(spec):
-            return PostgresStore(spec)
+            return PostgresStore(spec, readonly=readonly, create=create)
         from .sqlite import SQLiteStore
 
         return SQLiteStore(spec, readonly=readonly, create=create)

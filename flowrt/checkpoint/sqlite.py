@@ -24,7 +24,7 @@ from typing import Any
 
 from .compact import pack
 from .rows import HISTORY_COLUMNS, dumps, history_entry, run_columns, run_record, stored_state
-from .store import (RESUMABLE, CheckpointError, LeaseLostError, ReadOnlyStoreError, RunRecord, UnknownRunError,
+from .store import (RESUMABLE, CheckpointError, ReadOnlyStoreError, RunRecord, UnknownRunError, check_holder,
                     claim_refusal)
 
 __all__ = ["SQLiteStore", "SCHEMA_VERSION"]
@@ -302,7 +302,8 @@ class SQLiteStore:
     def renew_lease(self, run_id: str, holder: str, ttl: float) -> bool:
         def go() -> bool:
             with self._tx() as c:
-                return c.execute("UPDATE runs SET lease_expires = ? WHERE run_id = ? AND lease_holder = ?",
+                return c.execute("UPDATE runs SET lease_expires = ? WHERE run_id = ? AND lease_holder = ? "
+                 "AND lease_expires IS NOT NULL",
                                  (time.time() + ttl, run_id, holder)).rowcount == 1
 
         return self._guard("renewing a run's lease", go)
@@ -310,7 +311,7 @@ class SQLiteStore:
     def release_run(self, run_id: str, holder: str, *, status: str | None = None) -> None:
         def go() -> None:
             with self._tx() as c:
-                c.execute("UPDATE runs SET lease_holder = NULL, lease_expires = NULL, status = COALESCE(?, status) "
+                c.execute("UPDATE runs SET lease_expires = NULL, status = COALESCE(?, status) "
                           "WHERE run_id = ? AND lease_holder = ?", (status, run_id, holder))
 
         self._guard("releasing a run", go)
@@ -322,18 +323,18 @@ class SQLiteStore:
 
         def go() -> int:
             with self._tx() as c:
-                run = c.execute("SELECT state, lease_holder FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+                run = c.execute("SELECT state, lease_holder, lease_expires, status FROM runs WHERE run_id = ?",
+                                (run_id,)).fetchone()
                 if run is None:
                     raise UnknownRunError(f"no run {run_id!r} in {self.path}")
-                if holder is not None and run[1] != holder:
-                    raise LeaseLostError(run_id, holder, run[1])
+                check_holder(run_id, holder, run[1], run[2], run[3])
                 row = c.execute("SELECT COALESCE(MAX(seq), 0) FROM checkpoints WHERE run_id = ?", (run_id,)).fetchone()
                 seq = int(row[0]) + 1
                 packed = pack(state, step, visit, seq, result, route, json.loads(run[0]) if run[0] else None)
                 c.execute("INSERT INTO checkpoints (run_id, seq, step, visit, status, result, route, created) "
                           "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                           (run_id, seq, step, visit, step_status, dumps(result), dumps(route), now))
-                lease = "" if run_status == "running" else ", lease_holder = NULL, lease_expires = NULL"   # it ended
+                lease = "" if run_status == "running" else ", lease_expires = NULL"   # it ended: given back
                 c.execute(f"UPDATE runs SET status = ?, interrupt = ?, updated = ?, state = ?, threads = ?{lease} "
                           f"WHERE run_id = ?", (run_status, dumps(interrupt) if interrupt is not None else None, now,
                                                 dumps(packed), dumps(threads), run_id))

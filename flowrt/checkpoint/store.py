@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["CheckpointStore", "CheckpointError", "RunRecord", "UnknownRunError", "RunNotResumableError",
-           "RunBusyError", "LeaseLostError", "ReadOnlyStoreError", "RESUMABLE", "claim_refusal"]
+           "RunBusyError", "LeaseLostError", "ReadOnlyStoreError", "RESUMABLE", "claim_refusal", "check_holder"]
 
 
 class CheckpointError(RuntimeError):
@@ -38,11 +38,28 @@ class RunBusyError(RunNotResumableError):
 
 class LeaseLostError(CheckpointError):
     """This holder's lease on the run was taken over (it expired and another resume claimed the run): the
-    checkpoint is refused, so two holders never write one run."""
+    checkpoint is refused, so two holders never write one run. ``current``: who holds the run now; ``last``:
+    who held it last when no one does now (the resume that took it over and has finished or stopped since)."""
 
-    def __init__(self, run_id: str, holder: str, current: str | None) -> None:
-        super().__init__(f"run {run_id}: {holder} no longer holds it ({current or 'no one'} took it over after its "
-                         f"lease ran out), so this checkpoint is not saved")
+    def __init__(self, run_id: str, holder: str, current: str | None, *, last: str | None = None,
+                 status: str | None = None) -> None:
+        if current is not None:
+            who = f"{current} took it over after its lease ran out"
+        elif last is not None and last != holder:
+            who = f"{last} took it over after its lease ran out, and has given it back since (the run is {status})"
+        else:
+            who = "its lease ran out, and no one holds it now"
+        super().__init__(f"run {run_id}: {holder} no longer holds it ({who}), so this checkpoint is not saved")
+        self.run_id, self.holder, self.current, self.last = run_id, holder, current, last
+
+
+def check_holder(run_id: str, holder: str | None, lease_holder: str | None, lease_expires: float | None,
+                 status: str) -> None:
+    """A store's ``save`` check, from the run's row as it is: ``LeaseLostError`` unless ``holder`` (if given)
+    holds the run. A given-back lease keeps its holder's name with no expiry (the last holder, for the message)."""
+    current = lease_holder if lease_expires is not None else None
+    if holder is not None and current != holder:
+        raise LeaseLostError(run_id, holder, current, last=lease_holder, status=status)
 
 
 RESUMABLE = ("running", "interrupted", "failed")   # what claim_run takes (running: when its lease ran out)
@@ -82,7 +99,8 @@ class CheckpointStore(Protocol):
 
     Leases: a run is executed by one holder at a time. ``create_run`` (with ``holder``) and ``claim_run``
     give the holder a lease of ``ttl`` seconds, which it renews (``renew_lease``) while it runs and gives
-    back when it ends (``release_run``, or a ``save`` with a final ``run_status``). A lease whose holder
+    back when it ends (``release_run``, or a ``save`` with a final ``run_status``: the row keeps the holder's
+    name without an expiry, so that a holder whose lease was taken over learns by whom). A lease whose holder
     died runs out; then the run (status ``running`` with no live lease: it crashed) can be claimed again.
     ``save`` with ``holder`` is refused (``LeaseLostError``) once another holder has claimed the run."""
 

@@ -258,6 +258,13 @@ def _make_runtime(args: argparse.Namespace, cmd: str, model: Any, engine_kwargs:
         raise
 
 
+def _shown(checkpoint: str | None) -> str:
+    """How ``--checkpoint`` is printed: a URL without its password (flowrt.checkpoint.redact)."""
+    from ..checkpoint.redact import redact_url
+
+    return redact_url(checkpoint)
+
+
 class _CliEvents:
     """``flowrt run`` / ``resume`` as an event listener: the run id at the start (stderr), and with
     ``--stream`` every thread's text as it is generated (stdout; a ``[step #thread.fork]`` header when the
@@ -272,7 +279,7 @@ class _CliEvents:
         if kind == "run_started" and ev.run_id:
             how = " (forked)" if self.cmd == "runs fork" else " (resumed)" if ev.resumed else ""
             print(f"flowrt {self.cmd}: run {ev.run_id}{how}; checkpoints in "
-                  f"{self.checkpoint}", file=sys.stderr, flush=True)
+                  f"{_shown(self.checkpoint)}", file=sys.stderr, flush=True)
         if not self.stream:
             return
         if kind == "token":
@@ -364,10 +371,10 @@ def _run_cli(args: argparse.Namespace, cmd: str, wf: Any, runtime: Any, start: C
         if steps:
             print(f"flowrt {cmd}: run {result.run_id} is waiting for {len(steps)} answers (steps "
                   f"{', '.join(map(repr, steps))}); continue it with: flowrt resume {result.run_id} --checkpoint "
-                  f"{args.checkpoint} " + " ".join(f"--answer '{s}=...'" for s in steps), file=sys.stderr)
+                  f"{_shown(args.checkpoint)} " + " ".join(f"--answer '{s}=...'" for s in steps), file=sys.stderr)
         else:
             print(f"flowrt {cmd}: run {result.run_id} is waiting for an answer (step {it.get('step')!r}); continue "
-                  f"it with: flowrt resume {result.run_id} --checkpoint {args.checkpoint} --answer '...'",
+                  f"it with: flowrt resume {result.run_id} --checkpoint {_shown(args.checkpoint)} --answer '...'",
                   file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_OK if result.ok else EXIT_STEP_FAILED
@@ -453,7 +460,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if record.status == "done":
         print(f"flowrt resume: run {record.run_id} already finished; `flowrt runs show {record.run_id} --checkpoint "
-              f"{args.checkpoint}` shows its results", file=sys.stderr)
+              f"{_shown(args.checkpoint)}` shows its results", file=sys.stderr)
         return EXIT_USAGE
     holder = live_holder(record)
     if holder is not None:   # before loading anything; the claim when the run starts is what decides
@@ -489,7 +496,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
                                    "holder": live_holder(r)} for r in runs], indent=2))
                 return EXIT_OK
             if not runs:
-                print(f"no runs in {args.checkpoint}", file=sys.stderr)
+                print(f"no runs in {_shown(args.checkpoint)}", file=sys.stderr)
             for r in runs:
                 held = live_holder(r)
                 print(f"{r.run_id}  {r.status:<11}  {r.workflow:<20}  {when(r.created)}  {r.checkpoints} checkpoints"

@@ -19,6 +19,7 @@ from .generation import Job, Submission, answer, sampling_params
 from .outputs import CompletionLogprobs, Delta, stop_holdback, usage_of
 from .prompts import check_token_ids, encode, max_tokens_for
 from .state import ServerState, State
+from .streaming import until_disconnect
 
 router = APIRouter(prefix="/v1")
 
@@ -91,7 +92,7 @@ async def completions(req: P.CompletionRequest, request: Request, st: State) -> 
     max_tokens = min(max_tokens_for(st, len(j.prompt_ids), req.max_tokens, "prompt") for j in jobs)
     c = _Completion(req, st.tokenizer, base, st.model_name(req.model))
     if req.use_beam_search:
-        return await _beam_search(st, c, jobs, max_tokens, constraint)
+        return await _beam_search(st, request, c, jobs, max_tokens, constraint)
     params = _sampling(req, max_tokens, constraint)
     await S.precompile(st.engine, constraint)  # off the event loop; the submission then hits the cache
     sub = Submission(st, jobs, params, t0, user=req.user)
@@ -102,9 +103,10 @@ async def completions(req: P.CompletionRequest, request: Request, st: State) -> 
                                         "usage": usage_of(finals, jobs)})
 
 
-async def _beam_search(st: ServerState, c: _Completion, jobs: list[Job], max_tokens: int,
+async def _beam_search(st: ServerState, request: Request, c: _Completion, jobs: list[Job], max_tokens: int,
                        constraint: S.Constraint | None) -> Response:
-    """vLLM's `use_beam_search`: `n` beams per prompt (the engine's beam search), best first, as choices."""
+    """vLLM's `use_beam_search`: `n` beams per prompt (the engine's beam search), best first, as choices. A
+    client that goes away aborts the searches (each releases its beams' KV), as it does any request."""
     from fastapi.responses import JSONResponse
 
     from flowrt.engine import BeamSearchParams
@@ -119,7 +121,13 @@ async def _beam_search(st: ServerState, c: _Completion, jobs: list[Job], max_tok
                                   structured_outputs=constraint.params if constraint is not None else None)
     except ValueError as e:
         raise from_exception(e) from None
-    outs = await asyncio.gather(*(search({"prompt_token_ids": j.prompt_ids}, params) for j in jobs))
+
+    async def searches() -> list[Any]:   # a task: a gather cancelled from outside holds a CancelledError instead
+        return await asyncio.gather(*(search({"prompt_token_ids": j.prompt_ids}, params) for j in jobs))
+
+    done, outs = await until_disconnect(st, request, searches())
+    if not done:
+        return Response(status_code=499)
     choices, completion = [], 0
     for job, out in zip(jobs, outs):
         for i, b in enumerate(out.sequences):

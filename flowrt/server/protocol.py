@@ -139,14 +139,16 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     # vLLM's beam search extension: `n` beams per prompt, best first
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: float = Field(1.0, allow_inf_nan=False)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.use_beam_search:
-            for name in ("stream", "logprobs", "stop"):
+            for name in ("stream", "stop"):
                 if getattr(self, name):
                     raise bad_request(f"{name} is not supported with use_beam_search.", param=name)
+            if self.logprobs is not None:   # also 0: the beams' choices carry no log-probabilities
+                raise bad_request("logprobs is not supported with use_beam_search.", param="logprobs")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of different from n is not supported.", param="best_of")
         if self.suffix:

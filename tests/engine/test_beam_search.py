@@ -150,6 +150,9 @@ def test_bad_params_name_the_field():
         BeamSearchParams(temperature=0.7)
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=11)
+    for bad in (float("nan"), float("inf"), -float("inf")):   # issue 39 item 11: every score would be NaN
+        with pytest.raises(ValueError, match="length_penalty"):
+            BeamSearchParams(length_penalty=bad)
 
 
 def test_async_beam_search_and_kept_beams(stories_path):

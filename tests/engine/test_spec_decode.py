@@ -8,6 +8,7 @@ import torch
 from support import hf_greedy, make_tiny_model
 from flowrt.engine import LLM, SamplingParams
 from flowrt.engine.block_pool import BlockPool
+from flowrt.engine.config import EngineArgs
 from flowrt.engine.kv_cache_manager import KVCacheManager
 from flowrt.engine.sequence import Request, Sequence
 from flowrt.engine.ngram_index import NgramIndex
@@ -51,6 +52,19 @@ def test_config_is_checked():
         SpeculativeConfig(prompt_lookup_min=5, prompt_lookup_max=3)
     with pytest.raises(ValueError, match="method"):
         LLM(None, speculative_config={"method": "eagle"})
+
+
+@pytest.mark.parametrize("field, bound", [("num_speculative_tokens", 32), ("prompt_lookup_min", 16),
+                                          ("prompt_lookup_max", 16), ("suffix_cache_tokens", 1 << 18),
+                                          ("fallback_tokens", 32)])
+def test_sizes_are_bounded(field, bound):
+    """Issue 39 item 10: prompt_lookup_max 100000 was accepted (each request then took seconds and RSS grew):
+    every size is bounded, on the Python API and in --speculative-config's JSON, by an error naming it."""
+    SpeculativeConfig(**{field: bound, "prompt_lookup_max": 16})   # the bound itself is allowed
+    with pytest.raises(ValueError, match=rf"{field}\n.*less than or equal to {bound}"):
+        SpeculativeConfig(**{field: bound + 1})
+    with pytest.raises(ValueError, match=rf"speculative_config.{field}\n.*less than or equal to {bound}"):
+        EngineArgs(speculative_config=f'{{"{field}": {max(bound + 1, 100000)}}}')
 
 
 @pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 7}, {"num_kv_blocks": 9, "block_size": 8}],

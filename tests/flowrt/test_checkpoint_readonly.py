@@ -132,3 +132,32 @@ def test_an_older_format_is_read_as_it_is_and_converted_only_when_written(tmp_pa
     con.close()
     with pytest.raises(CheckpointError, match="checkpoint format 1 .* reading commands do not convert"):
         SQLiteStore(db, readonly=True)
+
+
+def _pg_tables(url: str) -> list[str]:
+    import psycopg
+
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute("SELECT table_name FROM information_schema.tables "
+                                        "WHERE table_schema = current_schema()")]
+
+
+def test_reading_commands_never_create_postgres_tables(pg_url, capsys):
+    """Issue 39 item 15: on PostgreSQL as on SQLite, reading never writes."""
+    from flowrt.checkpoint import open_store
+
+    for argv in (["runs", "list"], ["runs", "show", "r1"], ["runs", "history", "r1"], ["resume", "r1"]):
+        assert main([*argv, "--checkpoint", pg_url]) == 2
+        assert "no flowrt checkpoints in" in capsys.readouterr().err
+    assert _pg_tables(pg_url) == []
+    writer = open_store(pg_url)
+    writer.create_run("r1", "w", {"x": 1})
+    writer.close()
+    tables = sorted(_pg_tables(pg_url))
+    store = open_store(pg_url, readonly=True)
+    assert store.get_run("r1").status == "running" and [r.run_id for r in store.list_runs()] == ["r1"]
+    with pytest.raises(ReadOnlyStoreError, match="opened read-only"):
+        store.claim_run("r1", "h:1:a", 30)
+    store.close()
+    assert main(["runs", "list", "--checkpoint", pg_url]) == 0 and "r1" in capsys.readouterr().out
+    assert sorted(_pg_tables(pg_url)) == tables

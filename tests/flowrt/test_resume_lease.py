@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -79,6 +80,29 @@ def test_renew_release_and_a_fenced_save(store):
         store.claim_run("r1", "h:3:c", 60)
 
 
+def test_a_lost_lease_names_who_took_the_run_over(store):
+    """Issue 39 item 13: also once the new holder has finished and given the run back."""
+    _crashed_run(store)
+    store.claim_run("r1", "h:1:a", -1)   # its lease ran out (a SIGSTOP past the lease)
+    store.claim_run("r1", "h:2:b", 60)
+    with pytest.raises(LeaseLostError, match=r"\(h:2:b took it over after its lease ran out\)"):
+        store.save("r1", step="b", visit=1, step_status="done", result=None, route=None, threads=[], state={},
+                   run_status="running", holder="h:1:a")
+    store.save("r1", step=None, visit=0, step_status="done", result=None, route=None, threads=[], state={},
+               run_status="done", holder="h:2:b")
+    assert store.get_run("r1").holder is None and not store.renew_lease("r1", "h:2:b", 60)
+    with pytest.raises(LeaseLostError, match=r"h:2:b took it over .*, and has given it back since \(the run is done"):
+        store.save("r1", step="b", visit=1, step_status="done", result=None, route=None, threads=[], state={},
+                   run_status="running", holder="h:1:a")
+    store.create_run("r2", "wf", {}, holder="h:1:a", ttl=60)
+    store.release_run("r2", "h:1:a")
+    with pytest.raises(LeaseLostError, match="no one holds it now"):   # given back by itself: no one took it
+        store.save("r2", step="b", visit=1, step_status="done", result=None, route=None, threads=[], state={},
+                   run_status="running", holder="h:1:a")
+    rec = RunCheckpoint.resume(store, "r2")   # a lease given back is free
+    assert store.get_run("r2").holder == rec.holder
+
+
 def test_an_answer_claims_only_an_interrupted_run(store):
     _crashed_run(store)
     with pytest.raises(RunNotResumableError, match="not waiting for an answer"):
@@ -104,6 +128,23 @@ def test_an_expired_lease_of_a_dead_holder_is_taken_over(store):
     assert live_holder(store.get_run("r3")) is None
     run = RunCheckpoint.resume(store, "r3")
     assert store.get_run("r3").holder == run.holder != dead_holder
+
+
+def test_a_zombie_holder_is_dead(store):
+    """Issue 39 item 14: right after a kill -9, the holder's pid exists until its parent reaps it (state Z)."""
+    child = subprocess.Popen(["true"])
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while open(f"/proc/{child.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.01)
+        zombie = f"{socket.gethostname()}:{child.pid}:dead"
+        assert holder_is_dead(zombie)
+        store.create_run("r1", "wf", {}, holder=zombie, ttl=60)
+        run = RunCheckpoint.resume(store, "r1")   # taken over at once, not refused as "held by"
+        assert store.get_run("r1").holder == run.holder != zombie
+    finally:
+        child.wait()
 
 
 def test_the_renewer_renews_until_the_lease_is_lost():

@@ -351,6 +351,17 @@ def test_disconnect_non_streaming_aborts(server):
 # ---- metrics -----------------------------------------------------------------------------------------------
 
 
+def test_metrics_and_health_are_open_with_an_api_key(server, client):
+    """Issue 39 item 16, as the README says: --api-key guards /v1; /metrics and /health stay open (Prometheus
+    scrapers and health checks carry no key), and they hold counts and timings, never a request's text or user."""
+    client.completions.create(model=MODEL, prompt="zebra-prompt", max_tokens=2, user="user-zebra")
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    r = httpx.get(server.url + "/metrics")
+    assert r.status_code == 200 and "flowrt_http_requests_total" in r.text
+    assert "zebra" not in r.text
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_metrics_parse(server, client):
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
     # one request of each refused kind, so the test stands alone (not only after the error tests above)
