@@ -532,10 +532,12 @@ def _print_history(hist: list[dict[str, Any]], as_json: bool, when: Callable[[fl
     if as_json:
         print(json.dumps(hist, indent=2, ensure_ascii=False, default=str))
         return EXIT_OK
-    for h in hist:
-        step = h["step"] or "(run)"
-        result = _summary(h["result"]) if h["result"] is not None else ""
-        print(f"{h['seq']:>4}  {when(h['created'])}  {step:<24}  {h['status']:<11}  {result}")
+    from .table import text_table
+
+    rows = [(str(h["seq"]), when(h["created"]), h["step"] or "(run)", h["status"] or "",
+             _summary(h["result"]) if h["result"] is not None else "") for h in hist]
+    for line in text_table(rows, right=frozenset({0})):
+        print(line)
     return EXIT_OK
 
 
