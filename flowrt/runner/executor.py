@@ -646,6 +646,7 @@ class WorkflowRun:
         run_stats = {
             "elapsed_s": round(elapsed, 6),
             "steps_completed": len(st.outputs),
+            "step_runs": sum(st.visits.values()),   # a loop's step counts once per run of it (retries do not)
             "steps_failed": sum(1 for e in st.errors.values() if e.kind != "skipped"),
             "steps_skipped": sum(1 for e in st.errors.values() if e.kind == "skipped"),
             **self.tracer.llm_totals,
@@ -723,7 +724,7 @@ def _stats(engine_fn: Callable[[], dict[str, Any]] | None, run: dict[str, Any]) 
             engine = dict(engine_fn())
         except Exception:  # noqa: BLE001 - stats are informative: never fail a finished run over them
             engine = {}
-    flat_run = {k if k.startswith(("elapsed", "steps_")) else f"run_{k}": v for k, v in run.items()}
+    flat_run = {k if k.startswith(("elapsed", "step")) else f"run_{k}": v for k, v in run.items()}
     return {**engine, **flat_run, "engine": engine, "run": run}
 
 
