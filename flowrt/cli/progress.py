@@ -109,7 +109,7 @@ def steps_done(run: dict[str, Any]) -> str:
 def summary_line(result: Any) -> str:
     """The line ``flowrt run`` ends with: steps, time, and the run's LLM calls and tokens."""
     st = result.stats
-    parts = [steps_done(st.get("run") or st)]
+    parts = [steps_done(st)]
     if st.get("steps_failed"):
         parts.append(f"{st['steps_failed']} failed")
     if st.get("steps_skipped"):
