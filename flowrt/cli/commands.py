@@ -301,7 +301,10 @@ class _CliEvents:
             print(f"-- {ev.step} {detail}", file=sys.stderr, flush=True)
 
 
-def _run_cli(args: argparse.Namespace, cmd: str, wf: Any, runtime: Any, start: Callable[..., Any]) -> int:
+def _run_cli(args: argparse.Namespace, cmd: str, wf: Any, runtime: Any, start: Callable[..., Any],
+             loads: Sequence[str] | None = None) -> int:
+    """Run ``start`` on ``runtime`` and print the result. ``loads``: the resources the run loads before its
+    steps (default: every one the workflow uses; a resume: only those its remaining steps need)."""
     import anyio
 
     from ..checkpoint import CheckpointError
@@ -318,8 +321,9 @@ def _run_cli(args: argparse.Namespace, cmd: str, wf: Any, runtime: Any, start: C
 
     async def go() -> Any:
         async with runtime:
-            if "llm" in wf.resources:  # a model that cannot load is a usage error, not a skipped step
+            if "llm" in wf.resources:
                 _show_engine_log()   # the engine's start-up line: model, dtype, KV blocks and MiB
+            if "llm" in (wf.resources if loads is None else loads):  # a model that cannot load: a usage error
                 try:
                     await runtime.model()
                 except Exception as e:
@@ -471,8 +475,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if setup is None:
         return EXIT_USAGE
     wf, runtime = setup
+    from ..checkpoint.needs import resources_to_continue
+
     return _run_cli(args, "resume", wf, runtime,
-                    lambda **kw: runtime.resume(args.run_id, answer=answer, answers=answers, workflow=wf, **kw))
+                    lambda **kw: runtime.resume(args.run_id, answer=answer, answers=answers, workflow=wf, **kw),
+                    loads=resources_to_continue(wf, record.state))
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
@@ -539,10 +546,12 @@ def _print_history(hist: list[dict[str, Any]], as_json: bool, when: Callable[[fl
     if as_json:
         print(json.dumps(hist, indent=2, ensure_ascii=False, default=str))
         return EXIT_OK
-    for h in hist:
-        step = h["step"] or "(run)"
-        result = _summary(h["result"]) if h["result"] is not None else ""
-        print(f"{h['seq']:>4}  {when(h['created'])}  {step:<24}  {h['status']:<11}  {result}")
+    from .table import text_table
+
+    rows = [(str(h["seq"]), when(h["created"]), h["step"] or "(run)", h["status"] or "",
+             _summary(h["result"]) if h["result"] is not None else "") for h in hist]
+    for line in text_table(rows, right=frozenset({0})):
+        print(line)
     return EXIT_OK
 
 

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from ..runner.executor import RunObserver
 
-__all__ = ["ProgressDisplay", "summary_line"]
+__all__ = ["ProgressDisplay", "summary_line", "steps_done"]
 
 _STYLE = {"pending": "dim", "running": "yellow", "done": "green", "failed": "bold red", "skipped": "magenta",
           "interrupted": "cyan"}
@@ -93,9 +93,23 @@ class ProgressDisplay:
             self._live.__exit__(*exc)
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def steps_done(run: dict[str, Any]) -> str:
+    """"2 steps done", or with a loop (or a step that failed after running) both counts: "5 step runs, 2 steps
+    done" (``stats.run.step_runs`` and ``steps_completed``)."""
+    done = run.get("steps_completed", 0)
+    runs = run.get("step_runs", done)
+    head = f"{_count(runs, 'step run')}, " if runs != done else ""
+    return f"{head}{_count(done, 'step')} done"
+
+
 def summary_line(result: Any) -> str:
+    """The line ``flowrt run`` ends with: steps, time, and the run's LLM calls and tokens."""
     st = result.stats
-    parts = [f"{st.get('steps_completed', 0)} steps done"]
+    parts = [steps_done(st)]
     if st.get("steps_failed"):
         parts.append(f"{st['steps_failed']} failed")
     if st.get("steps_skipped"):

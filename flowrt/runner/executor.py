@@ -367,13 +367,30 @@ class WorkflowRun:
                 self.resolve(step.name, "not_routed", StepError(
                     step.name, f"not routed: depends on {d!r}, which was not routed", kind="not_routed"))
                 return "resolved"
+        if self.skip_if_unavailable(step):
+            return "resolved"
+        return "run"
+
+    def skip_if_unavailable(self, step: Step) -> bool:
+        """Skip ``step`` (True) when a resource it needs could not be loaded."""
         missing = [r for r in step.resources if r in self.resource_errors]
         if missing:
             self.resolve(step.name, "skipped", StepError(
                 step.name, f"skipped: resource {missing[0]!r} is unavailable: "
                 f"{self.resource_errors[missing[0]]}", kind="skipped"))
-            return "resolved"
-        return "run"
+        return bool(missing)
+
+    async def load_missing(self, step: Step) -> bool:
+        """Load the resources ``step`` needs that were not loaded before the run (a resume loads only those of
+        the steps that run again; a loop route may send it back to another); False when one cannot be (the
+        step is skipped)."""
+        missing = [r for r in step.resources if r not in self.resources and r not in self.resource_errors]
+        if missing:
+            loaded, errors = await load_resources(self.wf, self.provider, self.observer, only=missing)
+            self.resources.update(loaded)
+            self.root.resources.update(loaded)   # the run's stats include the engine's once it is loaded
+            self.resource_errors.update(errors)
+        return not self.skip_if_unavailable(step)
 
     def kwargs_for(self, step: Step) -> dict[str, Any]:
         """The step's arguments: resources, route values, upstream results, inputs, defaults."""
@@ -510,6 +527,8 @@ class WorkflowRun:
         label = self.label(step.name)
         token = current_step.set(label)
         try:
+            if not await self.load_missing(step):
+                return
             visit = self._next_visit(step)
             if visit is None:
                 return
@@ -646,6 +665,7 @@ class WorkflowRun:
         run_stats = {
             "elapsed_s": round(elapsed, 6),
             "steps_completed": len(st.outputs),
+            "step_runs": sum(st.visits.values()),   # a loop's step counts once per run of it (retries do not)
             "steps_failed": sum(1 for e in st.errors.values() if e.kind != "skipped"),
             "steps_skipped": sum(1 for e in st.errors.values() if e.kind == "skipped"),
             **self.tracer.llm_totals,
@@ -698,7 +718,7 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
     if tracer.stats_fn is None:
         tracer.stats_fn = stats_fn
     t_start = time.perf_counter()
-    resources, resource_errors = await load_resources(wf, provider, observer)
+    resources, resource_errors = await load_resources(wf, provider, observer, only=_upfront(wf, checkpoint))
     run = WorkflowRun(wf, inputs, resources=resources, resource_errors=resource_errors, tracer=tracer,
                       observer=observer, checkpoint=checkpoint, events=events, provider=provider)
     restored = run.restore()
@@ -708,6 +728,17 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
     if checkpoint is not None:
         checkpoint.finish(run.st, result.status, run.threads)
     return result
+
+
+def _upfront(wf: Workflow, checkpoint: Any) -> list[str] | None:
+    """The resources to load before the run starts: all of the workflow's for a new run (None), for a resume
+    those its remaining steps need (flowrt.checkpoint.needs)."""
+    state = getattr(getattr(checkpoint, "record", None), "state", None)
+    if not state:
+        return None
+    from ..checkpoint.needs import resources_to_continue
+
+    return resources_to_continue(wf, state)
 
 
 def _stats(engine_fn: Callable[[], dict[str, Any]] | None, run: dict[str, Any]) -> dict[str, Any]:
@@ -723,7 +754,7 @@ def _stats(engine_fn: Callable[[], dict[str, Any]] | None, run: dict[str, Any]) 
             engine = dict(engine_fn())
         except Exception:  # noqa: BLE001 - stats are informative: never fail a finished run over them
             engine = {}
-    flat_run = {k if k.startswith(("elapsed", "steps_")) else f"run_{k}": v for k, v in run.items()}
+    flat_run = {k if k.startswith(("elapsed", "step")) else f"run_{k}": v for k, v in run.items()}
     return {**engine, **flat_run, "engine": engine, "run": run}
 
 

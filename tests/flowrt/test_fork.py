@@ -126,7 +126,7 @@ def test_cli_history_and_fork(tmp_path, capsys):
     assert main(["runs", "history", run_id, "--checkpoint", db]) == 0
     rows = capsys.readouterr().out.splitlines()
     assert [r.split()[3] for r in rows] == ["load", "side", "scale", "total", "(run)"]
-    assert rows[2].endswith("scale                     done         [0, 2, 4]")
+    assert rows[2].endswith("scale  done  [0, 2, 4]")   # columns as wide as their widest cell
     assert rows[3].split()[4:] == ["done", "9"]
 
     assert main(["runs", "fork", run_id, "--at", "scale", "--input", "factor=5", "--checkpoint", db,

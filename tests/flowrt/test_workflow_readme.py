@@ -1,9 +1,15 @@
 """The README's workflow files run as they are (no undefined names, real signatures), here on the tiny
-test model instead of the default one."""
+test model instead of the default one; every python block in it compiles; and its self-consistency workflow,
+the shipped workflows/self_consistency.py, answers its question right on the default model."""
 
 from __future__ import annotations
 
+import ast
+import os
 import re
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import anyio
@@ -44,6 +50,56 @@ def run_file(tmp_path: Path, name: str, src: str, engine, **inputs) -> fr.RunRes
             return await rt.run(wf, **inputs)
 
     return anyio.run(main)
+
+
+def python_blocks() -> list[tuple[int, str, str]]:
+    """Every ```python block of the README (those indented in a list too): (line, the text before it, code)."""
+    text = (ROOT / "README.md").read_text()
+    return [(text.count("\n", 0, m.start()) + 1, text[:m.start()], textwrap.dedent(m.group(2)))
+            for m in re.finditer(r"^( *)```python\n(.*?)^\1```", text, re.S | re.M)]
+
+
+# The blocks the README says run as they are, by their section, and the tests that run them.
+RUN_BY_TESTS = {
+    "## Workflows": "here: test_readme_workflow_runs_as_is, test_readme_self_consistency_answers_8_...",
+    "## Routing, checkpoints, interrupts and streaming": "test_workflow_routing.py: test_readme_routed_agent_loop_...",
+    "## Subgraphs and time travel": "here: test_readme_subgraphs_and_time_travel_block_runs",
+    "## Threads and chat": "here: test_readme_threads_and_chat_block_runs",
+    "### Structured output and tools": "test_tools.py: test_readme_structured_and_tools_block_runs",
+}
+
+
+def test_every_readme_python_block_compiles_and_those_said_to_run_are_run():
+    blocks = python_blocks()
+    assert len(blocks) >= 8
+    said_to_run = set()
+    for line, before, code in blocks:
+        compile(code, f"README.md:{line}", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)   # `async with` in a list
+        paragraph = " ".join(before.rstrip("\n").rsplit("\n\n", 1)[-1].split())
+        if "runs as it is" in paragraph or "workflow file too" in paragraph:
+            said_to_run.add(re.findall(r"^#+ .*$", before, re.M)[-1])
+    assert said_to_run == set(RUN_BY_TESTS)
+
+
+def test_readme_workflows_block_is_the_shipped_self_consistency_file():
+    shipped = (ROOT / "workflows" / "self_consistency.py").read_text()
+    docstring = ast.get_docstring(ast.parse(shipped), clean=False)
+    assert readme_block("## Workflows") == shipped.split(docstring + '"""\n', 1)[1].lstrip("\n")
+
+
+@pytest.mark.slow
+def test_readme_self_consistency_answers_8_on_the_default_model(tmp_path):
+    """`python sc.py` as the README says, on the default model (SmolLM2-135M-Instruct): seeded samples, so the
+    same samples every run (on one machine and dtype); 8 must win the vote, by most of the samples."""
+    path = tmp_path / "sc.py"
+    path.write_text(readme_block("## Workflows"))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    vote, answers = proc.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert vote == "8", proc.stdout
+    assert ast.literal_eval(answers).count("8") >= 5, proc.stdout
 
 
 def test_readme_workflow_runs_as_is(tmp_path, engine):
