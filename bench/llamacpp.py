@@ -144,7 +144,7 @@ def _median(xs: list[float | None]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def print_tables(ms: list[Measurement], servers: list[str]) -> None:
+def print_tables(ms: list[Measurement], servers: list[str], file_tensors: dict[str, int]) -> None:
     keys = list(dict.fromkeys((m.gguf, m.workload) for m in ms))
     print("\n| file | workload | " + " | ".join(f"{s} out tok/s (TPOT ms)" for s in servers)
           + (" | flowrt / llama.cpp |" if len(servers) == 2 else " |"))
@@ -161,13 +161,20 @@ def print_tables(ms: list[Measurement], servers: list[str]) -> None:
             a, b = rates[servers[0]], rates[servers[1]]
             ratio = f" | {a / b:.2f}x" if a and b else " | -"
         print(f"| {gguf} | {wl} | " + " | ".join(cells) + ratio + " |")
-    print("\n| file | server | after workload | VmRSS MiB | RssAnon MiB | RssFile MiB | reported weights MiB |")
+    print("\n| file (tensor MiB) | server | after workload | VmRSS MiB | RssAnon MiB | RssFile MiB | reported weights MiB |")
     print("|---|---|---|---|---|---|---|")
     last = {(m.gguf, m.server, m.workload): m for m in ms}   # the last round's
     for (gguf, server, wl), m in last.items():
         rep = " + ".join(f"{mib(v)} ({k})" for k, v in m.reported_weights_bytes.items()) or "-"
-        print(f"| {gguf} | {server} | {wl} | {mib(m.memory.vm_rss)} | {mib(m.memory.rss_anon)} | "
+        print(f"| {gguf} ({mib(file_tensors[gguf])}) | {server} | {wl} | {mib(m.memory.vm_rss)} | {mib(m.memory.rss_anon)} | "
               f"{mib(m.memory.rss_file)} | {rep} |")
+
+
+def tensor_bytes(gguf: Path) -> int:
+    """The file's tensor data: what a server that keeps the file's formats needs for weights."""
+    from flowrt.engine.gguf_loader import read_gguf_header
+
+    return sum(t.nbytes for t in read_gguf_header(gguf).tensors.values())
 
 
 def default_gguf() -> list[Path]:
@@ -210,9 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"# server logs in {log_dir}", flush=True)
     ms: list[Measurement] = []
+    file_tensors = {g.name: tensor_bytes(g) for g in ggufs}
     for gguf in ggufs:
         words = vocabulary_words(gguf)
-        print(f"\n{gguf} ({gguf.stat().st_size / 2**20:,.1f} MiB)", flush=True)
+        print(f"\n{gguf}: {gguf.stat().st_size / 2**20:,.1f} MiB, tensors {mib(file_tensors[gguf.name])} MiB", flush=True)
         for rnd in range(a.rounds):
             for kind in (servers if rnd % 2 == 0 else servers[::-1]):
                 for i, wl in enumerate(workloads):
@@ -220,12 +228,12 @@ def main(argv: list[str] | None = None) -> int:
                         m = measure(server, gguf, wl, words, rnd, a.seed + 1000 * i)
                     ms.append(m)
                     print_line(m)
-    print_tables(ms, servers)
+    print_tables(ms, servers, file_tensors)
     if a.json:
         from sysinfo import system_info
 
         a.json.write_text(json.dumps({"system": system_info(flowrt_dtype(a.flowrt_args)),
-                                      "workloads": [asdict(w) for w in workloads],
+                                      "workloads": [asdict(w) for w in workloads], "file_tensor_bytes": file_tensors,
                                       "measurements": [asdict(m) for m in ms]}, indent=1))
     return 1 if any(m.errors for m in ms) else 0
 

@@ -97,13 +97,18 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, pro
 async def run_load(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int,
                    timeout_s: float = 900.0) -> LoadResult:
     """Sends every prompt, `concurrency` at a time (closed loop: a worker sends its next when one ends)."""
-    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    # a fresh connection per request: llama-server's HTTP library drops reused idle connections at its own pace,
+    # and on loopback a connect costs microseconds
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=0)
     queue = list(reversed(prompts))
     results: list[RequestResult] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
         async def worker() -> None:
             while queue:
-                results.append(await stream_completion(client, url, model, queue.pop(), max_tokens))
+                try:
+                    results.append(await stream_completion(client, url, model, queue.pop(), max_tokens))
+                except httpx.HTTPError as e:  # recorded like any failed request: the run goes on
+                    results.append(RequestResult(None, 0, 0.0, None, f"{type(e).__name__}: {e}"[:200]))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))

@@ -68,6 +68,7 @@ def llamacpp_spec(gguf: Path, bin_dir: Path, threads: int, slots: int, context: 
     port = free_port()
     cmd = [str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(context), "--alias", MODEL_NAME,
+           "-lv", "4",  # b11434 logs its "model buffer size" lines at debug level only (a few lines per request)
            *extra_args]
     return ServerSpec("llama.cpp", cmd, f"http://127.0.0.1:{port}")
 
