@@ -95,14 +95,15 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, pro
 
 
 async def run_load(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int,
-                   timeout_s: float = 900.0) -> LoadResult:
-    """Sends every prompt, `concurrency` at a time (closed loop: a worker sends its next when one ends)."""
+                   timeout_s: float = 900.0, transport: httpx.AsyncBaseTransport | None = None) -> LoadResult:
+    """Sends every prompt, `concurrency` at a time (closed loop: a worker sends its next when one ends).
+    `transport` replaces the network (tests)."""
     # a fresh connection per request: llama-server's HTTP library drops reused idle connections at its own pace,
     # and on loopback a connect costs microseconds
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=0)
     queue = list(reversed(prompts))
     results: list[RequestResult] = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, transport=transport) as client:
         async def worker() -> None:
             while queue:
                 try:
