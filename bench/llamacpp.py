@@ -32,7 +32,20 @@ The files of the issue's table (not in the repository; regenerate them, llama.cp
     for t in Q8_0 Q4_K_M; do $Q /tmp/quant1b/llama1b-f16.gguf /tmp/quant1b/llama1b-${t,,}.gguf $t; done
 
 The 135M F32 file is dequantized from Q4_1 (llama.cpp's F32 baseline reads those bytes); its Q8_0 and Q4_K_M
-are requantized from Q4_1, so they carry Q4_1's rounding plus their own; speed does not care.
+are requantized from Q4_1, so they carry Q4_1's rounding plus their own; speed does not care. Know what the
+135M "Q4_K_M" holds: its hidden size (576) is not a multiple of 256, so llama-quantize falls back to Q5_0 for
+every tensor whose rows are 576 long (166 of them) and Q8_0 for attn_v; only ffn_down (rows of 1,536) is Q4_K /
+Q6_K (16 + 14 tensors). The 1B shape is the real K-quant case: Q4_K 96 tensors, Q6_K 17 (token_embd, tied, and
+half the attn_v / ffn_down), F32 norms. On AVX2 llama-server repacks Q4_0 / Q4_K / IQ4_NL weights into
+interleaved rows at load (its CPU_REPACK buffer, anonymous memory) besides the mmapped file.
+
+The issue's table, two rounds, the 135M files and the 1B shape as separate runs (from PEERS.md's Zen2 rates, a
+rough estimate: tens of minutes for the 135M files, a few hours for the 1B ones, mostly llama.cpp's batched
+prefill and flowrt's float32 1B decode):
+
+    python bench/llamacpp.py --gguf /tmp/quant135m/*.gguf --rounds 2 --json llamacpp-135m.json
+    python bench/llamacpp.py --gguf /tmp/quant1b/llama1b-q8_0.gguf /tmp/quant1b/llama1b-q4_k_m.gguf \
+        --rounds 2 --json llamacpp-1b.json
 """
 
 from __future__ import annotations
@@ -115,7 +128,7 @@ def measure(server: RunningServer, gguf: Path, workload: Workload, words: list[s
                        r.prompt_token_range, r.errors[:5], server.memory(), server.reported_weights_bytes())
 
 
-def start(kind: str, gguf: Path, workload: Workload, args: argparse.Namespace, log_dir: Path) -> RunningServer:
+def start(kind: str, gguf: Path, workload: Workload, args: argparse.Namespace, log_dir: Path, rnd: int) -> RunningServer:
     if kind == "flowrt":
         spec = flowrt_spec(gguf, shlex.split(args.flowrt_args))
     else:
@@ -123,7 +136,7 @@ def start(kind: str, gguf: Path, workload: Workload, args: argparse.Namespace, l
         context = -(-workload.concurrency * per_slot // 256) * 256
         spec = llamacpp_spec(gguf, args.llamacpp, args.threads, workload.concurrency, context,
                              shlex.split(args.llamacpp_args))
-    return RunningServer(spec, log_dir / f"{gguf.stem}-{kind}-{workload.name}.log")
+    return RunningServer(spec, log_dir / f"{gguf.stem}-{kind}-{workload.name}-r{rnd}.log")
 
 
 def mib(n: int | None) -> str:
@@ -224,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(a.rounds):
             for kind in (servers if rnd % 2 == 0 else servers[::-1]):
                 for i, wl in enumerate(workloads):
-                    with start(kind, gguf, wl, a, log_dir) as server:
+                    with start(kind, gguf, wl, a, log_dir, rnd) as server:
                         m = measure(server, gguf, wl, words, rnd, a.seed + 1000 * i)
                     ms.append(m)
                     print_line(m)
