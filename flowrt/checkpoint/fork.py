@@ -50,7 +50,8 @@ def fork_state(state: dict[str, Any], wf: Workflow, at: str) -> dict[str, Any]:
             "chosen": keep(state.get("chosen", {})), "loop_values": loops,
             "routes": [r for r in state.get("routes", []) if r["step"] not in again],
             "timings": keep(state.get("timings", {})), "answers": keep(state.get("answers", {})),
-            "subruns": keep(state.get("subruns", {})), "interrupt": None}
+            "subruns": keep(state.get("subruns", {})), "held_threads": keep(state.get("held_threads", {})),
+            "interrupt": None}
 
 
 def fork_run(store: CheckpointStore, run_id: str, wf: Workflow, at: str, inputs: dict[str, Any]) -> RunCheckpoint:

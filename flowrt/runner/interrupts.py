@@ -25,11 +25,12 @@ __all__ = ["interrupt", "Interrupt", "InterruptScope", "current_interrupts"]
 class Interrupt(Exception):
     """Raised by ``fr.interrupt`` to pause the run (the executor handles it; do not catch it)."""
 
-    def __init__(self, payload: Any, step: str, index: int) -> None:
+    def __init__(self, payload: Any, step: str, index: int, *, threads: list[list[int]] | None = None) -> None:
         super().__init__(f"step {step!r} is waiting for an answer (interrupt {index})")
         self.payload = payload
         self.step = step
         self.index = index
+        self.threads = threads or []   # token ids of the threads the waiting step holds (their KV is saved)
 
 
 @dataclass
@@ -46,7 +47,7 @@ current_interrupts: ContextVar[InterruptScope | None] = ContextVar("flowrt_inter
 
 async def interrupt(payload: Any = None) -> Any:
     """Pause the run and ask for a value (see the module docstring); returns the answer on resume."""
-    from ..context import current_step
+    from ..context import current_run_threads, current_step
 
     scope = current_interrupts.get()
     label = current_step.get()
@@ -60,4 +61,5 @@ async def interrupt(payload: Any = None) -> Any:
     given = scope.answers.get(label, [])
     if i < len(given):
         return given[i]
-    raise Interrupt(payload, label, i)
+    threads = current_run_threads.get()
+    raise Interrupt(payload, label, i, threads=threads.opened_within(label) if threads is not None else None)
