@@ -583,19 +583,23 @@ class WorkflowRun:
             self.root.st.held_threads[label] = held
 
     def on_interrupt(self, step: Step, e: Interrupt) -> None:
-        """The step asked for an answer: the run starts no new steps and ends interrupted."""
+        """The step asked for an answer (or a subgraph it runs, for one or more): the run starts no new steps
+        and ends interrupted, every pending interrupt listed."""
         st = self.st
         st.status[step.name] = "interrupted"
         st.not_routed.pop(step.name, None)
-        info = {"step": e.step, "index": e.index, "payload": to_jsonable(e.payload)}
-        st.interrupts.append(info)
-        st.interrupt = st.interrupt or info
+        own = e.pending is None
+        infos = [{"step": e.step, "index": e.index, "payload": to_jsonable(e.payload)}] if own else e.pending
+        st.interrupts.extend(infos)
+        st.interrupt = st.interrupt or infos[0]
         if e.threads:
             self.root.st.held_threads[e.step] = e.threads
         self.halted = True
         self.set_status(step.name, "interrupted")
-        if self.parent is None:   # a subgraph's interrupt reaches the parent's step, which reports it
-            self.emit(ev.Interrupted(e.step, e.payload, getattr(self.checkpoint, "run_id", None)))
+        if self.parent is None:   # a subgraph's interrupts reach the parent's step, which reports them
+            run_id = getattr(self.checkpoint, "run_id", None)
+            for info in infos:
+                self.emit(ev.Interrupted(info["step"], e.payload if own else info["payload"], run_id))
 
     def on_result(self, step: Step, value: Any, visit: int, seconds: float) -> None:
         st = self.st
@@ -789,9 +793,9 @@ async def run_subgraph(sub: Workflow, inputs: dict[str, Any], *, output: str | N
                         provider=parent.provider, parent=parent, path=path or label)
     child.restore()
     await child.run()
-    if child.st.interrupt is not None:
+    if child.st.interrupt is not None:   # every pending one reaches the parent, each answered by its path
         i = child.st.interrupt
-        raise Interrupt(i["payload"], i["step"], i["index"])
+        raise Interrupt(i["payload"], i["step"], i["index"], pending=list(child.st.interrupts))
     result = child.result(0.0, None)
     bad = next((e for e in result.errors.values() if e.kind != "skipped"), None)
     if bad is not None:

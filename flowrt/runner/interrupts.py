@@ -25,12 +25,15 @@ __all__ = ["interrupt", "Interrupt", "InterruptScope", "current_interrupts"]
 class Interrupt(Exception):
     """Raised by ``fr.interrupt`` to pause the run (the executor handles it; do not catch it)."""
 
-    def __init__(self, payload: Any, step: str, index: int, *, threads: list[list[int]] | None = None) -> None:
+    def __init__(self, payload: Any, step: str, index: int, *, threads: list[list[int]] | None = None,
+                 pending: list[dict[str, Any]] | None = None) -> None:
         super().__init__(f"step {step!r} is waiting for an answer (interrupt {index})")
         self.payload = payload
         self.step = step
         self.index = index
         self.threads = threads or []   # token ids of the threads the waiting step holds (their KV is saved)
+        # a subgraph's: every interrupt pending in it ({"step", "index", "payload"}), all reaching the parent
+        self.pending = pending
 
 
 @dataclass
