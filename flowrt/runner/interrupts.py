@@ -7,7 +7,8 @@ payload (``flowrt run`` exits 3 and prints both with the run id). Resuming with 
 interrupted step again *from its start*, and this time the same ``fr.interrupt`` call returns the answer
 (the LangGraph model). So whatever the step did before the call runs again on resume: keep side effects
 after the interrupt, or in a step of their own. A step may interrupt several times; each resume answers the
-next call, in order.
+next call, in order. Parallel steps may interrupt together, inside subgraphs too: each pending interrupt is
+named by its step's path (``rev/legal``) and answered by it.
 
 Interrupts need a checkpointer (``--checkpoint runs.db``, ``fr.Runtime(checkpoint=...)``; the server has
 one in memory by default): without one the step fails with an error saying so.
