@@ -116,6 +116,11 @@ class RunCheckpoint:
             except CheckpointError:
                 pass   # the store cannot be written now: the lease runs out by itself
 
+    @property
+    def saves_kv(self) -> bool:
+        """Its checkpoints save KV blocks (bound to the run's engine)."""
+        return self.kv is not None and self.kv.bound
+
     # ------------------------------------------------------------------ executor hooks
     def start(self, st: Any, scope: Any, model: Any) -> bool:
         """Fill the executor's state from the stored one (a resume); False for a new run."""

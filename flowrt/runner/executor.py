@@ -664,9 +664,10 @@ class WorkflowRun:
                 var.reset(tok)
 
     def save_stopped(self) -> None:
-        """The run is stopped mid-step (a server's shutdown, Ctrl-C, SIGTERM): checkpoint it with the KV of
-        the threads it holds, so that a resume in a fresh process computes only what its steps add."""
-        if self.checkpoint is None:
+        """The run is stopped mid-step (a server's shutdown, Ctrl-C, SIGTERM) and saves KV checkpoints:
+        checkpoint it with the KV of the threads it holds, so that a resume in a fresh process computes only
+        what its steps add (without KV its last checkpoint stands, as after a crash)."""
+        if not getattr(self.checkpoint, "saves_kv", False):
             return
         from ..checkpoint import CheckpointError
 

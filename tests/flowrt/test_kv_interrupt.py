@@ -190,3 +190,77 @@ def test_cli_interrupt_exit_and_sigterm_then_fresh_process_resumes(tmp_path, ask
     assert n2 <= BLOCK + _answer_tokens("Yes.") and n3 <= 2 * (BLOCK + _answer_tokens("Go on."))
     assert third["outputs"]["s3"] == ref["s3"]
     assert os.listdir(db + ".kv")   # blocks were kept while the run waited
+
+
+def _serve(f, db: str, port: int, env: dict | None = None) -> subprocess.Popen:
+    """`flowrt serve` of the ask workflow with KV checkpoints on ``port``, once it answers /health."""
+    import httpx
+
+    p = flowrt_cli("serve", "--model", str(STORIES), "--dtype", "float32", "--port", str(port), "--workflow", str(f),
+                   "--checkpoint", db, "--checkpoint-kv", "--graceful-timeout", "1", env=env)
+    deadline = time.time() + 120
+    while True:
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return p
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
+def _stop(p: subprocess.Popen) -> str:
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    return err
+
+
+@pytest.mark.slow
+def test_serve_sigterm_with_runs_waiting_and_running_then_resume_over_http(tmp_path, ask):
+    """`flowrt serve`: a run waits at s2, the server gets SIGTERM; restarted, a resume of the run is ended by
+    SIGTERM mid-step (past the grace period); restarted again, the resumes over HTTP compute at most a partial
+    block per thread plus the answer, with an uninterrupted run's outputs."""
+    import socket
+    import threading
+
+    import httpx
+
+    f, wf = ask
+    db = str(tmp_path / "runs.db")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1/workflows/ask/runs"
+    inputs = {"prompt": PROMPT, "prompt2": PROMPT2}
+    p = _serve(f, db, port)
+    try:
+        body = httpx.post(url, json={"inputs": inputs}, timeout=120).json()
+    finally:
+        _stop(p)
+    assert body["status"] == "interrupted", body
+    run_id = body["run_id"]
+    ready = tmp_path / "ready"
+    p = _serve(f, db, port, env={"FLOWRT_TEST_HANG": "s2", "FLOWRT_TEST_READY": str(ready)})
+    try:
+        answered = threading.Thread(target=lambda: httpx.post(f"{url}/{run_id}/resume", json={"answer": "Yes."},
+                                                              timeout=120), daemon=True)
+        answered.start()
+        deadline = time.time() + 120
+        while not ready.exists():
+            assert time.time() < deadline
+            time.sleep(0.1)
+    finally:
+        _stop(p)
+    p = _serve(f, db, port)
+    try:
+        second = httpx.post(f"{url}/{run_id}/resume", json={}, timeout=120).json()
+        n2 = second["stats"]["prefill_tokens_computed"]
+        third = httpx.post(f"{url}/{run_id}/resume", json={"answer": "Go on."}, timeout=120).json()
+        n3 = third["stats"]["prefill_tokens_computed"] - n2
+    finally:
+        _stop(p)
+    ref, _ = anyio.run(_on_fresh_engine, str(tmp_path / "plain.db"), False, lambda rt: rt.run(wf, **inputs, wait=False))
+    print(f"\nserve cold resumes: {n2} and {n3} prefill tokens computed with KV blocks")
+    assert second["status"] == "interrupted" and not third["errors"] and "status" not in third, third   # done
+    assert n2 <= BLOCK + _answer_tokens("Yes.") and n3 <= 2 * (BLOCK + _answer_tokens("Go on."))
+    assert third["outputs"]["s3"] == ref.outputs["s3"]
