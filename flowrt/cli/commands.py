@@ -338,7 +338,7 @@ def _run_cli(args: argparse.Namespace, cmd: str, wf: Any, runtime: Any, start: C
                     with ProgressDisplay(observer, runtime.stats):
                         return await start(tracer=tracer, observer=observer, events=sink)
                 return await start(tracer=tracer, observer=observer, events=sink)
-            raise _Terminated   # the run was stopped and saved its checkpoint
+            raise _Terminated   # the run was stopped (with --checkpoint-kv it saved a checkpoint with its KV)
 
     # With --json nothing but the JSON may reach stdout: steps that print write to stderr instead.
     redirect = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
@@ -352,8 +352,8 @@ def _run_cli(args: argparse.Namespace, cmd: str, wf: Any, runtime: Any, start: C
         print(f"flowrt {cmd}: interrupted", file=sys.stderr)
         return 130
     except _Terminated:
-        saved = "; its checkpoint is saved (flowrt resume continues it)" if getattr(args, "checkpoint", None) else ""
-        print(f"flowrt {cmd}: terminated{saved}", file=sys.stderr)
+        hint = "; flowrt resume continues it from its last checkpoint" if getattr(args, "checkpoint", None) else ""
+        print(f"flowrt {cmd}: terminated{hint}", file=sys.stderr)
         return 128 + signal.SIGTERM
     if listener.stream and listener._source is not None:
         sys.stdout.write("\n")
