@@ -264,3 +264,43 @@ def test_serve_sigterm_with_runs_waiting_and_running_then_resume_over_http(tmp_p
     assert second["status"] == "interrupted" and not third["errors"] and "status" not in third, third   # done
     assert n2 <= BLOCK + _answer_tokens("Yes.") and n3 <= 2 * (BLOCK + _answer_tokens("Go on."))
     assert third["outputs"]["s3"] == ref.outputs["s3"]
+
+
+def _nested() -> fr.Workflow:
+    inner = fr.Workflow("inner")
+
+    @inner.step
+    async def ask(prompt: str, llm: fr.Model) -> str:
+        t = llm.thread(prompt)
+        first = await t.gen(max_tokens=16, temperature=0)
+        t += " " + await fr.interrupt("ok?")
+        return first + await t.gen(max_tokens=8, temperature=0)
+
+    top = fr.Workflow("top")
+
+    @top.step
+    async def outer(prompt: str, prompt2: str, llm: fr.Model) -> str:
+        u = llm.thread(prompt2)      # the enclosing step's thread waits with the subgraph's interrupt
+        head = await u.gen(max_tokens=8, temperature=0)
+        return head + await fr.subflow(inner, prompt=prompt)
+
+    return top
+
+
+def test_an_interrupt_inside_a_subgraph_keeps_the_enclosing_steps_threads(tmp_path):
+    """Waiting inside fr.subflow: the KV of the subgraph step's thread and of the enclosing step's is saved;
+    the cold resume computes a partial block of each plus the answer, with the outputs of a resume without KV."""
+    wf = _nested()
+    inputs = {"prompt": PROMPT, "prompt2": PROMPT2}
+
+    def resumed(kv: bool) -> tuple[fr.RunResult, int]:
+        db = str(tmp_path / f"{kv}.db")
+        r0, _ = anyio.run(_on_fresh_engine, db, kv, lambda rt: rt.run(wf, **inputs))
+        assert r0.status == "interrupted" and r0.interrupt["step"] == "outer/inner/ask"
+        return anyio.run(_on_fresh_engine, db, kv, lambda rt: rt.resume(r0.run_id, workflow=wf, answer="Yes."))
+
+    (with_kv, n_with), (without, n_without) = resumed(True), resumed(False)
+    print(f"\ncold resume inside a subgraph: {n_with} prefill tokens with KV blocks, {n_without} without")
+    assert with_kv.status == without.status == "done"
+    assert with_kv.outputs == without.outputs
+    assert n_with <= 2 * BLOCK + _answer_tokens("Yes.") and n_without > n_with + 4 * BLOCK
