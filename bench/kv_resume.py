@@ -5,7 +5,11 @@ the blocks loaded into the prefix cache and a resume without them, alternating, 
 copy of the paused database. Reported per resume: prefill tokens computed and the resume's wall time (the
 engine is started before the clock starts), and the greedy outputs must agree.
 
-    python bench/kv_resume.py [--model PATH] [--dtype auto] [--threads 4] [--rounds 3]
+--case threads (default): the threads come from an earlier step (held by its result) and the step that
+interrupts uses them after. --case interrupt (issue 34): one step opens the threads, generates, waits in
+``fr.interrupt`` (only its frame holds them) and generates again with the answer, the human-in-the-loop shape.
+
+    python bench/kv_resume.py [--model PATH] [--dtype auto] [--threads 4] [--rounds 3] [--case interrupt]
 
 Target (issue 24): at most one partial block per thread computed, at least 3x faster than without.
 """
@@ -56,15 +60,33 @@ async def answer(read: list) -> list:
         t += " In short,"
         out.append(await t.gen(max_tokens=16, temperature=0))
     return out
+
+
+ask = fr.Workflow("ask_long")
+
+
+@ask.step
+async def ask_step(threads: int, words: int, llm: fr.Model) -> list:
+    ts = [llm.thread(prompt(i, words + 150 * i)) for i in range(threads)]
+    for t in ts:
+        await t.gen(max_tokens=8, temperature=0)
+    reply = await fr.interrupt("continue?")
+    out = []
+    for t in ts:
+        t += " " + reply + " In short,"
+        out.append(await t.gen(max_tokens=16, temperature=0))
+    return out
 '''
+
+CASES = {"threads": ("long_threads", "answer"), "interrupt": ("ask_long", "ask_step")}   # workflow, last step
 
 CHILD = r'''
 import json, sys, time, anyio
 import flowrt as fr
 from flowrt.graph.loader import load_workflow
 
-mode, wf_file, db, kv, model, dtype, threads, words = sys.argv[1:9]
-wf = load_workflow(wf_file)
+mode, wf_file, db, kv, model, dtype, threads, words, name, last = sys.argv[1:11]
+wf = load_workflow(wf_file, name)
 kw = {} if model == "-" else {"model": model}
 
 
@@ -74,15 +96,14 @@ async def main():
         await rt.model()   # the engine starts before the clock
         if mode == "pause":
             r = await rt.run(wf, threads=int(threads), words=int(words))
-            lens = [len(t.token_ids) for t in r.outputs["read"]]
-            print(json.dumps({"run_id": r.run_id, "status": r.status, "tokens": lens,
+            print(json.dumps({"run_id": r.run_id, "status": r.status,
                               "prefill": rt.stats()["prefill_tokens_computed"]}))
             return
         before = rt.stats()["prefill_tokens_computed"]
         t0 = time.perf_counter()
-        r = await rt.resume(sys.argv[9], workflow=wf, answer="yes")
+        r = await rt.resume(sys.argv[11], workflow=wf, answer="yes")
         dt = time.perf_counter() - t0
-        print(json.dumps({"status": r.status, "seconds": dt, "outputs": r.outputs["answer"],
+        print(json.dumps({"status": r.status, "seconds": dt, "outputs": r.outputs[last],
                           "prefill": rt.stats()["prefill_tokens_computed"] - before}))
 
 anyio.run(main)
@@ -103,17 +124,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--words", type=int, default=900, help="words in the first thread's prompt (+150 per thread)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--case", choices=sorted(CASES), default="threads",
+                    help="threads: from an earlier step; interrupt: held by the step waiting in fr.interrupt")
     args = ap.parse_args()
+    wf_name, last = CASES[args.case]
     print(banner(args.dtype), flush=True)
     with tempfile.TemporaryDirectory() as d:
         wf_file = os.path.join(d, "long_threads.py")
         Path(wf_file).write_text(WORKFLOW)
         paused, kv = os.path.join(d, "paused.db"), os.path.join(d, "blocks")
-        info = child("pause", wf_file, paused, kv, args.model, args.dtype, str(args.threads), str(args.words))
+        info = child("pause", wf_file, paused, kv, args.model, args.dtype, str(args.threads), str(args.words), wf_name,
+                     last)
         assert info["status"] == "interrupted", info
         blocks = sum(f.endswith(".kv") for _, _, fs in os.walk(kv) for f in fs)
         size = sum(os.path.getsize(os.path.join(p, f)) for p, _, fs in os.walk(kv) for f in fs if f.endswith(".kv"))
-        print(f"paused run: threads of {info['tokens']} tokens ({info['prefill']} prefill tokens); "
+        print(f"paused run ({args.case}): {info['prefill']} prefill tokens; "
               f"{blocks} KV blocks saved, {size / 2**20:.1f} MiB", flush=True)
         res: dict[str, list[dict]] = {"with": [], "without": []}
         outputs = set()
@@ -122,7 +147,7 @@ def main() -> None:
                 db = os.path.join(d, f"r{i}{name}.db")
                 shutil.copy(paused, db)
                 r = child("resume", wf_file, db, kv if name == "with" else "-", args.model, args.dtype,
-                          str(args.threads), str(args.words), info["run_id"])
+                          str(args.threads), str(args.words), wf_name, last, info["run_id"])
                 assert r["status"] == "done", r
                 outputs.add(json.dumps(r["outputs"]))
                 res[name].append(r)

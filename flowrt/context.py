@@ -54,6 +54,19 @@ class RunThreads:
         alive.sort(key=lambda t: getattr(t, "id", 0))
         return [(t, self._steps.get(t)) for t in alive]
 
+    def opened_within(self, step: str) -> list[list[int]]:
+        """Token ids of the live threads that ``step`` (a label) or a step enclosing it (a subgraph's, a
+        mapped item's) opened: what a step waiting in ``fr.interrupt`` holds only through its frames, which
+        are gone once the interrupt has propagated."""
+        out = []
+        for thread, opened_by in self.live():
+            if opened_by is not None and (opened_by == step or step.startswith(opened_by + "/")):
+                try:
+                    out.append(list(thread.token_ids))
+                except Exception:  # noqa: BLE001 - a thread in a state that cannot be read now is left out
+                    continue
+        return out
+
     def step_done(self, step: str | None) -> None:
         """A step ended: the threads it opened that are still open are hints of "finished" to the engine
         (their KV is released first under memory pressure; a later step may still use them)."""

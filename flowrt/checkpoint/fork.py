@@ -5,6 +5,11 @@ data edges, ``after=`` and forward routes) set back to pending: their results, e
 interrupt answers are dropped, the upstream steps keep their results and do not run again. Upstream results
 that hold threads are restored from their token ids, so on a warm engine their KV comes from the prefix
 cache and only what the re-run steps add is computed.
+
+``at`` may name a step inside a subgraph step (``wf.step(sub)``, at any depth: ``outer/inner``): the
+subgraph step and its downstream run again, and inside it ``inner`` and its downstream; the subgraph's other
+steps keep their last results, taken from the run's checkpoints (a finished subgraph keeps no state of its
+own). Not inside a mapped subgraph step or one whose steps route (their route choices are not stored).
 """
 
 from __future__ import annotations
@@ -29,13 +34,17 @@ def _top(label: str) -> str:
     return label.split("/", 1)[0].split("[", 1)[0].split("#", 1)[0]
 
 
-def fork_state(state: dict[str, Any], wf: Workflow, at: str) -> dict[str, Any]:
-    """``state`` with ``at`` and its downstream steps pending again (a new dict; ``state`` is unchanged)."""
+def fork_state(state: dict[str, Any], wf: Workflow, at: str,
+               history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``state`` with ``at`` and its downstream steps pending again (a new dict; ``state`` is unchanged).
+    ``history``: the run's checkpoints (``store.history``), for ``at`` inside a subgraph (``outer/inner``)."""
     import networkx as nx
 
+    at, _, inner = at.partition("/")
     if at not in wf.steps:
         raise CheckpointError(f"workflow {wf.name!r} has no step {at!r} to fork at (its steps: "
                               f"{', '.join(wf.steps)})")
+    sub = _subgraph(wf, at) if inner else None
     again = {at} | (set(nx.descendants(wf.graph, at)) & set(wf.steps))
 
     def keep(d: dict[str, Any]) -> dict[str, Any]:
@@ -50,7 +59,37 @@ def fork_state(state: dict[str, Any], wf: Workflow, at: str) -> dict[str, Any]:
             "chosen": keep(state.get("chosen", {})), "loop_values": loops,
             "routes": [r for r in state.get("routes", []) if r["step"] not in again],
             "timings": keep(state.get("timings", {})), "answers": keep(state.get("answers", {})),
-            "subruns": keep(state.get("subruns", {})), "interrupt": None}
+            "subruns": {**keep(state.get("subruns", {})),
+                        **(_inner_states(sub, at, inner, history or []) if sub is not None else {})},
+            "held_threads": keep(state.get("held_threads", {})), "interrupt": None}
+
+
+def _subgraph(wf: Workflow, at: str) -> Workflow:
+    """The workflow that step ``at`` runs, for a fork inside it."""
+    step = wf.steps[at]
+    if step.sub is None:
+        raise CheckpointError(f"step {at!r} of workflow {wf.name!r} runs no subgraph (wf.step(sub)); fork at "
+                              f"{at!r} itself")
+    if step.map is not None or step.sub.has_routes:
+        why = "mapped" if step.map is not None else "a subgraph whose steps route"
+        raise CheckpointError(f"cannot fork inside step {at!r}: it is {why} (its inner states are not stored); "
+                              f"fork at {at!r} itself")
+    return step.sub
+
+
+def _inner_states(sub: Workflow, path: str, at: str, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The states subgraph ``sub`` at ``path`` (and those below it) start from, forked at ``at`` inside it,
+    by path (as a run keeps them): each of its steps done with its latest result in the checkpoints, the
+    others pending."""
+    prefix = path + "/"
+    rows = [{**h, "step": h["step"][len(prefix):]} for h in history if (h.get("step") or "").startswith(prefix)]
+    last = {h["step"]: h for h in rows if h.get("status") == "done" and h.get("result") is not None}
+    done = {n: last[n]["result"] for n in sub.steps if n in last}
+    state = {"status": {n: "done" if n in done else "pending" for n in sub.steps},
+             "visits": {n: int(n in done) for n in sub.steps}, "outputs": done}
+    forked = fork_state(state, sub, at, rows)
+    below = forked.pop("subruns", {})   # the level below, by paths relative to this one
+    return {path: forked, **{prefix + k: v for k, v in below.items()}}
 
 
 def fork_run(store: CheckpointStore, run_id: str, wf: Workflow, at: str, inputs: dict[str, Any]) -> RunCheckpoint:
@@ -59,7 +98,7 @@ def fork_run(store: CheckpointStore, run_id: str, wf: Workflow, at: str, inputs:
     source = store.get_run(run_id)
     if source.workflow != wf.name:
         raise CheckpointError(f"run {run_id} is of workflow {source.workflow!r}, not {wf.name!r}")
-    state = fork_state(source.state or {}, wf, at)
+    state = fork_state(source.state or {}, wf, at, store.history(run_id) if "/" in at else None)
     new_id = uuid.uuid4().hex[:16]
     meta = {**(source.meta or {}), "forked_from": {"run_id": run_id, "at": at, "time": time.time()}}
     holder = new_holder()   # the new run is held by this process from its creation, as any new run

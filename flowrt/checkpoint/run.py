@@ -116,6 +116,11 @@ class RunCheckpoint:
             except CheckpointError:
                 pass   # the store cannot be written now: the lease runs out by itself
 
+    @property
+    def saves_kv(self) -> bool:
+        """Its checkpoints save KV blocks (bound to the run's engine)."""
+        return self.kv is not None and self.kv.bound
+
     # ------------------------------------------------------------------ executor hooks
     def start(self, st: Any, scope: Any, model: Any) -> bool:
         """Fill the executor's state from the stored one (a resume); False for a new run."""
@@ -191,6 +196,8 @@ class RunCheckpoint:
         st.route_log = list(state.get("routes", []))
         st.timings = dict(state.get("timings", {}))
         st.restoring = dict(state.get("subruns", {}))
+        if not prefix:
+            st.held_threads = {k: [list(ids) for ids in v] for k, v in state.get("held_threads", {}).items()}
         return status
 
     @staticmethod
@@ -222,6 +229,8 @@ class RunCheckpoint:
             **({"interrupts": list(st.interrupts)} if len(getattr(st, "interrupts", ())) > 1 else {}),
             "answers": to_jsonable(self._scope.answers) if self._scope is not None and not prefix else {},
             **({"subruns": subruns} if subruns else {}),
+            **({"held_threads": dict(st.held_threads)} if not prefix and getattr(st, "held_threads", None)
+               and self.kv is not None else {}),
         }
 
     @staticmethod
@@ -247,7 +256,8 @@ class RunCheckpoint:
         live, state = self._threads(threads), self._state(st)
         if self.kv is not None and self.kv.bound and run_status != "done":   # a finished run keeps no KV
             self.kv_owner = self.kv_owner or new_owner()
-            saved = self.kv.save([t["token_ids"] for t in live], owner=self.kv_owner, run_id=self.run_id,
+            held = [ids for lists in getattr(st, "held_threads", {}).values() for ids in lists]
+            saved = self.kv.save([t["token_ids"] for t in live] + held, owner=self.kv_owner, run_id=self.run_id,
                                  kept=self._kv_kept)
             state["kv"] = saved.ref
             self.kv_save_failed += saved.failed

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import runpy
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -167,6 +168,10 @@ class _LoadFailed(Exception):
 
 class _EngineFailed(Exception):
     """The model (--model and the engine options) could not be loaded."""
+
+
+class _Terminated(Exception):
+    """SIGTERM stopped the run (flowrt.cli.signals)."""
 
 
 class _StderrHandler(logging.Handler):
@@ -320,6 +325,8 @@ def _run_cli(args: argparse.Namespace, cmd: str, wf: Any, runtime: Any, start: C
     sink = EventSink(listener, tokens=listener.stream)
 
     async def go() -> Any:
+        from .signals import cancel_on_sigterm
+
         async with runtime:
             if "llm" in wf.resources:
                 _show_engine_log()   # the engine's start-up line: model, dtype, KV blocks and MiB
@@ -328,12 +335,14 @@ def _run_cli(args: argparse.Namespace, cmd: str, wf: Any, runtime: Any, start: C
                     await runtime.model()
                 except Exception as e:
                     raise _EngineFailed(f"cannot start the engine: {e}") from e
-            if use_progress:
-                from .progress import ProgressDisplay
+            with anyio.CancelScope() as stop, cancel_on_sigterm(stop):
+                if use_progress:
+                    from .progress import ProgressDisplay
 
-                with ProgressDisplay(observer, runtime.stats):
-                    return await start(tracer=tracer, observer=observer, events=sink)
-            return await start(tracer=tracer, observer=observer, events=sink)
+                    with ProgressDisplay(observer, runtime.stats):
+                        return await start(tracer=tracer, observer=observer, events=sink)
+                return await start(tracer=tracer, observer=observer, events=sink)
+            raise _Terminated   # the run was stopped (with --checkpoint-kv it saved a checkpoint with its KV)
 
     # With --json nothing but the JSON may reach stdout: steps that print write to stderr instead.
     redirect = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
@@ -346,6 +355,10 @@ def _run_cli(args: argparse.Namespace, cmd: str, wf: Any, runtime: Any, start: C
     except KeyboardInterrupt:
         print(f"flowrt {cmd}: interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        hint = "; flowrt resume continues it from its last checkpoint" if getattr(args, "checkpoint", None) else ""
+        print(f"flowrt {cmd}: terminated{hint}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     if listener.stream and listener._source is not None:
         sys.stdout.write("\n")
     if args.trace:

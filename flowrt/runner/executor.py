@@ -15,6 +15,7 @@ engine sees every LLM call that can happen at a given moment and batches them.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import traceback as tb_mod
 from contextvars import ContextVar
@@ -34,6 +35,8 @@ from ..render import to_jsonable, unrenderable
 from ..worker import run_sync_abandonable
 from .interrupts import Interrupt, InterruptScope, current_interrupts
 from .trace import Tracer
+
+logger = logging.getLogger("flowrt.runner")
 
 __all__ = ["RunResult", "StepError", "StepFailed", "RunObserver", "WorkflowRun", "execute", "load_resources",
            "ResourceProvider", "to_jsonable", "subflow", "run_subgraph", "SubgraphFailed"]
@@ -209,6 +212,10 @@ class _RunState:
         # those a resume found, which the subgraph takes when it starts again
         self.children: dict[str, _RunState] = {}
         self.restoring: dict[str, Any] = {}
+        # the root run's: token ids of the threads of steps that have not ended (waiting in fr.interrupt,
+        # stopped mid-step), by label: their frames are gone, and every checkpoint saves their KV until the
+        # step ends (flowrt.checkpoint.kv)
+        self.held_threads: dict[str, list[list[int]]] = {}
 
 
 def _as_gotos(step: Step, value: Any) -> list[Goto]:
@@ -312,7 +319,11 @@ class WorkflowRun:
                 return False
             self.checkpoint.restore_into(self.st, saved, self.resources.get("llm"), prefix=self.path + "/")
             return True
-        restored = self.checkpoint.start(self.st, self.scope, self.resources.get("llm"))
+        token = current_run_threads.set(self.threads)   # threads restored from token ids are the run's too
+        try:
+            restored = self.checkpoint.start(self.st, self.scope, self.resources.get("llm"))
+        finally:
+            current_run_threads.reset(token)
         if restored:
             for name in self.st.status:
                 if name in self.st.outputs:
@@ -539,6 +550,7 @@ class WorkflowRun:
             try:
                 value = await self._invoke(step, kwargs)
             except anyio.get_cancelled_exc_class():
+                self.hold_threads(label)   # the run is stopped: the checkpoint it saves keeps their KV
                 raise
             except Interrupt as e:
                 self.on_interrupt(step, e)
@@ -582,18 +594,31 @@ class WorkflowRun:
             value = self.take_routes(step, value)
         return value
 
+    def hold_threads(self, label: str) -> None:
+        """Keep the token ids of the live threads the step at ``label`` opened (its frames still hold them
+        here), for the checkpoints saved while it has not ended."""
+        held = self.threads.opened_within(label)
+        if held:
+            self.root.st.held_threads[label] = held
+
     def on_interrupt(self, step: Step, e: Interrupt) -> None:
-        """The step asked for an answer: the run starts no new steps and ends interrupted."""
+        """The step asked for an answer (or a subgraph it runs, for one or more): the run starts no new steps
+        and ends interrupted, every pending interrupt listed."""
         st = self.st
         st.status[step.name] = "interrupted"
         st.not_routed.pop(step.name, None)
-        info = {"step": e.step, "index": e.index, "payload": to_jsonable(e.payload)}
-        st.interrupts.append(info)
-        st.interrupt = st.interrupt or info
+        own = e.pending is None
+        infos = [{"step": e.step, "index": e.index, "payload": to_jsonable(e.payload)}] if own else e.pending
+        st.interrupts.extend(infos)
+        st.interrupt = st.interrupt or infos[0]
+        if e.threads:
+            self.root.st.held_threads[e.step] = e.threads
         self.halted = True
         self.set_status(step.name, "interrupted")
-        if self.parent is None:   # a subgraph's interrupt reaches the parent's step, which reports it
-            self.emit(ev.Interrupted(e.step, e.payload, getattr(self.checkpoint, "run_id", None)))
+        if self.parent is None:   # a subgraph's interrupts reach the parent's step, which reports them
+            run_id = getattr(self.checkpoint, "run_id", None)
+            for info in infos:
+                self.emit(ev.Interrupted(info["step"], e.payload if own else info["payload"], run_id))
 
     def on_result(self, step: Step, value: Any, visit: int, seconds: float) -> None:
         st = self.st
@@ -608,10 +633,11 @@ class WorkflowRun:
         self.emit(ev.StepFinished(self.label(step.name), visit, round(seconds, 6)))
 
     def drop_children(self, label: str) -> None:
-        """A step at ``label`` ended (not interrupted): the subgraph states it kept are no longer needed
-        (a later visit starts them afresh)."""
-        for k in [k for k in self.st.children if k == label or k.startswith((label + "/", label + "["))]:
-            del self.st.children[k]
+        """A step at ``label`` ended (not interrupted): the subgraph states and held threads it kept are no
+        longer needed (a later visit starts them afresh)."""
+        for kept in (self.st.children, self.st.held_threads):
+            for k in [k for k in kept if k == label or k.startswith((label + "/", label + "["))]:
+                del kept[k]
 
     # ------------------------------------------------------------------ the loop
     def start_ready(self, tg: Any) -> bool:
@@ -646,13 +672,29 @@ class WorkflowRun:
                         break
                     self.changed = anyio.Event()
                     await self.changed.wait()
-        except BaseException:  # cancelled (or interrupted): release the run's KV now, not at garbage collection
+        except BaseException as e:  # cancelled (or interrupted): release the run's KV now, not at garbage collection
             if self.parent is None:
+                if isinstance(e, anyio.get_cancelled_exc_class()):
+                    self.save_stopped()
                 self.threads.close_all()
             raise
         finally:
             for var, tok in reversed(tokens):
                 var.reset(tok)
+
+    def save_stopped(self) -> None:
+        """The run is stopped mid-step (a server's shutdown, Ctrl-C, SIGTERM) and saves KV checkpoints:
+        checkpoint it with the KV of the threads it holds, so that a resume in a fresh process computes only
+        what its steps add (without KV its last checkpoint stands, as after a crash)."""
+        if not getattr(self.checkpoint, "saves_kv", False):
+            return
+        from ..checkpoint import CheckpointError
+
+        try:
+            self.checkpoint.save(self.st, None, self.threads)
+        except CheckpointError as e:   # the lease was lost, the store is gone: the last checkpoint stands
+            logger.warning("run %s stopped: its checkpoint was not saved (%s)",
+                           getattr(self.checkpoint, "run_id", None), e)
 
     def status(self) -> str:
         st = self.st
@@ -783,9 +825,9 @@ async def run_subgraph(sub: Workflow, inputs: dict[str, Any], *, output: str | N
                         provider=parent.provider, parent=parent, path=path or label)
     child.restore()
     await child.run()
-    if child.st.interrupt is not None:
+    if child.st.interrupt is not None:   # every pending one reaches the parent, each answered by its path
         i = child.st.interrupt
-        raise Interrupt(i["payload"], i["step"], i["index"])
+        raise Interrupt(i["payload"], i["step"], i["index"], pending=list(child.st.interrupts))
     result = child.result(0.0, None)
     bad = next((e for e in result.errors.values() if e.kind != "skipped"), None)
     if bad is not None:

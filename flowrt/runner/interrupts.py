@@ -7,7 +7,8 @@ payload (``flowrt run`` exits 3 and prints both with the run id). Resuming with 
 interrupted step again *from its start*, and this time the same ``fr.interrupt`` call returns the answer
 (the LangGraph model). So whatever the step did before the call runs again on resume: keep side effects
 after the interrupt, or in a step of their own. A step may interrupt several times; each resume answers the
-next call, in order.
+next call, in order. Parallel steps may interrupt together, inside subgraphs too: each pending interrupt is
+named by its step's path (``rev/legal``) and answered by it.
 
 Interrupts need a checkpointer (``--checkpoint runs.db``, ``fr.Runtime(checkpoint=...)``; the server has
 one in memory by default): without one the step fails with an error saying so.
@@ -25,11 +26,15 @@ __all__ = ["interrupt", "Interrupt", "InterruptScope", "current_interrupts"]
 class Interrupt(Exception):
     """Raised by ``fr.interrupt`` to pause the run (the executor handles it; do not catch it)."""
 
-    def __init__(self, payload: Any, step: str, index: int) -> None:
+    def __init__(self, payload: Any, step: str, index: int, *, threads: list[list[int]] | None = None,
+                 pending: list[dict[str, Any]] | None = None) -> None:
         super().__init__(f"step {step!r} is waiting for an answer (interrupt {index})")
         self.payload = payload
         self.step = step
         self.index = index
+        self.threads = threads or []   # token ids of the threads the waiting step holds (their KV is saved)
+        # a subgraph's: every interrupt pending in it ({"step", "index", "payload"}), all reaching the parent
+        self.pending = pending
 
 
 @dataclass
@@ -46,7 +51,7 @@ current_interrupts: ContextVar[InterruptScope | None] = ContextVar("flowrt_inter
 
 async def interrupt(payload: Any = None) -> Any:
     """Pause the run and ask for a value (see the module docstring); returns the answer on resume."""
-    from ..context import current_step
+    from ..context import current_run_threads, current_step
 
     scope = current_interrupts.get()
     label = current_step.get()
@@ -60,4 +65,5 @@ async def interrupt(payload: Any = None) -> Any:
     given = scope.answers.get(label, [])
     if i < len(given):
         return given[i]
-    raise Interrupt(payload, label, i)
+    threads = current_run_threads.get()
+    raise Interrupt(payload, label, i, threads=threads.opened_within(label) if threads is not None else None)

@@ -299,8 +299,9 @@ class Runtime:
     async def fork(self, run_id: str, /, *, at: str, workflow: Workflow | None = None, tracer: Tracer | None = None,
                    observer: RunObserver | None = None, events: Any = None, **inputs: Any) -> RunResult:
         """Time travel: a new run from the state of run ``run_id`` just before step ``at``, with ``inputs``
-        replacing its inputs of those names. ``at`` and the steps downstream of it run again, the steps
-        upstream keep their results (their threads reuse the engine's cached KV where it is still there).
+        replacing its inputs of those names. ``at`` (a step, or one inside a subgraph step: ``outer/inner``)
+        and the steps downstream of it run again, the steps upstream keep their results (their threads reuse
+        the engine's cached KV where it is still there).
         The source run is unchanged; the result's ``run_id`` is the new run's (flowrt.checkpoint.fork)."""
         from ..checkpoint import CheckpointError
         from ..checkpoint.fork import fork_run
