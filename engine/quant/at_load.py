@@ -2,9 +2,10 @@
 
 int8: every projection, the token embedding and the LM head as Q8_0 (int8 in groups of 32 with one float16 scale:
 6% more bytes than per-channel int8, more accurate, and the GGUF kernels run it). int4: the layers' projections as
-Q4_1 (4 bits in groups of 32 with a float16 scale and minimum; on stories260K its greedy output and logits stay
-closer to float32 than Q4_0's, see tests/engine/test_quant_model.py), the embedding and LM head as Q8_0, as
-llama.cpp's Q4 files keep them: the LM head's errors land straight on the logits. Rows that do not fill whole
+Q4_1 (4 bits in groups of 32 with a float16 scale and minimum, 11% more bytes than Q4_0): measured on stories260K
+(float32, a 120-token story), perplexity 2.483 float, 2.473 int8, 2.488 int4 as Q4_1 (+0.2%), 2.607 as Q4_0 (+5%).
+The embedding and LM head are Q8_0 in both modes, as the shipped SmolLM2 Q4_1 file keeps them: the LM head's
+errors land straight on the logits. Rows that do not fill whole
 blocks of 32 (stories260K's FFN width 172) and 1-D tensors (norms, biases) stay float.
 """
 
