@@ -262,3 +262,19 @@ def test_quantize_refuses_bad_input():
     with pytest.raises(ValueError, match="multiple"):
         quantize(torch.zeros(4, 48), "Q8_0")
 
+
+
+def test_runtime_passes_quantization():
+    """fr.Runtime(quantization=...) reaches the engine it builds, and the runtime's stats carry the formats."""
+    import anyio
+
+    import flowrt as fr
+
+    async def main():
+        async with fr.Runtime(str(STORIES_DIR), quantization="int8", dtype="float32", num_kv_blocks=32,
+                              speculative_config=None) as rt:
+            await rt.model()
+            return rt.stats()
+
+    stats = anyio.run(main)
+    assert stats["weights_formats"]["attn_qkv"] == "Q8_0" and stats["weights_bytes"] > 0

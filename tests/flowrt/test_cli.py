@@ -190,6 +190,7 @@ def test_run_json_end_to_end_on_stories260k(tmp_path):
     assert st["engine"]["kv_blocks_used"] == 0 and st["engine"]["generated_tokens"] == st["generated_tokens"]
     assert st["run"]["llm_calls"] == 5 and st["run"]["generated_tokens"] == st["run_generated_tokens"]
     assert st["run"]["steps_completed"] == 2
+    assert st["engine"]["weights_bytes"] > 0 and st["engine"]["weights_formats"]["attn_qkv"] == "float32"
     assert "KV blocks x 16 tokens" in proc.stderr and "MiB" in proc.stderr  # the start-up line
 
 
