@@ -331,6 +331,7 @@ def _subparser(parser, name):
 
 def _sample_flag_values():
     """One command-line value per EngineArgs field (but model), and what EngineArgs makes of it."""
+    import enum
     import typing
 
     from flowrt.engine.cli_args import _unwrap_optional
@@ -348,6 +349,10 @@ def _sample_flag_values():
             value = next(c for c in typing.get_args(ann) if c != field.default)
             argv += [flag, str(value)]
             expected[name] = value
+        elif isinstance(ann, type) and issubclass(ann, enum.Enum):  # quantization
+            member = next(m for m in ann if m != field.default)
+            argv += [flag, member.value]
+            expected[name] = member
         elif ann is int:
             argv += [flag, "3"]
             expected[name] = 3
