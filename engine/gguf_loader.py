@@ -2,9 +2,9 @@
 
 ``load_gguf(path, dtype)`` returns a :class:`GGUFCheckpoint`: the config of the Hugging Face architecture
 (a dict; a transformers config on request), flowrt's tokenizer with the chat template the file carries
-(converted by transformers once, then cached, see :func:`gguf_tokenizer`), and every weight
-dequantized to ``dtype`` under its Hugging Face name, so the engine's model definitions load a GGUF
-exactly as they load a safetensors directory.
+(converted by transformers once, then cached, see :func:`gguf_tokenizer`), and every weight under its Hugging
+Face name, as ``dtype`` or kept quantized (``quantization``, below), so the engine's model definitions load a
+GGUF exactly as they load a safetensors directory.
 
 What the loader undoes, relative to a Hugging Face checkpoint:
 

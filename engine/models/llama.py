@@ -28,7 +28,7 @@ from ..quant.reference import dequantize_rows
 #: a weight as a checkpoint hands it in: float, or kept in a quantized block format
 Weight = torch.Tensor | QuantLinear
 Quantized = (QuantLinear, ConcatLinear)
-#: the projections of a layer, by attribute, and the tensors each fuses
+#: the (fused) projections of a layer: its attribute names and its ``mm`` keys
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
