@@ -104,6 +104,46 @@ def _near_ties_only(gaps: list[float | None], identical: int) -> None:
     assert all(g is None or g < NEAR_TIE for g in gaps), gaps
 
 
+# (f16 field offset, value) per block: d (and dmin) small enough that the weights are ~0.1-0.3, like _tiny_hf's
+_BLOCK_SCALES = {"Q2_K": [(80, 5e-3), (82, 5e-3)], "Q3_K": [(108, 2e-3)], "Q4_K": [(0, 3e-4), (2, 3e-4)],
+                 "Q5_K": [(0, 1.5e-4), (2, 1.5e-4)], "Q6_K": [(208, 5e-5)], "IQ4_NL": [(0, 2e-3)]}
+
+
+@pytest.mark.parametrize("qtype", list(_BLOCK_SCALES))
+def test_k_quant_gguf_stays_quantized_and_matches_dequantized(tmp_path, qtype, monkeypatch):
+    """The K-quants and IQ4_NL, which gguf.quants cannot quantize: every 2-D tensor written as random blocks with
+    sane scales (a fixture, not a quantizer; hidden and FFN width 256, one super-block per row). Kept quantized
+    (q/k rows un-permuted whole super-blocks at a time) they equal the dequantized file and run the model."""
+    from gguf import GGML_QUANT_SIZES, quants
+
+    rng = np.random.default_rng(1)
+    real = quants.quantize
+
+    def random_blocks(arr, qt):
+        if qt.name not in _BLOCK_SCALES:
+            return real(arr, qt)
+        per, nbytes = GGML_QUANT_SIZES[qt]
+        blocks = rng.integers(0, 256, (arr.size // per, nbytes), dtype=np.uint8)
+        for offset, d in _BLOCK_SCALES[qt.name]:
+            blocks[:, offset:offset + 2] = np.array([d], np.float16).view(np.uint8)
+        return blocks.reshape(*arr.shape[:-1], arr.shape[-1] // per * nbytes)
+
+    monkeypatch.setattr(quants, "quantize", random_blocks)
+    path = _tiny_gguf(tmp_path, qtype, hidden_size=256, intermediate_size=256)
+    monkeypatch.setattr(quants, "quantize", real)
+    ck = load_gguf(path, torch.float32, load_tokenizer=False)
+    plain = load_gguf(path, torch.float32, quantization=None, load_tokenizer=False)
+    for name, t in ck.tensors.items():
+        if name.endswith("proj.weight") or name.endswith("embed_tokens.weight"):
+            assert isinstance(t, QuantLinear) and t.qtype == QuantType[qtype], name
+        got = t.dequantize(torch.float32) if isinstance(t, QuantLinear) else t
+        assert torch.equal(got, plain.tensors[name]), name
+    auto, none = _llm(path, "auto"), _llm(path, None)
+    assert auto.stats()["weights_bytes"] == tensor_bytes(path)
+    assert auto.stats()["weights_formats"]["ffn_down"] == qtype
+    _close(prompt_logprobs(auto, SAMPLE), prompt_logprobs(none, SAMPLE), 0.1)
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_trained_gguf_greedy_matches_dequantized(tmp_path, qtype):
     """stories260K (trained) as a GGUF: greedy 40 tokens against the dequantized path. This 260K-parameter model has
