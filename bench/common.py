@@ -52,7 +52,7 @@ def ensure_smollm2_hf_dir() -> str:
     from flowrt.engine import default_model_path
     from flowrt.engine.gguf_loader import load_gguf
 
-    ck = load_gguf(default_model_path(), torch.float32)
+    ck = load_gguf(default_model_path(), torch.float32, quantization=None)
     model = LlamaForCausalLM(ck.config).to(torch.float32)
     missing, _ = model.load_state_dict(ck.tensors, strict=False)
     assert not [m for m in missing if m != "lm_head.weight"], missing

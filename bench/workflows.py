@@ -186,7 +186,7 @@ def load_hf(args):
         from flowrt.engine import default_model_path
         from flowrt.engine.gguf_loader import load_gguf
 
-        ck = load_gguf(args.model or default_model_path(), dtype)
+        ck = load_gguf(args.model or default_model_path(), dtype, quantization=None)
         model = LlamaForCausalLM(ck.config).to(dtype)
         model.load_state_dict(ck.tensors, strict=False)
         model.tie_weights()

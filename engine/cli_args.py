@@ -9,6 +9,7 @@ Front ends (``flowrt run``, ``flowrt serve``) add ``--model`` and these to their
 from __future__ import annotations
 
 import argparse
+import enum
 import types
 import typing
 from typing import Any, Callable
@@ -48,6 +49,8 @@ def option_help(field: FieldInfo) -> tuple[str, str | None]:
     kind = ""
     if typing.get_origin(ann) is typing.Literal:
         metavar = "{" + ",".join(str(c) for c in typing.get_args(ann)) + "}"
+    elif isinstance(ann, type) and issubclass(ann, enum.Enum):
+        metavar = "{" + ",".join(str(m.value) for m in ann) + "}"
     else:
         metavar = {int: "N", float: "X", str: "TEXT"}.get(ann)
         kind = getattr(ann, "__name__", str(ann))
@@ -58,7 +61,8 @@ def option_help(field: FieldInfo) -> tuple[str, str | None]:
             kind += f" >= {lo}"
         elif hi is not None:
             kind += f" <= {hi}"
-    default = "default: the engine's choice" if field.default is None else f"default {field.default}"
+    shown = field.default.value if isinstance(field.default, enum.Enum) else field.default
+    default = "default: the engine's choice" if field.default is None else f"default {shown}"
     details = f"{kind}; {default}" if kind else default
     help_ = f"{field.description} ({details})" if field.description else details
     return help_.replace("%", "%%"), metavar

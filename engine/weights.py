@@ -13,11 +13,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import torch
 
 from .dtypes import DTYPE_NAMES
+
+if TYPE_CHECKING:
+    from .quant import QuantLinear
+    from .quant.at_load import LoadQuantizer
 
 __all__ = ["load_safetensors_dir", "resolve_dtype", "find_safetensors_files", "PICKLE_SUFFIXES"]
 
@@ -116,11 +120,13 @@ def _needs_cast(st_dtype: str, target: torch.dtype) -> bool:
     return same.get(st_dtype) != target
 
 
-def load_safetensors_dir(path: PathLike, dtype: Union[torch.dtype, str, None] = torch.float32
-                         ) -> dict[str, torch.Tensor]:
+def load_safetensors_dir(path: PathLike, dtype: Union[torch.dtype, str, None] = torch.float32,
+                         quantizer: "LoadQuantizer | None" = None) -> "dict[str, torch.Tensor | QuantLinear]":
     """Every tensor of the safetensors checkpoint in ``path``, by Hugging Face name, as ``dtype``.
 
-    Floating point tensors are converted to ``dtype``; integer/bool tensors keep their type.
+    Floating point tensors are converted to ``dtype``; integer/bool tensors keep their type. With a ``quantizer``
+    (``quantization="int8"|"int4"``), the tensors it selects are quantized from their stored values, one at a time,
+    and come as QuantLinear.
     A tensor name present in two files, a tensor listed by the index but absent from its shard, or a
     truncated/corrupt file raise ValueError naming the file.
     """
@@ -143,7 +149,10 @@ def load_safetensors_dir(path: PathLike, dtype: Union[torch.dtype, str, None] = 
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 names = list(f.keys())
-                convert = {n for n in names if _needs_cast(f.get_slice(n).get_dtype(), target)}
+                quantized = set() if quantizer is None else {
+                    n for n in names if f.get_slice(n).get_dtype() in _FLOAT_DTYPES
+                    and quantizer.format_for(n, tuple(f.get_slice(n).get_shape())) is not None}
+                convert = {n for n in names if _needs_cast(f.get_slice(n).get_dtype(), target)} | quantized
                 for name in names:
                     if name in tensors:
                         raise ValueError(f"tensor {name!r} is in both {where[name]} and {file.name}")
@@ -155,7 +164,8 @@ def load_safetensors_dir(path: PathLike, dtype: Union[torch.dtype, str, None] = 
                 # Cast through a mapping opened for this tensor alone: once it is closed the source pages
                 # leave this process, so converting a whole checkpoint never holds both copies.
                 with safe_open(str(file), framework="pt", device="cpu") as g:
-                    tensors[name] = g.get_tensor(name).to(target)
+                    stored = g.get_tensor(name)
+                    tensors[name] = quantizer(name, stored) if name in quantized else stored.to(target)
         except SafetensorError as exc:
             raise ValueError(f"cannot read {file}: truncated or corrupt safetensors file ({exc})") from exc
         except (OSError, RuntimeError) as exc:

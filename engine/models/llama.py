@@ -3,13 +3,16 @@
 Differences between the members are config switches: qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3),
 tied embeddings, GQA, and the rotary variant. The arithmetic follows transformers' reference order
 (RMSNorm in float32, rotary tables cast to the model dtype) so greedy output matches it token for token.
-Projections are fused (qkv, gate+up) to cut the number of matmuls per layer.
+Projections are fused (qkv, gate+up) to cut the number of matmuls per layer. A projection (and the token embedding,
+and so a tied LM head) is either a float parameter or weights kept quantized (engine/quant: a QuantLinear, or a
+ConcatLinear where the fused parts differ in format), as the checkpoint hands them in.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +22,14 @@ from .. import cpu_build, cpu_ops
 from ..attention import AttentionMetadata
 from ..dtypes import cpu_supports_bf16 as _onednn_bf16
 from ..model_config import ModelConfig
+from ..quant import ConcatLinear, QuantLinear, concat
+from ..quant.reference import dequantize_rows
+
+#: a weight as a checkpoint hands it in: float, or kept in a quantized block format
+Weight = torch.Tensor | QuantLinear
+Quantized = (QuantLinear, ConcatLinear)
+#: the (fused) projections of a layer: its attribute names and its ``mm`` keys
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,25 +66,36 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quantized: frozenset[str] = frozenset()):
+        """``quantized``: the projections (PROJECTIONS names) that arrive quantized: no float parameter is allocated
+        for them; load_hf_state_dict sets them."""
         super().__init__()
         self.cfg = cfg
         H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         self.q_size, self.kv_size = H * D, Hkv * D
         self.input_norm = nn.Parameter(torch.ones(E, dtype=dtype), requires_grad=False)
         self.post_norm = nn.Parameter(torch.ones(E, dtype=dtype), requires_grad=False)
-        self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, E, dtype=dtype), requires_grad=False)
+        shapes = {"qkv": (self.q_size + 2 * self.kv_size, E), "o": (E, H * D),
+                  "gate_up": (2 * cfg.intermediate_size, E), "down": (E, cfg.intermediate_size)}
+
+        def projection(name: str) -> nn.Parameter | None:
+            if name in quantized:
+                return None
+            return nn.Parameter(torch.empty(shapes[name], dtype=dtype), requires_grad=False)
+
+        # (registered in this order: the state dict's order, which kv_transfer.fingerprint hashes)
+        self.qkv = projection("qkv")
         self.qkv_bias = (
             nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, dtype=dtype), requires_grad=False)
-            if cfg.qkv_bias
+            if cfg.qkv_bias and "qkv" not in quantized
             else None
         )
-        self.o = nn.Parameter(torch.empty(E, H * D, dtype=dtype), requires_grad=False)
+        self.o = projection("o")
         if cfg.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(D, dtype=dtype), requires_grad=False)
             self.k_norm = nn.Parameter(torch.ones(D, dtype=dtype), requires_grad=False)
-        self.gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, E, dtype=dtype), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(E, cfg.intermediate_size, dtype=dtype), requires_grad=False)
+        self.gate_up = projection("gate_up")
+        self.down = projection("down")
         self.mm = {
             "qkv": lambda x: F.linear(x, self.qkv, self.qkv_bias),
             "o": lambda x: F.linear(x, self.o),
@@ -147,18 +169,22 @@ class _Rope:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
+                 quantized: frozenset[str] = frozenset()):
+        """``quantized``: the weights that arrive quantized ("embed", "lm_head" and PROJECTIONS names): no float
+        parameter is allocated for them (see :meth:`from_weights`)."""
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(LlamaLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.embed = None if "embed" in quantized else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaLayer(cfg, dtype, quantized) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.lm_head = (
-            self.embed
-            if cfg.tie_word_embeddings
-            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        )
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = None if "lm_head" in quantized else nn.Parameter(
+                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.mm = {"lm_head": lambda x: F.linear(x, self.lm_head)}
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -166,6 +192,26 @@ class LlamaModel(nn.Module):
         self.register_buffer("sin_table", emb.sin().to(dtype), persistent=False)
         self._norms_checked = False
         self._ptrs_cache = None
+
+    @classmethod
+    def from_weights(cls, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
+                     tensors: dict[str, Weight]) -> "LlamaModel":
+        """The model holding ``tensors`` (Hugging Face names; float tensors or QuantLinear): float parameters only
+        for the weights that come as floats."""
+        quantized = frozenset(kind for name, t in tensors.items() if isinstance(t, QuantLinear)
+                              for kind in [_weight_kind(name)] if kind is not None)
+        model = cls(cfg, dtype, max_positions, quantized)
+        model.load_hf_state_dict(tensors)
+        return model
+
+    def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embedding rows of ``ids`` in the model dtype; a quantized table dequantizes only those rows."""
+        if not isinstance(self.embed, QuantLinear):
+            return F.embedding(ids, self.embed)
+        q = self.embed
+        # torch fallback until QuantLinear.rows (the kernels' row lookup) is merged: dequantize the gathered rows
+        return dequantize_rows(q.data[ids.reshape(-1)], q.qtype, ids.numel(), q.k).to(self.dtype).view(
+            *ids.shape, q.k)
 
     @torch.inference_mode()
     def forward(
@@ -177,7 +223,7 @@ class LlamaModel(nn.Module):
         backend,
     ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] (before the last norm)."""
-        h = F.embedding(input_ids, self.embed)
+        h = self._embedding(input_ids)
         fused = h.device.type == "cpu" and cpu_ops.supports(h.dtype)  # float32 or bfloat16 kernels
         if fused and not self.cfg.qk_norm:
             return self._forward_glued(h, positions, kv_caches, meta, backend)
@@ -274,99 +320,218 @@ class LlamaModel(nn.Module):
         bfloat16: with AVX512-BF16 and no AMX flowrt's own kernel (cpu_ops.PackedLinearBF16) for every projection
         at every row count (see _packed_bf16), else oneDNN prepacked (~1.2-1.6x F.linear on few-row matmuls,
         bit-identical); either way one packed copy, the plain weights are dropped (the tied embedding keeps its
-        own copy). Returns False, changing nothing, where no packing applies.
+        own copy). Only float projections are packed: quantized ones (engine/quant) run their own kernels. Returns
+        False, changing nothing, where no packing applies.
         """
-        if self.embed.device.type != "cpu":
+        if self.norm.device.type != "cpu":
+            return False
+        projections = self._float_projections()  # quantized projections run their own kernels: never packed
+        if not projections:
             return False
         if self.dtype == torch.float32:
-            return self._pack_fp32_kernel() or self._pack_fp32_onednn(batch_hint, small_rows)
+            return self._pack_fp32_kernel(projections) or self._pack_fp32_onednn(projections, batch_hint, small_rows)
         if self.dtype != torch.bfloat16 or not _onednn_bf16():
             return False
 
-        for layer in self.layers:
-            layer.mm = {name: _packed_bf16(getattr(layer, name), layer.qkv_bias if name == "qkv" else None, batch_hint)
-                        for name in ("qkv", "o", "gate_up", "down")}
-            for name in ("qkv", "o", "gate_up", "down"):
-                delattr(layer, name)
-        self.mm = {"lm_head": _packed_bf16(self.lm_head, None, batch_hint)}
-        if not self.cfg.tie_word_embeddings:
-            del self.lm_head
+        for p in projections:
+            p.mm[p.name] = _packed_bf16(p.weight, p.bias, batch_hint)
+            if p.owner is not self or not self.cfg.tie_word_embeddings:  # the tied embedding keeps its own copy
+                delattr(p.owner, p.name)
         return True
 
-    def _pack_fp32_kernel(self) -> bool:
-        lm_head = cpu_ops.PackedLinear.create(self.lm_head)
-        if lm_head is None:
-            return False
-        self.mm = {"lm_head": _unless_disabled(lm_head, self.mm["lm_head"])}
-        for layer in self.layers:
-            layer.mm = {name: _unless_disabled(cpu_ops.PackedLinear(getattr(layer, name),
-                                                                    layer.qkv_bias if name == "qkv" else None),
-                                               layer.mm[name])
-                        for name in ("qkv", "o", "gate_up", "down")}
+    def _pack_fp32_kernel(self, projections: list["_Projection"]) -> bool:
+        kernels = []
+        for p in projections:
+            kernel = cpu_ops.PackedLinear.create(p.weight, p.bias)
+            if kernel is None:
+                return False
+            kernels.append(kernel)
+        for p, kernel in zip(projections, kernels):
+            p.mm[p.name] = _unless_disabled(kernel, p.mm[p.name])
         return True
 
-    def _pack_fp32_onednn(self, batch_hint: int, small_rows: int) -> bool:
+    def _pack_fp32_onednn(self, projections: list["_Projection"], batch_hint: int, small_rows: int) -> bool:
         try:
             if not torch.backends.mkldnn.is_available():
                 return False
-            lm_head = _packed(self.lm_head, None, batch_hint)
-            small = [{name: _packed(getattr(layer, name), layer.qkv_bias if name == "qkv" else None, batch_hint)
-                      for name in ("qkv", "o", "gate_up", "down")} for layer in self.layers]
+            packed = [_packed(p.weight, p.bias, batch_hint) for p in projections]
         except (AttributeError, RuntimeError):
             return False
-        self.mm = {"lm_head": lm_head}
-        for layer, packed in zip(self.layers, small):
-            layer.mm = {name: _by_rows(packed[name], layer.mm[name], small_rows) for name in packed}
+        for p, fn in zip(projections, packed):
+            # the LM head always runs prepacked; projections only up to small_rows rows (MKL beyond)
+            p.mm[p.name] = fn if p.name == "lm_head" else _by_rows(fn, p.mm[p.name], small_rows)
         return True
 
-    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Raises naming a missing tensor."""
+    def load_hf_state_dict(self, tensors: dict[str, Weight]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Quantized ones (QuantLinear) are kept as they
+        are (fused by row-stacking their blocks); a fused projection whose parts mix float and quantized ones, or
+        a quantized weight where a float parameter was allocated, is dequantized into the float parameter.
+        Raises naming a missing tensor or a shape that does not fit."""
         cfg = self.cfg
 
-        def take(name: str) -> torch.Tensor:
+        def get(name: str) -> Weight:
             t = tensors.get(name)
             if t is None:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
-            return t.to(self.dtype)
+            return t
+
+        def take(name: str) -> torch.Tensor:
+            t = get(name)
+            return t.dequantize(self.dtype) if isinstance(t, QuantLinear) else t.to(self.dtype)
 
         def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
             if tuple(param.shape) != tuple(value.shape):
                 raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
             param.data.copy_(value)  # a copy: loaded tensors may be views of a memory-mapped file
 
-        def put_cat(param: torch.Tensor, names: list[str], name: str) -> None:
-            """The fused projection written straight into its parameter (no concatenated temporary)."""
-            parts = [take(n) for n in names]
-            shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-            if tuple(param.shape) != shape:
-                raise ValueError(f"tensor {name!r} has shape {shape}, expected {tuple(param.shape)}")
-            torch.cat(parts, out=param.data)
+        def weight(owner: nn.Module, attr: str, names: list[str], name: str, shape: tuple[int, int],
+                   biases: list[str] | None = None) -> None:
+            """owner.attr from the tensors ``names`` (row-stacked): kept quantized where all are and no float parameter
+            waits for them, else written into the float parameter (no concatenated temporary)."""
+            parts = [get(n) for n in names]
+            rows = sum(p.shape[0] for p in parts)
+            if (rows, parts[0].shape[1]) != shape or any(p.shape[1] != shape[1] for p in parts):
+                got = [tuple(p.shape) for p in parts]
+                raise ValueError(f"tensor {name!r} has shapes {got}, expected {shape} in all")
+            bias = None if biases is None else [get(b).float() for b in biases]
+            param = getattr(owner, attr)
+            if param is None and all(isinstance(p, QuantLinear) for p in parts):
+                if bias is not None:
+                    parts = [QuantLinear(p.qtype, p.data, p.n, p.k, b) for p, b in zip(parts, bias)]
+                setattr(owner, attr, parts[0] if len(parts) == 1 else concat(parts))
+                return
+            if param is None:
+                param = nn.Parameter(torch.empty(shape, dtype=self.dtype), requires_grad=False)
+                setattr(owner, attr, param)
+            torch.cat([take(n) for n in names], out=param.data)
+            if bias is not None:
+                if getattr(owner, "qkv_bias", None) is None:
+                    owner.qkv_bias = nn.Parameter(torch.empty(rows, dtype=self.dtype), requires_grad=False)
+                put(owner.qkv_bias, torch.cat(bias).to(self.dtype), name.replace(".weight", ".bias"))
 
-        put(self.embed, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        E, V = cfg.hidden_size, cfg.vocab_size
+        weight(self, "embed", ["model.embed_tokens.weight"], "model.embed_tokens.weight", (V, E))
         put(self.norm, take("model.norm.weight"), "model.norm.weight")
-        if not cfg.tie_word_embeddings:
-            put(self.lm_head, take("lm_head.weight"), "lm_head.weight")
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            weight(self, "lm_head", ["lm_head.weight"], "lm_head.weight", (V, E))
+        if isinstance(self.lm_head, Quantized):
+            self.mm = {"lm_head": self.lm_head}
+        H, Hkv, D, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
+            m = p + "mlp."
             put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
             put(layer.post_norm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
-            put_cat(layer.qkv, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], a + "qkv_proj.weight")
-            if layer.qkv_bias is not None:
-                b = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
-                put(layer.qkv_bias, b, a + "qkv_proj.bias")
-            put(layer.o, take(a + "o_proj.weight"), a + "o_proj.weight")
+            weight(layer, "qkv", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], a + "qkv_proj.weight",
+                   ((H + 2 * Hkv) * D, E), [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
+                   if cfg.qkv_bias else None)
+            weight(layer, "o", [a + "o_proj.weight"], a + "o_proj.weight", (E, H * D))
             if cfg.qk_norm:
                 put(layer.q_norm, take(a + "q_norm.weight"), a + "q_norm.weight")
                 put(layer.k_norm, take(a + "k_norm.weight"), a + "k_norm.weight")
-            m = p + "mlp."
-            put_cat(layer.gate_up, [m + "gate_proj.weight", m + "up_proj.weight"], m + "gate_up_proj.weight")
-            put(layer.down, take(m + "down_proj.weight"), m + "down_proj.weight")
+            weight(layer, "gate_up", [m + "gate_proj.weight", m + "up_proj.weight"], m + "gate_up_proj.weight",
+                   (2 * inter, E))
+            weight(layer, "down", [m + "down_proj.weight"], m + "down_proj.weight", (E, inter))
+            for name in PROJECTIONS:
+                if isinstance(getattr(layer, name), Quantized):
+                    layer.mm[name] = getattr(layer, name)
+
+    def weight_classes(self) -> dict[str, list]:
+        """The weights by class (what stats() reports a format for), in layer order: each a float tensor, a
+        QuantLinear / ConcatLinear, or a packed projection's multiply (bf16 drops the plain weight). A tied LM head is
+        the embedding itself."""
+        def of(owner, attr: str, mm: dict, key: str):
+            w = getattr(owner, attr, None)
+            return w if w is not None else mm[key]
+
+        layers = self.layers
+        return {
+            "embed": [self.embed],
+            "attn_qkv": [of(ly, "qkv", ly.mm, "qkv") for ly in layers],
+            "attn_output": [of(ly, "o", ly.mm, "o") for ly in layers],
+            "ffn_gate_up": [of(ly, "gate_up", ly.mm, "gate_up") for ly in layers],
+            "ffn_down": [of(ly, "down", ly.mm, "down") for ly in layers],
+            "lm_head": [of(self, "lm_head", self.mm, "lm_head")],
+            "norms": [self.norm, *(w for ly in layers
+                                   for w in (ly.input_norm, ly.post_norm, getattr(ly, "q_norm", None),
+                                             getattr(ly, "k_norm", None)) if w is not None)],
+        }
+
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the weights hold: float parameters, quantized blocks (and their biases), packed copies."""
+        out = [t for t in self.state_dict().values()]
+        for q in self._quantized():
+            parts = q.parts if isinstance(q, ConcatLinear) else [q]
+            out += [t for p in parts for t in (p.data, p.bias) if t is not None]
+        for mm in [self.mm, *(ly.mm for ly in self.layers)]:
+            out += [t for f in mm.values() for t in getattr(f, "resident", ())]
+        return out
+
+    def named_weights(self):
+        """(name, tensor) of every weight: the state dict, then the quantized projections' blocks (as uint8)."""
+        yield from self.state_dict().items()
+        seen = set()
+        for prefix, owner in [("", self), *((f"layers.{i}.", ly) for i, ly in enumerate(self.layers))]:
+            for attr in ("embed", "lm_head", *PROJECTIONS):
+                q = owner.__dict__.get(attr)
+                if isinstance(q, Quantized) and id(q) not in seen:
+                    seen.add(id(q))
+                    for j, part in enumerate(q.parts if isinstance(q, ConcatLinear) else [q]):
+                        yield f"{prefix}{attr}.{j}.{part.qtype.name}", part.data
+                        if part.bias is not None:
+                            yield f"{prefix}{attr}.{j}.bias", part.bias
+
+    def _quantized(self) -> list:
+        """The quantized weights, each once (a tied LM head is the embedding)."""
+        found = {id(q): q for q in (w for ws in self.weight_classes().values() for w in ws) if isinstance(q, Quantized)}
+        return list(found.values())
+
+    def _float_projections(self) -> list["_Projection"]:
+        """The float projections pack_cpu_weights may pack (the LM head first)."""
+        out = []
+        if isinstance(self.lm_head, torch.Tensor):
+            out.append(_Projection(self, self.mm, "lm_head", self.lm_head, None))
+        for layer in self.layers:
+            for name in PROJECTIONS:
+                w = getattr(layer, name)
+                if isinstance(w, torch.Tensor):
+                    out.append(_Projection(layer, layer.mm, name, w, layer.qkv_bias if name == "qkv" else None))
+        return out
+
+
+@dataclass
+class _Projection:
+    """A float projection where it lives: ``owner.<name>`` is the weight, ``mm[name]`` its multiply."""
+
+    owner: nn.Module
+    mm: dict
+    name: str
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def _weight_kind(hf_name: str) -> str | None:
+    """What a Hugging Face tensor name is part of: "embed", "lm_head", a PROJECTIONS name, or None (norms, biases)."""
+    if hf_name == "model.embed_tokens.weight":
+        return "embed"
+    if hf_name == "lm_head.weight":
+        return "lm_head"
+    for part, kind in ((".q_proj.weight", "qkv"), (".k_proj.weight", "qkv"), (".v_proj.weight", "qkv"),
+                       (".o_proj.weight", "o"), (".gate_proj.weight", "gate_up"), (".up_proj.weight", "gate_up"),
+                       (".down_proj.weight", "down")):
+        if hf_name.endswith(part):
+            return kind
+    return None
 
 
 def _packed(weight, bias, batch_hint: int):
     w = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    fn = lambda x: torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")  # noqa: E731
+    fn.resident = (w,)  # the packed copy, for the resident weight bytes (stats' weights_bytes)
+    return fn
 
 
 def _packed_bf16(weight, bias, batch_hint: int):
@@ -403,8 +568,11 @@ def _with_kernel(fn, kernel, rows: int | None):
     """fn, marked as running the packed kernel `kernel` (.wp, .bias) for steps of at most `rows` rows (None: any)
     while the kernels are on: the one-call decode step (cpu_ops.StepGlue.decode_layers) calls that kernel itself."""
     fn.kernel, fn.rows = kernel, rows
+    fn.resident = tuple(t for t in (kernel.wp, kernel.bias) if t is not None)
     return fn
 
 
 def _by_rows(small, large, limit: int):
-    return lambda x: small(x) if x.shape[0] <= limit else large(x)
+    fn = lambda x: small(x) if x.shape[0] <= limit else large(x)  # noqa: E731
+    fn.resident = getattr(small, "resident", ())
+    return fn

@@ -196,7 +196,7 @@ def test_config_matches_transformers_gguf_config(tmp_path, llama_dir):
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
 def test_quantized_gguf_close_to_safetensors(tmp_path, llama_dir, qtype):
     path = write_gguf(llama_dir, tmp_path / "m.gguf", qtype)
-    ck = load_gguf(path, torch.float32)
+    ck = load_gguf(path, torch.float32, quantization=None)
     ref = load_safetensors_dir(llama_dir, torch.float32)
     assert ck.tensors.keys() == ref.keys()
     header = read_gguf_header(path)
@@ -411,7 +411,7 @@ def _default_gguf():
 def test_smollm2_gguf_greedy_matches_reference():
     path = _default_gguf()
     t0 = time.perf_counter()
-    ck = load_gguf(path, torch.float32)
+    ck = load_gguf(path, torch.float32, quantization=None)
     load_s = time.perf_counter() - t0
     c = ck.config
     assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size) == (30, 576, 1536)

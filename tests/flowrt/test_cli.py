@@ -190,6 +190,7 @@ def test_run_json_end_to_end_on_stories260k(tmp_path):
     assert st["engine"]["kv_blocks_used"] == 0 and st["engine"]["generated_tokens"] == st["generated_tokens"]
     assert st["run"]["llm_calls"] == 5 and st["run"]["generated_tokens"] == st["run_generated_tokens"]
     assert st["run"]["steps_completed"] == 2
+    assert st["engine"]["weights_bytes"] > 0 and st["engine"]["weights_formats"]["attn_qkv"] == "float32"
     assert "KV blocks x 16 tokens" in proc.stderr and "MiB" in proc.stderr  # the start-up line
 
 
@@ -330,6 +331,7 @@ def _subparser(parser, name):
 
 def _sample_flag_values():
     """One command-line value per EngineArgs field (but model), and what EngineArgs makes of it."""
+    import enum
     import typing
 
     from flowrt.engine.cli_args import _unwrap_optional
@@ -347,6 +349,10 @@ def _sample_flag_values():
             value = next(c for c in typing.get_args(ann) if c != field.default)
             argv += [flag, str(value)]
             expected[name] = value
+        elif isinstance(ann, type) and issubclass(ann, enum.Enum):  # quantization
+            member = next(m for m in ann if m != field.default)
+            argv += [flag, member.value]
+            expected[name] = member
         elif ann is int:
             argv += [flag, "3"]
             expected[name] = 3

@@ -16,6 +16,7 @@ ENGINE_FLAGS = {
     "--enforce-eager", "--no-enforce-eager", "--no-prefix-caching", "--replicas", "--ray-address", "--routing",
     "--speculative-config",  # added since (issue 25), through EngineArgs' field like every other flag
     "--adaptive-threads", "--no-adaptive-threads",  # added since (issue 26: the CPU thread governor)
+    "--quantization",  # added since (issue 33: weights kept quantized)
 }
 
 

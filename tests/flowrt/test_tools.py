@@ -97,7 +97,9 @@ SLOW_FIXTURES = {"engine"}  # the 135M model: tests on it are `slow` (tests/conf
 def engine():
     from flowrt.engine import AsyncLLM
 
-    eng = AsyncLLM(model=None, dtype="float32", seed=0, num_kv_blocks=1024)
+    # dequantized (quantization=None), as these tests' expected answers were found: kept quantized (the default
+    # since issue 33) the int8 activations flip near-ties, and the agent's final answer changes wording
+    eng = AsyncLLM(model=None, dtype="float32", seed=0, num_kv_blocks=1024, quantization=None)
     yield eng
     eng.shutdown()
 

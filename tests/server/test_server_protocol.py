@@ -85,13 +85,15 @@ def test_delta_holds_back_possible_stop_and_partial_utf8():
 
 def test_metrics_render_parses():
     m = ServerMetrics(lambda: {"kv_blocks_used": 3, "num_kv_blocks": 10, "num_running": 1, "num_waiting": 0,
-                               "prefix_cache_hit_tokens": 5})
+                               "prefix_cache_hit_tokens": 5, "weights_bytes": 96_576_768,
+                               "weights_formats": {"embed": "Q8_0", "lm_head": "Q8_0 (tied)"}})
     m.requests.labels(endpoint="/v1/completions", status="200").inc()
     m.ttft.observe(0.01)
     fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
     assert fams["flowrt_kv_blocks_used"].samples[0].value == 3
     assert fams["flowrt_kv_blocks_total"].samples[0].value == 10
     assert fams["flowrt_engine_prefix_cache_hit_tokens"].type == "counter"
+    assert fams["flowrt_engine_weights_bytes"].samples[0].value == 96_576_768  # weights_formats (a dict) is left out
     assert any(s.labels.get("status") == "200" for s in fams["flowrt_http_requests"].samples)
     assert "flowrt_time_to_first_token_seconds" in fams
 
