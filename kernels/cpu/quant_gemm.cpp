@@ -1,0 +1,201 @@
+// Quantized projections y[M, N] = x[M, K] @ W^T (+ bias), W in a GGUF block format read in place (uint8 rows of
+// whole blocks, as the file stores them; formats in quant_blocks.h). x is quantized first (quant_act.cpp: int8 blocks
+// of 32 with a scale d and the halves' scaled sums sx); then for every (row, column) pair and block of 32 the integer
+// dot product of q_x and the weight's q, as eight int32 lanes of four products each, is scaled by d_x * D (the lanes
+// of each 16-element half by its own D) and accumulated in eight float lanes; formats with minimums add M * sx. The
+// eight lanes are summed once at the end, always in the same tree. So a pair's result does not depend on the tile it
+// was computed in or on the thread count: a row gives the same bits alone (decode) or in a batch.
+//
+// Tiles of 4 rows x 2 columns: a column's block is unpacked once and used by four rows (prefill), and decode
+// (1 row) streams each weight byte once. Work items are chunks of 16 columns (by rows too from 64 rows) handed to
+// the threads dynamically.
+//
+// ISA: the AVX2 code (maddubs / madd on 256-bit vectors) also serves the avx512 and avx512bf16 variants (their builds
+// define __AVX2__): no AVX-512 or VNNI path here, as none could be tested on the AVX2-only machines these were
+// written on. The generic variant runs the same arithmetic in scalar C++.
+#include "flowrt_cpu.h"
+#include "common.h"
+#include "quant_blocks.h"
+
+#include <type_traits>
+
+namespace {
+
+struct Act {
+    const int8_t* q;   // [M, K]
+    const float* d;    // [M, nb]
+    const float* sx;   // [M, nb, 8]
+    int64_t K, nb;
+};
+
+template <typename T>
+static inline void put(T* y, float v) { *y = from_f32<T>(v); }
+
+#ifdef FLOWRT_AVX2
+// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): the one summation order of a pair's lanes.
+static inline float lanes_sum(__m256 v) {
+    const __m256 h = _mm256_hadd_ps(v, v);
+    const __m256 h2 = _mm256_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
+}
+
+static inline __m256 halves(const float* v, bool two) {
+    return two ? _mm256_set_m128(_mm_set1_ps(v[1]), _mm_set1_ps(v[0])) : _mm256_set1_ps(v[0]);
+}
+
+template <typename F, int R, int C, typename T>
+static inline void tile(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, int64_t c0, const float* bias, T* y,
+                        int64_t ys) {
+    __m256 acc[R][C];
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+        #pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t* xq = a.q + r0 * a.K;
+    const float* xd = a.d + r0 * a.nb;
+    const float* xs = a.sx + r0 * a.nb * 8;
+    for (int64_t b = 0; b < a.nb; ++b) {
+        #pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+            const uint8_t* row = w + (c0 + c) * rb;
+            const __m256i q = F::qv(row, (int)b);
+            float D[2], Mn[2];
+            F::scales(row, (int)b, D, Mn);
+            const __m256 Dv = halves(D, F::HALVES);
+            const __m256i aq = F::MIN ? q : _mm256_sign_epi8(q, q);
+            #pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * a.K + 32 * b));
+                const __m256i p = F::MIN ? _mm256_maddubs_epi16(q, x) : _mm256_maddubs_epi16(aq, _mm256_sign_epi8(x, q));
+                const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+                const __m256 scale = _mm256_mul_ps(Dv, _mm256_broadcast_ss(xd + r * a.nb + b));
+                acc[r][c] = _mm256_fmadd_ps(s, scale, acc[r][c]);
+                if constexpr (F::MIN)
+                    acc[r][c] = _mm256_fmadd_ps(halves(Mn, F::HALVES), _mm256_loadu_ps(xs + (r * a.nb + b) * 8),
+                                                acc[r][c]);
+            }
+        }
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+        #pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+            float v = lanes_sum(acc[r][c]);
+            if (bias) v += bias[c0 + c];
+            put(y + (r0 + r) * ys + c0 + c, v);
+        }
+}
+
+template <typename F, int C, typename T>
+static inline void rows_tile(int R, const Act& a, int64_t r0, const uint8_t* w, int64_t rb, int64_t c0,
+                             const float* bias, T* y, int64_t ys) {
+    switch (R) {
+        case 4: tile<F, 4, C>(a, r0, w, rb, c0, bias, y, ys); break;
+        case 3: tile<F, 3, C>(a, r0, w, rb, c0, bias, y, ys); break;
+        case 2: tile<F, 2, C>(a, r0, w, rb, c0, bias, y, ys); break;
+        default: tile<F, 1, C>(a, r0, w, rb, c0, bias, y, ys); break;
+    }
+}
+#else
+// The scalar twin: per (row, column) pair and block, the two halves' integer sums scaled by d_x * D (+ M * sx).
+template <typename F, typename T>
+static inline void scalar_tile(int R, const Act& a, int64_t r0, const uint8_t* w, int64_t rb, int64_t c0,
+                               const float* bias, T* y, int64_t ys) {
+    const uint8_t* row = w + c0 * rb;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    int8_t q[32];
+    for (int64_t b = 0; b < a.nb; ++b) {
+        float D[2], Mn[2];
+        F::q(row, (int)b, q);
+        F::scales(row, (int)b, D, Mn);
+        for (int r = 0; r < R; ++r) {
+            const int8_t* x = a.q + (r0 + r) * a.K + 32 * b;
+            int s[2] = {0, 0};
+            for (int i = 0; i < 32; ++i) s[i >> 4] += (int)q[i] * (int)x[i];
+            const float dx = a.d[(r0 + r) * a.nb + b];
+            acc[r] += (float)s[0] * (D[0] * dx) + (float)s[1] * (D[1] * dx);
+            if constexpr (F::MIN) {
+                const float* sx = a.sx + ((r0 + r) * a.nb + b) * 8;
+                acc[r] += Mn[0] * (4.0f * sx[0]) + Mn[1] * (4.0f * sx[4]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) put(y + (r0 + r) * ys + c0, acc[r] + (bias ? bias[c0] : 0.f));
+}
+#endif
+
+// The rows [r0, r1) against the columns [c0, c1).
+template <typename F, typename T>
+static void block(const Act& a, int64_t r0, int64_t r1, const uint8_t* w, int64_t rb, int64_t c0, int64_t c1,
+                  const float* bias, T* y, int64_t ys) {
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int R = (int)std::min<int64_t>(4, r1 - r);
+        int64_t c = c0;
+#ifdef FLOWRT_AVX2
+        for (; c + 2 <= c1; c += 2) rows_tile<F, 2>(R, a, r, w, rb, c, bias, y, ys);
+        for (; c < c1; ++c) rows_tile<F, 1>(R, a, r, w, rb, c, bias, y, ys);
+#else
+        for (; c < c1; ++c) scalar_tile<F>(R, a, r, w, rb, c, bias, y, ys);
+#endif
+    }
+}
+
+constexpr int64_t COLS = 16;  // columns per work item
+
+template <typename F, typename T>
+static void gemm(const Act& a, int64_t M, const uint8_t* w, int64_t N, const float* bias, T* y, int64_t ys) {
+    const int64_t rb = a.K / F::QK * F::BYTES;
+    const int64_t NC = (N + COLS - 1) / COLS;
+    // from 64 rows, blocks of rows whose activations (~1.1 bytes an element) stay in L2 while a chunk's columns run
+    const int64_t MB = M < 64 ? M : std::max<int64_t>(4, (98304 / a.K) & ~(int64_t)3);
+    const int64_t RB = (M + MB - 1) / MB;
+    #pragma omp parallel for schedule(dynamic, 1) if (M * N * a.K >= (1 << 18)) num_threads(flowrt_threads)
+    for (int64_t it = 0; it < RB * NC; ++it) {
+        const int64_t r0 = it / NC * MB, c0 = it % NC * COLS;
+        block<F>(a, r0, std::min(M, r0 + MB), w, rb, c0, std::min(N, c0 + COLS), bias, y, ys);
+    }
+}
+
+// A buffer per calling thread for the quantized activations, grown as needed.
+static uint8_t* scratch(size_t bytes) {
+    static thread_local std::vector<uint8_t> buf;
+    if (buf.size() < bytes) buf.resize(bytes);
+    return buf.data();
+}
+
+template <typename T>
+int quant_gemm(const T* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w, int qtype, int64_t N,
+               const float* bias, T* y, int64_t y_st) {
+    if (qfmt::dispatch(qtype, [](auto) {}) != 0) return -1;
+    int qk = 0;
+    qfmt::dispatch(qtype, [&](auto tag) { qk = decltype(tag)::type::QK; });
+    if (K % qk) return -2;
+    const int64_t nb = K / 32;
+    uint8_t* buf = scratch((size_t)(M * K + M * nb * 36 + 64));
+    float* d = reinterpret_cast<float*>(buf + ((M * K + 31) & ~(int64_t)31));
+    float* sx = d + M * nb;
+    if constexpr (std::is_same_v<T, float>) quant_act_f32(x, x_st, M, K, (int8_t*)buf, d, sx);
+    else quant_act_bf16(x, x_st, M, K, (int8_t*)buf, d, sx);
+    const Act a{(const int8_t*)buf, d, sx, K, nb};
+    qfmt::dispatch(qtype, [&](auto tag) { gemm<typename decltype(tag)::type>(a, M, w, N, bias, y, y_st); });
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int quant_gemm_supported(int qtype) { return qfmt::dispatch(qtype, [](auto) {}) == 0; }
+
+int quant_gemm_f32(const float* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w, int qtype, int64_t N,
+                   const float* bias, float* y, int64_t y_st) {
+    return quant_gemm(x, x_st, M, K, w, qtype, N, bias, y, y_st);
+}
+
+int quant_gemm_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w, int qtype, int64_t N,
+                    const float* bias, bf16_t* y, int64_t y_st) {
+    return quant_gemm(x, x_st, M, K, w, qtype, N, bias, y, y_st);
+}
+
+}  // extern "C"
