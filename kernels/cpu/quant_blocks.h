@@ -97,7 +97,8 @@ static inline __m256i field(const uint8_t* p, int s, int mask) {
 
 // Each format: QK elements in BYTES bytes; MIN: w = D q + M with unsigned q (else w = D q, q signed); HALVES: the two
 // 16-element halves of a 32-block have their own D (and M). scales() gives D[2], M[2]; q() the 32 values (scalar);
-// qv() the same as one vector (AVX2).
+// qv() the same as one vector (AVX2); the K-quants' scales8() all of a super-block's D[16], M[16] at once (the same
+// values as scales() for its eight 32-blocks).
 struct Q8_0F {
     static constexpr int QK = 32, BYTES = 34;
     static constexpr bool MIN = false, HALVES = false;
@@ -214,6 +215,10 @@ struct Q2_KF {
             M[h] = -(dmin * (float)(s >> 4));
         }
     }
+    static void scales8(const uint8_t* p, float* D, float* M) {
+        const float d = half(p + 80), dmin = half(p + 82);
+        for (int i = 0; i < 16; ++i) { D[i] = d * (float)(p[i] & 0xF); M[i] = -(dmin * (float)(p[i] >> 4)); }
+    }
     static void q(const uint8_t* r, int b, int8_t* q) {
         const uint8_t* s = r + (b >> 3) * BYTES + 16 + ((b & 7) >> 2) * 32;
         const int sh = 2 * (b & 3);
@@ -241,6 +246,10 @@ struct Q3_KF {
         D[0] = d * (float)scale(p + 96, 2 * j);
         D[1] = d * (float)scale(p + 96, 2 * j + 1);
     }
+    static void scales8(const uint8_t* p, float* D, float*) {
+        const float d = half(p + 108);
+        for (int i = 0; i < 16; ++i) D[i] = d * (float)scale(p + 96, i);
+    }
     static void q(const uint8_t* r, int b, int8_t* q) {
         const uint8_t* p = r + (b >> 3) * BYTES;
         const int n = (b & 7) >> 2, sh = 2 * (b & 3), bit = n * 4 + (b & 3);
@@ -263,6 +272,9 @@ struct Q4_KF {
     static constexpr int QK = 256, BYTES = 144;
     static constexpr bool MIN = true, HALVES = false;
     static void scales(const uint8_t* r, int b, float* D, float* M) { scales_k4(r + (b >> 3) * BYTES, b & 7, D, M); }
+    static void scales8(const uint8_t* p, float* D, float* M) {
+        for (int j = 0; j < 8; ++j) scales_k4(p, j, D + 2 * j, M + 2 * j);
+    }
     static void q(const uint8_t* r, int b, int8_t* q) {
         const uint8_t* s = r + (b >> 3) * BYTES + 16 + ((b & 7) >> 1) * 32;
         const int sh = 4 * (b & 1);
@@ -280,6 +292,9 @@ struct Q5_KF {
     static constexpr int QK = 256, BYTES = 176;
     static constexpr bool MIN = true, HALVES = false;
     static void scales(const uint8_t* r, int b, float* D, float* M) { scales_k4(r + (b >> 3) * BYTES, b & 7, D, M); }
+    static void scales8(const uint8_t* p, float* D, float* M) {
+        for (int j = 0; j < 8; ++j) scales_k4(p, j, D + 2 * j, M + 2 * j);
+    }
     static void q(const uint8_t* r, int b, int8_t* q) {
         const uint8_t* p = r + (b >> 3) * BYTES;
         const uint8_t* s = p + 48 + ((b & 7) >> 1) * 32;
@@ -306,6 +321,10 @@ struct Q6_KF {
         D[0] = d * (float)(int8_t)p[192 + 2 * j];
         D[1] = d * (float)(int8_t)p[192 + 2 * j + 1];
     }
+    static void scales8(const uint8_t* p, float* D, float*) {
+        const float d = half(p + 208);
+        for (int i = 0; i < 16; ++i) D[i] = d * (float)(int8_t)p[192 + i];
+    }
     static void q(const uint8_t* r, int b, int8_t* q) {
         const uint8_t* p = r + (b >> 3) * BYTES;
         const int n = (b & 7) >> 2, c = b & 3;
@@ -324,6 +343,32 @@ struct Q6_KF {
     }
 #endif
 };
+
+// Block b of a row as 32 values of the storage type T (float or bf16_t): D * q (+ M), a multiply and an add in float32,
+// the gguf package's order, so float32 values equal gguf.quants.dequantize bit for bit (bf16: rounded to nearest even).
+template <typename F, typename T>
+static inline void block_values(const uint8_t* row, int b, T* out) {
+    float D[2], Mn[2] = {0.f, 0.f};
+    F::scales(row, b, D, Mn);
+#ifdef FLOWRT_AVX2
+    const __m256i q = F::qv(row, b);
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; ++i) {
+        __m256 v = _mm256_mul_ps(_mm256_set1_ps(D[i >> 1]), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])));
+        if constexpr (F::MIN) v = _mm256_add_ps(v, _mm256_set1_ps(Mn[i >> 1]));
+        store8(out + 8 * i, v);
+    }
+#else
+    int8_t q[32];
+    F::q(row, b, q);
+    for (int i = 0; i < 32; ++i) {
+        float v = D[i >> 4] * (float)q[i];
+        if constexpr (F::MIN) v = v + Mn[i >> 4];
+        out[i] = from_f32<T>(v);
+    }
+#endif
+}
 
 template <typename F> struct Tag { using type = F; };
 

@@ -16,6 +16,9 @@
 #include "flowrt_cpu.h"
 #include "common.h"
 #include "quant_blocks.h"
+#ifdef FLOWRT_AVX2
+#include "gemm.h"
+#endif
 
 #include <type_traits>
 
@@ -55,13 +58,21 @@ static inline void tile(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, 
     const int8_t* xq = a.q + r0 * a.K;
     const float* xd = a.d + r0 * a.nb;
     const float* xs = a.sx + r0 * a.nb * 8;
+    float Dsb[C][16], Msb[C][16];  // the K-quants' super-block scales, decoded once per column and super-block
     for (int64_t b = 0; b < a.nb; ++b) {
         #pragma GCC unroll 4
         for (int c = 0; c < C; ++c) {
             const uint8_t* row = w + (c0 + c) * rb;
             const __m256i q = F::qv(row, (int)b);
-            float D[2], Mn[2];
-            F::scales(row, (int)b, D, Mn);
+            float Dl[2], Ml[2];
+            const float *D = Dl, *Mn = Ml;
+            if constexpr (F::QK == 256) {
+                if ((b & 7) == 0) F::scales8(row + (b >> 3) * F::BYTES, Dsb[c], Msb[c]);
+                D = Dsb[c] + 2 * (b & 7);
+                Mn = Msb[c] + 2 * (b & 7);
+            } else {
+                F::scales(row, (int)b, Dl, Ml);
+            }
             const __m256 Dv = halves(D, F::HALVES);
             const __m256i aq = F::MIN ? q : _mm256_sign_epi8(q, q);
             #pragma GCC unroll 8
@@ -133,6 +144,8 @@ static void block(const Act& a, int64_t r0, int64_t r1, const uint8_t* w, int64_
         const int R = (int)std::min<int64_t>(4, r1 - r);
         int64_t c = c0;
 #ifdef FLOWRT_AVX2
+        if (R == 1)  // one row: four columns' chains in flight
+            for (; c + 4 <= c1; c += 4) tile<F, 1, 4>(a, r, w, rb, c, bias, y, ys);
         for (; c + 2 <= c1; c += 2) rows_tile<F, 2>(R, a, r, w, rb, c, bias, y, ys);
         for (; c < c1; ++c) rows_tile<F, 1>(R, a, r, w, rb, c, bias, y, ys);
 #else
@@ -142,6 +155,79 @@ static void block(const Act& a, int64_t r0, int64_t r1, const uint8_t* w, int64_
 }
 
 constexpr int64_t COLS = 16;  // columns per work item
+
+// A buffer per thread, grown as needed, 32-byte aligned; slots: 0 the activations, 1 x', 2 a weight panel.
+static uint8_t* scratch(size_t bytes, int slot = 0) {
+    static thread_local std::vector<uint8_t> buf[3];
+    if (buf[slot].size() < bytes + 32) buf[slot].resize(bytes + 32);
+    return buf[slot].data() + (-(uintptr_t)buf[slot].data() & 31);
+}
+
+#ifdef FLOWRT_AVX2
+// From PANEL_ROWS rows (prefill) the int8 pairs above cost more than float32 FMAs on AVX2 (a pair's block takes
+// ~6 operations for 32 products against 4 FMAs), so each panel of 16 columns is dequantized once (exact values,
+// k-major in L2) and multiplied by x' = q_x * d_x, the dequantized activations, with gemm.h's 6 x 16 float32 tile:
+// the same numbers (reference.linear's operands), summed in another order, at PackedLinear's speed. Each regime is
+// batch invariant on its own; a row's bits differ between them only by float32 summation order.
+constexpr int64_t PANEL_ROWS = 64;
+
+// Columns c0 .. c0+nvalid-1 of W dequantized into wp[k * 16 + j] (zeros past nvalid).
+template <typename F>
+static void dequant_panel(const uint8_t* w, int64_t rb, int64_t c0, int nvalid, int64_t nb, float* wp) {
+    alignas(32) float t[16][32];
+    for (int j = nvalid; j < 16; ++j) std::fill(t[j], t[j] + 32, 0.f);
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int j = 0; j < nvalid; ++j) qfmt::block_values<F>(w + (c0 + j) * rb, (int)b, t[j]);
+        for (int g = 0; g < 4; ++g)
+            for (int h = 0; h < 2; ++h) {
+                __m256 r[8];
+                for (int i = 0; i < 8; ++i) r[i] = _mm256_load_ps(&t[8 * h + i][8 * g]);
+                transpose8(r);
+                for (int i = 0; i < 8; ++i) _mm256_store_ps(wp + (32 * b + 8 * g + i) * 16 + 8 * h, r[i]);
+            }
+    }
+}
+
+template <typename F, typename T>
+static void gemm_panels(const Act& a, int64_t M, const uint8_t* w, int64_t N, const float* bias, T* y, int64_t ys) {
+    const int64_t K = a.K, rb = K / F::QK * F::BYTES, P = (N + 15) / 16;
+    float* xf = reinterpret_cast<float*>(scratch((size_t)(M * K * 4), 1));
+    #pragma omp parallel num_threads(flowrt_threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; ++r)
+            for (int64_t b = 0; b < a.nb; ++b) {
+                const __m256 d = _mm256_set1_ps(a.d[r * a.nb + b]);
+                const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + r * K + 32 * b));
+                const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+                const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+                for (int i = 0; i < 4; ++i)
+                    _mm256_storeu_ps(xf + r * K + 32 * b + 8 * i,
+                                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])), d));
+            }
+        float* wp = reinterpret_cast<float*>(scratch((size_t)(K * 16 * 4), 2));
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < P; ++p) {
+            const int nvalid = (int)std::min<int64_t>(16, N - 16 * p);
+            dequant_panel<F>(w, rb, 16 * p, nvalid, a.nb, wp);
+            alignas(32) float bp[16] = {};
+            if (bias) std::copy(bias + 16 * p, bias + 16 * p + nvalid, bp);
+            for (int64_t r = 0; r < M; r += 6) {
+                const int rows = (int)std::min<int64_t>(6, M - r);
+                if constexpr (std::is_same_v<T, float>) {
+                    gemm_rows<false>(rows, xf + r * K, K, (int)K, wp, bias ? bp : nullptr, y + r * ys + 16 * p, ys,
+                                     nvalid, nullptr, 0);
+                } else {
+                    alignas(32) float t[6 * 16];
+                    gemm_rows<false>(rows, xf + r * K, K, (int)K, wp, bias ? bp : nullptr, t, 16, 16, nullptr, 0);
+                    for (int i = 0; i < rows; ++i)
+                        for (int j = 0; j < nvalid; ++j) y[(r + i) * ys + 16 * p + j] = f32_to_bf16(t[i * 16 + j]);
+                }
+            }
+        }
+    }
+}
+#endif
 
 template <typename F, typename T>
 static void gemm(const Act& a, int64_t M, const uint8_t* w, int64_t N, const float* bias, T* y, int64_t ys) {
@@ -155,13 +241,6 @@ static void gemm(const Act& a, int64_t M, const uint8_t* w, int64_t N, const flo
         const int64_t r0 = it / NC * MB, c0 = it % NC * COLS;
         block<F>(a, r0, std::min(M, r0 + MB), w, rb, c0, std::min(N, c0 + COLS), bias, y, ys);
     }
-}
-
-// A buffer per calling thread for the quantized activations, grown as needed.
-static uint8_t* scratch(size_t bytes) {
-    static thread_local std::vector<uint8_t> buf;
-    if (buf.size() < bytes) buf.resize(bytes);
-    return buf.data();
 }
 
 template <typename T>
@@ -178,7 +257,13 @@ int quant_gemm(const T* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w,
     if constexpr (std::is_same_v<T, float>) quant_act_f32(x, x_st, M, K, (int8_t*)buf, d, sx);
     else quant_act_bf16(x, x_st, M, K, (int8_t*)buf, d, sx);
     const Act a{(const int8_t*)buf, d, sx, K, nb};
-    qfmt::dispatch(qtype, [&](auto tag) { gemm<typename decltype(tag)::type>(a, M, w, N, bias, y, y_st); });
+    qfmt::dispatch(qtype, [&](auto tag) {
+        using F = typename decltype(tag)::type;
+#ifdef FLOWRT_AVX2
+        if (M >= PANEL_ROWS) return gemm_panels<F>(a, M, w, N, bias, y, y_st);
+#endif
+        gemm<F>(a, M, w, N, bias, y, y_st);
+    });
     return 0;
 }
 
