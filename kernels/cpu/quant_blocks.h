@@ -63,6 +63,17 @@ static inline void scales_k4(const uint8_t* p, int j, float* D, float* M) {
     M[0] = M[1] = -(half(p + 2) * (float)mn);
 }
 
+// ... and all eight of a super-block at once.
+static inline void scales8_k4(const uint8_t* p, float* D, float* M) {
+    const float d = half(p), dmin = half(p + 2);
+    for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        scale_min_k4(p + 4, j, sc, mn);
+        D[2 * j] = D[2 * j + 1] = d * (float)sc;
+        M[2 * j] = M[2 * j + 1] = -(dmin * (float)mn);
+    }
+}
+
 static const int8_t IQ4NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 #ifdef FLOWRT_AVX2
@@ -272,9 +283,7 @@ struct Q4_KF {
     static constexpr int QK = 256, BYTES = 144;
     static constexpr bool MIN = true, HALVES = false;
     static void scales(const uint8_t* r, int b, float* D, float* M) { scales_k4(r + (b >> 3) * BYTES, b & 7, D, M); }
-    static void scales8(const uint8_t* p, float* D, float* M) {
-        for (int j = 0; j < 8; ++j) scales_k4(p, j, D + 2 * j, M + 2 * j);
-    }
+    static void scales8(const uint8_t* p, float* D, float* M) { scales8_k4(p, D, M); }
     static void q(const uint8_t* r, int b, int8_t* q) {
         const uint8_t* s = r + (b >> 3) * BYTES + 16 + ((b & 7) >> 1) * 32;
         const int sh = 4 * (b & 1);
@@ -292,9 +301,7 @@ struct Q5_KF {
     static constexpr int QK = 256, BYTES = 176;
     static constexpr bool MIN = true, HALVES = false;
     static void scales(const uint8_t* r, int b, float* D, float* M) { scales_k4(r + (b >> 3) * BYTES, b & 7, D, M); }
-    static void scales8(const uint8_t* p, float* D, float* M) {
-        for (int j = 0; j < 8; ++j) scales_k4(p, j, D + 2 * j, M + 2 * j);
-    }
+    static void scales8(const uint8_t* p, float* D, float* M) { scales8_k4(p, D, M); }
     static void q(const uint8_t* r, int b, int8_t* q) {
         const uint8_t* p = r + (b >> 3) * BYTES;
         const uint8_t* s = p + 48 + ((b & 7) >> 1) * 32;

@@ -58,33 +58,40 @@ static inline void tile(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, 
     const int8_t* xq = a.q + r0 * a.K;
     const float* xd = a.d + r0 * a.nb;
     const float* xs = a.sx + r0 * a.nb * 8;
-    float Dsb[C][16], Msb[C][16];  // the K-quants' super-block scales, decoded once per column and super-block
-    for (int64_t b = 0; b < a.nb; ++b) {
+    // the next C rows of W (contiguous after these) stream into L1 while this tile runs, a share per block: rows are
+    // short runs (K = 2048 at 4.5 bits is 18 lines) that the hardware prefetcher alone does not cover in time
+    constexpr int PF = C * F::BYTES * 32 / F::QK;  // bytes of the next tile per block of 32
+    constexpr int G = F::QK / 32;                  // blocks of 32 per format block: the loop over them is unrolled
+    const uint8_t* next = w + (c0 + C) * rb;
+    for (int64_t sb = 0; sb < a.nb / G; ++sb) {
+        float Ds[C][2 * G], Ms[C][2 * G];  // D, M of the block's halves, decoded once per column
         #pragma GCC unroll 4
         for (int c = 0; c < C; ++c) {
-            const uint8_t* row = w + (c0 + c) * rb;
-            const __m256i q = F::qv(row, (int)b);
-            float Dl[2], Ml[2];
-            const float *D = Dl, *Mn = Ml;
-            if constexpr (F::QK == 256) {
-                if ((b & 7) == 0) F::scales8(row + (b >> 3) * F::BYTES, Dsb[c], Msb[c]);
-                D = Dsb[c] + 2 * (b & 7);
-                Mn = Msb[c] + 2 * (b & 7);
-            } else {
-                F::scales(row, (int)b, Dl, Ml);
-            }
-            const __m256 Dv = halves(D, F::HALVES);
-            const __m256i aq = F::MIN ? q : _mm256_sign_epi8(q, q);
-            #pragma GCC unroll 8
-            for (int r = 0; r < R; ++r) {
-                const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * a.K + 32 * b));
-                const __m256i p = F::MIN ? _mm256_maddubs_epi16(q, x) : _mm256_maddubs_epi16(aq, _mm256_sign_epi8(x, q));
-                const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
-                const __m256 scale = _mm256_mul_ps(Dv, _mm256_broadcast_ss(xd + r * a.nb + b));
-                acc[r][c] = _mm256_fmadd_ps(s, scale, acc[r][c]);
-                if constexpr (F::MIN)
-                    acc[r][c] = _mm256_fmadd_ps(halves(Mn, F::HALVES), _mm256_loadu_ps(xs + (r * a.nb + b) * 8),
-                                                acc[r][c]);
+            if constexpr (G == 8) F::scales8(w + (c0 + c) * rb + sb * F::BYTES, Ds[c], Ms[c]);
+            else F::scales(w + (c0 + c) * rb, (int)sb, Ds[c], Ms[c]);
+        }
+        #pragma GCC unroll 8
+        for (int j = 0; j < G; ++j) {
+            const int64_t b = sb * G + j;
+            #pragma GCC unroll 4
+            for (int o = 0; o < PF; o += 64) _mm_prefetch((const char*)(next + b * PF + o), _MM_HINT_T0);
+            #pragma GCC unroll 4
+            for (int c = 0; c < C; ++c) {
+                const __m256i q = F::qv(w + (c0 + c) * rb, (int)b);
+                const __m256 Dv = halves(Ds[c] + 2 * j, F::HALVES);
+                const __m256i aq = F::MIN ? q : _mm256_sign_epi8(q, q);
+                #pragma GCC unroll 8
+                for (int r = 0; r < R; ++r) {
+                    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * a.K + 32 * b));
+                    const __m256i p = F::MIN ? _mm256_maddubs_epi16(q, x)
+                                             : _mm256_maddubs_epi16(aq, _mm256_sign_epi8(x, q));
+                    const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+                    const __m256 scale = _mm256_mul_ps(Dv, _mm256_broadcast_ss(xd + r * a.nb + b));
+                    acc[r][c] = _mm256_fmadd_ps(s, scale, acc[r][c]);
+                    if constexpr (F::MIN)
+                        acc[r][c] = _mm256_fmadd_ps(halves(Ms[c] + 2 * j, F::HALVES),
+                                                    _mm256_loadu_ps(xs + (r * a.nb + b) * 8), acc[r][c]);
+                }
             }
         }
     }
