@@ -50,7 +50,7 @@ class QuantLinear:
         return (self.n, self.k)
 
     @property
-    def kernel(self) -> bool:
+    def runs_kernels(self) -> bool:
         """Whether calls run the CPU kernels now (else the plain-torch reference path)."""
         return kernels.usable(self.qtype)
 
@@ -64,7 +64,7 @@ class QuantLinear:
         ids = ids.reshape(-1)
         if ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"{self.qtype.name} rows: ids must be an integer tensor, got {ids.dtype}")
-        if self.kernel and dtype in (torch.float32, torch.bfloat16):
+        if self.runs_kernels and dtype in (torch.float32, torch.bfloat16):
             return kernels.dequantize(self.data, self.qtype, self.n, self.k, ids, dtype)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
             raise IndexError(f"{self.qtype.name} rows: an id is outside the {self.n} rows")
@@ -76,7 +76,7 @@ class QuantLinear:
         if x.dim() != 2 or x.shape[1] != self.k or x.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"{self.qtype.name} projection [{self.n}, {self.k}]: x must be a float32 or bfloat16 "
                              f"[M, {self.k}] tensor, got {x.dtype} {tuple(x.shape)}")
-        if self.kernel:
+        if self.runs_kernels:
             return kernels.gemm(x, self.data, self.qtype, self.n, self.k, self.bias, out)
         y = self._torch(x)
         if out is None:

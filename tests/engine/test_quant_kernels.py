@@ -81,7 +81,7 @@ def test_products_match_reference(name, qtype):
     with _variant(name):
         for b in (None, bias):
             lin = QuantLinear(qtype, data, N, k, b)
-            assert lin.kernel
+            assert lin.runs_kernels
             for dtype in (torch.float32, torch.bfloat16):
                 x = torch.randn(70, k).to(dtype)
                 ref, bound = _reference(x, data, qtype, N, k, b)
@@ -157,7 +157,7 @@ def test_torch_fallback_matches_the_kernels():
     x = torch.randn(5, k)
     cpu_ops.set_enabled(False)
     try:
-        assert not lin.kernel
+        assert not lin.runs_kernels
         y = lin(x)
         assert torch.equal(lin.rows(torch.tensor([1, 2])), _gguf(data, qtype, N, k)[1:3])
         assert torch.equal(lin.dequantize(), _gguf(data, qtype, N, k))
