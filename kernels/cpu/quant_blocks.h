@@ -63,15 +63,23 @@ static inline void scales_k4(const uint8_t* p, int j, float* D, float* M) {
     M[0] = M[1] = -(half(p + 2) * (float)mn);
 }
 
-// ... and all eight of a super-block at once.
+// ... and all eight of a super-block at once, D[0..7] and M[0..7] (the same values): the 12 bytes as three words.
 static inline void scales8_k4(const uint8_t* p, float* D, float* M) {
     const float d = half(p), dmin = half(p + 2);
+    const uint32_t u0 = u32(p + 4), u1 = u32(p + 8), u2 = u32(p + 12);
+    const uint32_t sc[2] = {u0 & 0x3f3f3f3fu, (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4)};
+    const uint32_t mn[2] = {u1 & 0x3f3f3f3fu, ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4)};
+#ifdef FLOWRT_AVX2
+    const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc[1], (int)sc[0])));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn[1], (int)mn[0])));
+    _mm256_storeu_ps(D, _mm256_mul_ps(_mm256_set1_ps(d), s));
+    _mm256_storeu_ps(M, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), m), _mm256_set1_ps(-0.0f)));
+#else
     for (int j = 0; j < 8; ++j) {
-        int sc, mn;
-        scale_min_k4(p + 4, j, sc, mn);
-        D[2 * j] = D[2 * j + 1] = d * (float)sc;
-        M[2 * j] = M[2 * j + 1] = -(dmin * (float)mn);
+        D[j] = d * (float)((sc[j >> 2] >> (8 * (j & 3))) & 0xff);
+        M[j] = -(dmin * (float)((mn[j >> 2] >> (8 * (j & 3))) & 0xff));
     }
+#endif
 }
 
 static const int8_t IQ4NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -108,8 +116,8 @@ static inline __m256i field(const uint8_t* p, int s, int mask) {
 
 // Each format: QK elements in BYTES bytes; MIN: w = D q + M with unsigned q (else w = D q, q signed); HALVES: the two
 // 16-element halves of a 32-block have their own D (and M). scales() gives D[2], M[2]; q() the 32 values (scalar);
-// qv() the same as one vector (AVX2); the K-quants' scales8() all of a super-block's D[16], M[16] at once (the same
-// values as scales() for its eight 32-blocks).
+// qv() the same as one vector (AVX2); the K-quants' scales8() all of a super-block's D, M at once (the values of
+// scales() for its eight 32-blocks: two per block with HALVES, else one).
 struct Q8_0F {
     static constexpr int QK = 32, BYTES = 34;
     static constexpr bool MIN = false, HALVES = false;

@@ -78,7 +78,8 @@ static inline void tile(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, 
             #pragma GCC unroll 4
             for (int c = 0; c < C; ++c) {
                 const __m256i q = F::qv(w + (c0 + c) * rb, (int)b);
-                const __m256 Dv = halves(Ds[c] + 2 * j, F::HALVES);
+                constexpr int H = F::HALVES ? 2 : 1;
+                const __m256 Dv = halves(Ds[c] + H * j, F::HALVES);
                 const __m256i aq = F::MIN ? q : _mm256_sign_epi8(q, q);
                 #pragma GCC unroll 8
                 for (int r = 0; r < R; ++r) {
@@ -89,7 +90,7 @@ static inline void tile(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, 
                     const __m256 scale = _mm256_mul_ps(Dv, _mm256_broadcast_ss(xd + r * a.nb + b));
                     acc[r][c] = _mm256_fmadd_ps(s, scale, acc[r][c]);
                     if constexpr (F::MIN)
-                        acc[r][c] = _mm256_fmadd_ps(halves(Ms[c] + 2 * j, F::HALVES),
+                        acc[r][c] = _mm256_fmadd_ps(halves(Ms[c] + H * j, F::HALVES),
                                                     _mm256_loadu_ps(xs + (r * a.nb + b) * 8), acc[r][c]);
                 }
             }
