@@ -426,10 +426,10 @@ class StepGlue:
     def decode_layers(self, layer_ptrs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, program,
                       heads: int, scale: float) -> None:
         """A decode step's layers in one call (decode_layers.cpp): h becomes the stream after the last layer.
-        layer_ptrs: int64 [L, 13] (see there), built by the model from its packed or quantized projections and pools; k_cache /
-        v_cache: one layer's pools (every layer's has their shape); program: the step's attention as kernel calls
-        (engine.attention.DecodeProgram: .calls int64 [n, 8], .flash int64 [8], built by the backend from its checked
-        plans, every row a decode row); heads: the query heads."""
+        layer_ptrs: int64 [L, 13] (see there), built by the model from its packed or quantized projections and pools;
+        k_cache / v_cache: one layer's pools (every layer's has their shape); program: the step's attention as kernel
+        calls (engine.attention.DecodeProgram: .calls int64 [n, 8], .flash int64 [8], built by the backend from its
+        checked plans, every row a decode row); heads: the query heads."""
         T, E, inter = self.T, self.E, self.inter
         _, nh, D, cos, sin, pos = self._rope_args
         Hkv = nh - heads
