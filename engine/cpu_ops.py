@@ -426,10 +426,10 @@ class StepGlue:
     def decode_layers(self, layer_ptrs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, program,
                       heads: int, scale: float) -> None:
         """A decode step's layers in one call (decode_layers.cpp): h becomes the stream after the last layer.
-        layer_ptrs: int64 [L, 9] (see there), built by the model from its packed projections and pools; k_cache /
-        v_cache: one layer's pools (every layer's has their shape); program: the step's attention as kernel calls
-        (engine.attention.DecodeProgram: .calls int64 [n, 8], .flash int64 [8], built by the backend from its checked
-        plans, every row a decode row); heads: the query heads."""
+        layer_ptrs: int64 [L, 13] (see there), built by the model from its packed or quantized projections and pools;
+        k_cache / v_cache: one layer's pools (every layer's has their shape); program: the step's attention as kernel
+        calls (engine.attention.DecodeProgram: .calls int64 [n, 8], .flash int64 [8], built by the backend from its
+        checked plans, every row a decode row); heads: the query heads."""
         T, E, inter = self.T, self.E, self.inter
         _, nh, D, cos, sin, pos = self._rope_args
         Hkv = nh - heads
@@ -437,7 +437,7 @@ class StepGlue:
         calls, flash = program.calls, program.flash
         _check("decode_layers", "program calls", calls, torch.int64, 2, contiguous=True)
         _check("decode_layers", "program flash", flash, torch.int64, 1, contiguous=True)
-        if self._slots is None or layer_ptrs.shape[1] != 9 or calls.shape[1] != 8 or flash.shape != (8,):
+        if self._slots is None or layer_ptrs.shape[1] != 13 or calls.shape[1] != 8 or flash.shape != (8,):
             raise ValueError(f"decode_layers: {T} rows, slots {'set' if self._slots else 'missing'}, layer_ptrs "
                              f"{tuple(layer_ptrs.shape)}, program calls {tuple(calls.shape)}, flash "
                              f"{tuple(flash.shape)} do not fit together")

@@ -332,7 +332,23 @@ def dequantize(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...],
             stop = min(start + _CHUNK_BLOCKS, blocks.shape[0])
             out[start:stop] = fn(blocks[start:stop])
         return out.view(shape)
-    return _dequantize_reference(raw, ggml_type, shape, dtype)
+    fast = _kernel_dequantize(raw, ggml_type, shape, dtype)
+    return fast if fast is not None else _dequantize_reference(raw, ggml_type, shape, dtype)
+
+
+def _kernel_dequantize(raw: torch.Tensor, ggml_type: int, shape, dtype) -> torch.Tensor | None:
+    """The C++ dequantizer (bit-equal to gguf.quants in float32, parallel) for the block formats it reads, else
+    None. Imported here, not at the top: engine.quant.reference imports this module."""
+    from .quant import kernels
+    from .quant.formats import QuantType
+
+    try:
+        qtype = QuantType(ggml_type)
+    except ValueError:
+        return None
+    if len(shape) != 2 or dtype not in (torch.float32, torch.bfloat16) or not kernels.usable(qtype):
+        return None
+    return kernels.dequantize(raw.contiguous(), qtype, shape[0], shape[1], None, dtype)
 
 
 def _reference_qtype(ggml_type: int):

@@ -23,7 +23,6 @@ from ..attention import AttentionMetadata
 from ..dtypes import cpu_supports_bf16 as _onednn_bf16
 from ..model_config import ModelConfig
 from ..quant import ConcatLinear, QuantLinear, concat
-from ..quant.reference import dequantize_rows
 
 #: a weight as a checkpoint hands it in: float, or kept in a quantized block format
 Weight = torch.Tensor | QuantLinear
@@ -208,10 +207,7 @@ class LlamaModel(nn.Module):
         """The token embedding rows of ``ids`` in the model dtype; a quantized table dequantizes only those rows."""
         if not isinstance(self.embed, QuantLinear):
             return F.embedding(ids, self.embed)
-        q = self.embed
-        # torch fallback until QuantLinear.rows (the kernels' row lookup) is merged: dequantize the gathered rows
-        return dequantize_rows(q.data[ids.reshape(-1)], q.qtype, ids.numel(), q.k).to(self.dtype).view(
-            *ids.shape, q.k)
+        return self.embed.rows(ids.reshape(-1), self.dtype).view(*ids.shape, self.embed.k)
 
     @torch.inference_mode()
     def forward(
@@ -276,9 +272,11 @@ class LlamaModel(nn.Module):
         return h if delta is None else h.add_(delta)
 
     def _layer_ptrs(self, kv_caches, T: int) -> torch.Tensor | None:
-        """int64 [L, 9] for StepGlue.decode_layers (norm weights, packed projections, qkv bias, pools), or None
-        where a projection would not run its packed kernel at T rows. Cached while the projections are the same
-        objects (the cache holds them, so their ids stay theirs) and the pools the same memory."""
+        """int64 [L, 13] for StepGlue.decode_layers (norm weights, projections, qkv bias, pools, each projection's
+        kind), or None where a projection would not run a kernel decode_layers calls at T rows: packed float
+        (cpu_ops.PackedLinear / PackedLinearBF16, kind 0) or quantized (a QuantLinear on the kernels, kind = its ggml
+        type; mixed-format ConcatLinear parts are not one call). Cached while the projections are the same objects
+        (the cache holds them, so their ids stay theirs) and the pools the same memory."""
         fns = [f for layer in self.layers for f in layer.mm.values()]
         key = (*map(id, fns), *(c.data_ptr() for pair in kv_caches for c in pair),
                *(w.data_ptr() for layer in self.layers for w in (layer.input_norm, layer.post_norm)))
@@ -287,14 +285,19 @@ class LlamaModel(nn.Module):
             rows, limit = [], None
             for layer, (kc, vc) in zip(self.layers, kv_caches):
                 mms = [layer.mm[n] for n in ("qkv", "o", "gate_up", "down")]
-                if not all(type(getattr(f, "kernel", None)) is kind for f in mms):
+                kernels = [f if isinstance(f, QuantLinear) else getattr(f, "kernel", None) for f in mms]
+                if not all(type(k) is kind or (isinstance(k, QuantLinear) and k.runs_kernels and
+                                               (i == 0 or k.bias is None)) for i, k in enumerate(kernels)):
                     rows = None
                     break
-                limit = min([f.rows for f in mms if f.rows is not None] + ([limit] if limit else []), default=None)
-                qkv, o, gate_up, down = (f.kernel for f in mms)
-                rows.append([layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), qkv.wp.data_ptr(),
-                             0 if qkv.bias is None else qkv.bias.data_ptr(), o.wp.data_ptr(), gate_up.wp.data_ptr(),
-                             down.wp.data_ptr(), kc.data_ptr(), vc.data_ptr()])
+                limit = min([f.rows for f in mms if not isinstance(f, QuantLinear) and f.rows is not None]
+                            + ([limit] if limit else []), default=None)
+                ptrs = [k.data.data_ptr() if isinstance(k, QuantLinear) else k.wp.data_ptr() for k in kernels]
+                qtypes = [int(k.qtype) if isinstance(k, QuantLinear) else 0 for k in kernels]
+                qkv_bias = kernels[0].bias
+                rows.append([layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), ptrs[0],
+                             0 if qkv_bias is None else qkv_bias.data_ptr(), *ptrs[1:], kc.data_ptr(),
+                             vc.data_ptr(), *qtypes])
             ptrs = None if rows is None else torch.tensor(rows, dtype=torch.int64)
             self._ptrs_cache = (key, ptrs, limit, fns)
         _, ptrs, limit = self._ptrs_cache[:3]

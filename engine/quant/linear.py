@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import reference
+from . import dequant, kernels, reference
 from .formats import QuantType, block_shape, row_bytes
 
 
@@ -49,16 +49,40 @@ class QuantLinear:
     def shape(self) -> tuple[int, int]:
         return (self.n, self.k)
 
+    @property
+    def runs_kernels(self) -> bool:
+        """Whether calls run the CPU kernels now (else the plain-torch reference path)."""
+        return kernels.usable(self.qtype)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [n, k] as ``dtype`` (a new tensor)."""
-        return reference.dequantize_rows(self.data, self.qtype, self.n, self.k).to(dtype)
+        return dequant.dequantize(self.data, self.qtype, self.n, self.k, dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """y [M, n] in x's dtype for x [M, k]."""
-        if x.dim() != 2 or x.shape[1] != self.k:
-            raise ValueError(f"{self.qtype.name} projection [{self.n}, {self.k}]: x must be [M, {self.k}], "
-                             f"got {tuple(x.shape)}")
-        return self._torch(x)
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``ids`` of W as ``dtype`` [len(ids), k], only those dequantized: the lookup of a quantized token
+        embedding. IndexError for an id outside the n rows."""
+        ids = ids.reshape(-1)
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{self.qtype.name} rows: ids must be an integer tensor, got {ids.dtype}")
+        if self.runs_kernels and dtype in (torch.float32, torch.bfloat16):
+            return kernels.dequantize(self.data, self.qtype, self.n, self.k, ids, dtype)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
+            raise IndexError(f"{self.qtype.name} rows: an id is outside the {self.n} rows")
+        picked = self.data[ids.long()]
+        return reference.dequantize_rows(picked, self.qtype, picked.shape[0], self.k).to(dtype)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """y [M, n] in x's dtype (float32 or bfloat16) for x [M, k]; ``out``: an [M, n] view to write into."""
+        if x.dim() != 2 or x.shape[1] != self.k or x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"{self.qtype.name} projection [{self.n}, {self.k}]: x must be a float32 or bfloat16 "
+                             f"[M, {self.k}] tensor, got {x.dtype} {tuple(x.shape)}")
+        if self.runs_kernels:
+            return kernels.gemm(x, self.data, self.qtype, self.n, self.k, self.bias, out)
+        y = self._torch(x)
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         """The plain-torch path: the reference numerics (int8 activations), weights dequantized once and kept."""
@@ -94,7 +118,7 @@ class ConcatLinear:
         out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
         start = 0
         for p in self.parts:
-            out[:, start:start + p.n] = p(x)
+            p(x, out=out[:, start:start + p.n])
             start += p.n
         return out
 

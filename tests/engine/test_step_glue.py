@@ -151,3 +151,46 @@ def test_glued_cascade_decode_matches_layer_by_layer(tmp_path, monkeypatch, dtyp
         assert len(one_call) == len(cascade)
         # flash over the prefixes: a flash call with groups; below the threshold: none
         assert all((int(p.flash[3]) > 0) == (min_shared == 0) for p in one_call)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a qkv bias
+def test_glued_quantized_decode_matches_layer_by_layer(tmp_path, dtype, arch):
+    """Projections kept quantized (engine.quant.QuantLinear, a different GGUF format per projection) run inside the
+    one-call decode step, with the bits of the per-layer forward that calls each QuantLinear."""
+    import gguf
+
+    from flowrt.engine.quant import QuantLinear, QuantType
+
+    llm = LLM(make_tiny_model(tmp_path / arch, arch=arch), dtype=dtype)
+    runner = llm.engine.runner
+    model = runner.model
+    formats = {"qkv": QuantType.Q8_0, "o": QuantType.Q4_1, "gate_up": QuantType.Q5_0, "down": QuantType.Q4_0}
+    for layer in model.layers:
+        for name, qtype in formats.items():
+            w = getattr(layer, name, None)
+            w = (w if w is not None else layer.mm[name].kernel.weight()).float()
+            data = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(int(qtype)))
+            bias = layer.qkv_bias if name == "qkv" else None
+            layer.mm[name] = QuantLinear(qtype, torch.from_numpy(data), *w.shape, bias)
+    model._ptrs_cache = None
+    if not model.layers[0].mm["qkv"].runs_kernels:
+        pytest.skip("the quantized kernels are unavailable")
+    one_call = []
+    orig = cpu_ops.StepGlue.decode_layers
+    cpu_ops.StepGlue.decode_layers = lambda self, *a: one_call.append(a) or orig(self, *a)
+    try:
+        steps = _steps(llm, [[1, 5, 77, 300, 12, 9], [1, 400] + list(range(20, 60))])
+    finally:
+        cpu_ops.StepGlue.decode_layers = orig
+    assert one_call  # the decode steps ran as one call
+    assert model._layer_ptrs(runner.kv_caches, 1)[:, 9:].tolist() == [[8, 3, 6, 2]] * len(model.layers)
+    for inp in steps:
+        with torch.inference_mode():
+            args = (runner.kv_caches, inp.meta, runner.backend)
+            glued = model(inp.input_ids, inp.positions, *args)
+            h = torch.nn.functional.embedding(inp.input_ids, model.embed)
+            rope, delta = _Rope(model, inp.positions, True), None
+            for layer, (kc, vc) in zip(model.layers, runner.kv_caches):
+                h, delta = layer(h, delta, rope, kc, vc, inp.meta, runner.backend)
+            assert torch.equal(glued, h + delta)

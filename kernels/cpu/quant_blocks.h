@@ -1,0 +1,409 @@
+// The GGUF (ggml) block formats, read in place: each format as one struct that turns the 32-element block b of a
+// row into a canonical form, w[e] = D[e / 16] * q[e] (+ M[e / 16] for the formats with a minimum), with q small
+// integers (signed, or unsigned 0..63 for the formats with a minimum) and D, M float32 computed exactly as the gguf
+// package's dequantizers compute them (so D * q + M is bit for bit the file's value). The products
+// (quant_gemm.cpp) multiply q with int8 activations and scale by D; the dequantizer (quant_dequant.cpp) evaluates
+// D * q + M. Block layouts: ggml's block_q*_* (gguf/quants.py's dequantize_blocks).
+#pragma once
+
+#include "common.h"
+
+namespace qfmt {
+
+enum Type : int {
+    Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+    IQ4_NL = 20,
+};
+
+// IEEE half -> float, exact (subnormals, infinities and NaNs included).
+static inline float half(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) bits = sign;
+    else {  // subnormal: normalize
+        int e = 113;
+        while (!(man & 0x400u)) { man <<= 1; --e; }
+        bits = sign | ((uint32_t)e << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint32_t u32(const uint8_t* p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+// Q4_K / Q5_K: sub-block j's 6-bit scale and minimum from the 12 packed bytes.
+static inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
+    if (j < 4) {
+        sc = s[j] & 63;
+        mn = s[j + 4] & 63;
+    } else {
+        sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+// Q4_K / Q5_K: the 32-block j's D = d * scale and M = -(dmin * min) from a super-block's first 16 bytes.
+static inline void scales_k4(const uint8_t* p, int j, float* D, float* M) {
+    int sc, mn;
+    scale_min_k4(p + 4, j, sc, mn);
+    D[0] = D[1] = half(p) * (float)sc;
+    M[0] = M[1] = -(half(p + 2) * (float)mn);
+}
+
+// ... and all eight of a super-block at once, D[0..7] and M[0..7] (the same values): the 12 bytes as three words.
+static inline void scales8_k4(const uint8_t* p, float* D, float* M) {
+    const float d = half(p), dmin = half(p + 2);
+    const uint32_t u0 = u32(p + 4), u1 = u32(p + 8), u2 = u32(p + 12);
+    const uint32_t sc[2] = {u0 & 0x3f3f3f3fu, (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4)};
+    const uint32_t mn[2] = {u1 & 0x3f3f3f3fu, ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4)};
+#ifdef FLOWRT_AVX2
+    const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc[1], (int)sc[0])));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn[1], (int)mn[0])));
+    _mm256_storeu_ps(D, _mm256_mul_ps(_mm256_set1_ps(d), s));
+    _mm256_storeu_ps(M, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), m), _mm256_set1_ps(-0.0f)));
+#else
+    for (int j = 0; j < 8; ++j) {
+        D[j] = d * (float)((sc[j >> 2] >> (8 * (j & 3))) & 0xff);
+        M[j] = -(dmin * (float)((mn[j >> 2] >> (8 * (j & 3))) & 0xff));
+    }
+#endif
+}
+
+static const int8_t IQ4NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+#ifdef FLOWRT_AVX2
+// 16 packed bytes -> 32 bytes: the low nibbles (elements 0-15), then the high nibbles (16-31).
+static inline __m256i nibbles16(const uint8_t* p) {
+    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+// 32 packed bytes -> their low (hi = false) or high nibbles.
+static inline __m256i nibbles32(const uint8_t* p, bool hi) {
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if (hi) v = _mm256_srli_epi16(v, 4);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+}
+
+// byte e = 0x10 where bit e of `bits` is set, else 0 (the fifth bit of Q5_0 / Q5_1).
+static inline __m256i bit16(uint32_t bits) {
+    const __m256i idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                         3, 3, 3, 3, 3, 3, 3);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), idx);
+    const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel), _mm256_set1_epi8(0x10));
+}
+
+// 32 bytes shifted right by s bits and masked to `mask` (2-bit fields of the K-quants).
+static inline __m256i field(const uint8_t* p, int s, int mask) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(s)), _mm256_set1_epi8((char)mask));
+}
+#endif
+
+// Each format: QK elements in BYTES bytes; MIN: w = D q + M with unsigned q (else w = D q, q signed); HALVES: the two
+// 16-element halves of a 32-block have their own D (and M). scales() gives D[2], M[2]; q() the 32 values (scalar);
+// qv() the same as one vector (AVX2); the K-quants' scales8() all of a super-block's D, M at once (the values of
+// scales() for its eight 32-blocks: two per block with HALVES, else one).
+struct Q8_0F {
+    static constexpr int QK = 32, BYTES = 34;
+    static constexpr bool MIN = false, HALVES = false;
+    static void scales(const uint8_t* r, int b, float* D, float*) { D[0] = D[1] = half(r + b * BYTES); }
+    static void q(const uint8_t* r, int b, int8_t* q) { std::memcpy(q, r + b * BYTES + 2, 32); }
+#ifdef FLOWRT_AVX2
+    static __m256i qv(const uint8_t* r, int b) {
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + b * BYTES + 2));
+    }
+#endif
+};
+
+struct Q4_0F {
+    static constexpr int QK = 32, BYTES = 18;
+    static constexpr bool MIN = false, HALVES = false;
+    static void scales(const uint8_t* r, int b, float* D, float*) { D[0] = D[1] = half(r + b * BYTES); }
+    static void q(const uint8_t* r, int b, int8_t* q) {
+        const uint8_t* s = r + b * BYTES + 2;
+        for (int i = 0; i < 16; ++i) { q[i] = (int8_t)((s[i] & 0xF) - 8); q[i + 16] = (int8_t)((s[i] >> 4) - 8); }
+    }
+#ifdef FLOWRT_AVX2
+    static __m256i qv(const uint8_t* r, int b) {
+        return _mm256_sub_epi8(nibbles16(r + b * BYTES + 2), _mm256_set1_epi8(8));
+    }
+#endif
+};
+
+struct Q4_1F {
+    static constexpr int QK = 32, BYTES = 20;
+    static constexpr bool MIN = true, HALVES = false;
+    static void scales(const uint8_t* r, int b, float* D, float* M) {
+        D[0] = D[1] = half(r + b * BYTES);
+        M[0] = M[1] = half(r + b * BYTES + 2);
+    }
+    static void q(const uint8_t* r, int b, int8_t* q) {
+        const uint8_t* s = r + b * BYTES + 4;
+        for (int i = 0; i < 16; ++i) { q[i] = (int8_t)(s[i] & 0xF); q[i + 16] = (int8_t)(s[i] >> 4); }
+    }
+#ifdef FLOWRT_AVX2
+    static __m256i qv(const uint8_t* r, int b) { return nibbles16(r + b * BYTES + 4); }
+#endif
+};
+
+struct Q5_0F {
+    static constexpr int QK = 32, BYTES = 22;
+    static constexpr bool MIN = false, HALVES = false;
+    static void scales(const uint8_t* r, int b, float* D, float*) { D[0] = D[1] = half(r + b * BYTES); }
+    static void q(const uint8_t* r, int b, int8_t* q) {
+        const uint8_t* p = r + b * BYTES;
+        const uint32_t h = u32(p + 2);
+        for (int i = 0; i < 16; ++i) {
+            q[i] = (int8_t)(((p[6 + i] & 0xF) | (((h >> i) & 1) << 4)) - 16);
+            q[i + 16] = (int8_t)(((p[6 + i] >> 4) | (((h >> (i + 16)) & 1) << 4)) - 16);
+        }
+    }
+#ifdef FLOWRT_AVX2
+    static __m256i qv(const uint8_t* r, int b) {
+        const uint8_t* p = r + b * BYTES;
+        return _mm256_sub_epi8(_mm256_or_si256(nibbles16(p + 6), bit16(u32(p + 2))), _mm256_set1_epi8(16));
+    }
+#endif
+};
+
+struct Q5_1F {
+    static constexpr int QK = 32, BYTES = 24;
+    static constexpr bool MIN = true, HALVES = false;
+    static void scales(const uint8_t* r, int b, float* D, float* M) {
+        D[0] = D[1] = half(r + b * BYTES);
+        M[0] = M[1] = half(r + b * BYTES + 2);
+    }
+    static void q(const uint8_t* r, int b, int8_t* q) {
+        const uint8_t* p = r + b * BYTES;
+        const uint32_t h = u32(p + 4);
+        for (int i = 0; i < 16; ++i) {
+            q[i] = (int8_t)((p[8 + i] & 0xF) | (((h >> i) & 1) << 4));
+            q[i + 16] = (int8_t)((p[8 + i] >> 4) | (((h >> (i + 16)) & 1) << 4));
+        }
+    }
+#ifdef FLOWRT_AVX2
+    static __m256i qv(const uint8_t* r, int b) {
+        const uint8_t* p = r + b * BYTES;
+        return _mm256_or_si256(nibbles16(p + 8), bit16(u32(p + 4)));
+    }
+#endif
+};
+
+struct IQ4_NLF {
+    static constexpr int QK = 32, BYTES = 18;
+    static constexpr bool MIN = false, HALVES = false;
+    static void scales(const uint8_t* r, int b, float* D, float*) { D[0] = D[1] = half(r + b * BYTES); }
+    static void q(const uint8_t* r, int b, int8_t* q) {
+        const uint8_t* s = r + b * BYTES + 2;
+        for (int i = 0; i < 16; ++i) { q[i] = IQ4NL_VALUES[s[i] & 0xF]; q[i + 16] = IQ4NL_VALUES[s[i] >> 4]; }
+    }
+#ifdef FLOWRT_AVX2
+    static __m256i qv(const uint8_t* r, int b) {
+        const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4NL_VALUES));
+        return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nibbles16(r + b * BYTES + 2));
+    }
+#endif
+};
+
+// Q2_K: scales[16] (low nibble scale, high nibble minimum per 16 elements), qs[64] (2-bit), d, dmin.
+struct Q2_KF {
+    static constexpr int QK = 256, BYTES = 84;
+    static constexpr bool MIN = true, HALVES = true;
+    static void scales(const uint8_t* r, int b, float* D, float* M) {
+        const uint8_t* p = r + (b >> 3) * BYTES;
+        const float d = half(p + 80), dmin = half(p + 82);
+        const int j = b & 7;
+        for (int h = 0; h < 2; ++h) {
+            const uint8_t s = p[2 * j + h];
+            D[h] = d * (float)(s & 0xF);
+            M[h] = -(dmin * (float)(s >> 4));
+        }
+    }
+    static void scales8(const uint8_t* p, float* D, float* M) {
+        const float d = half(p + 80), dmin = half(p + 82);
+        for (int i = 0; i < 16; ++i) { D[i] = d * (float)(p[i] & 0xF); M[i] = -(dmin * (float)(p[i] >> 4)); }
+    }
+    static void q(const uint8_t* r, int b, int8_t* q) {
+        const uint8_t* s = r + (b >> 3) * BYTES + 16 + ((b & 7) >> 2) * 32;
+        const int sh = 2 * (b & 3);
+        for (int i = 0; i < 32; ++i) q[i] = (int8_t)((s[i] >> sh) & 3);
+    }
+#ifdef FLOWRT_AVX2
+    static __m256i qv(const uint8_t* r, int b) {
+        return field(r + (b >> 3) * BYTES + 16 + ((b & 7) >> 2) * 32, 2 * (b & 3), 3);
+    }
+#endif
+};
+
+// Q3_K: hmask[32] (the third bit, set = no -4 offset), qs[64] (2-bit), scales[12] (16 6-bit scales, -32), d.
+struct Q3_KF {
+    static constexpr int QK = 256, BYTES = 110;
+    static constexpr bool MIN = false, HALVES = true;
+    static int scale(const uint8_t* s, int i) {
+        const int lo = (s[i & 7] >> (4 * (i >> 3))) & 0xF, hi = (s[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+        return (lo | (hi << 4)) - 32;
+    }
+    static void scales(const uint8_t* r, int b, float* D, float*) {
+        const uint8_t* p = r + (b >> 3) * BYTES;
+        const float d = half(p + 108);
+        const int j = b & 7;
+        D[0] = d * (float)scale(p + 96, 2 * j);
+        D[1] = d * (float)scale(p + 96, 2 * j + 1);
+    }
+    static void scales8(const uint8_t* p, float* D, float*) {
+        const float d = half(p + 108);
+        for (int i = 0; i < 16; ++i) D[i] = d * (float)scale(p + 96, i);
+    }
+    static void q(const uint8_t* r, int b, int8_t* q) {
+        const uint8_t* p = r + (b >> 3) * BYTES;
+        const int n = (b & 7) >> 2, sh = 2 * (b & 3), bit = n * 4 + (b & 3);
+        for (int i = 0; i < 32; ++i)
+            q[i] = (int8_t)(((p[32 + n * 32 + i] >> sh) & 3) - (((p[i] >> bit) & 1) ? 0 : 4));
+    }
+#ifdef FLOWRT_AVX2
+    static __m256i qv(const uint8_t* r, int b) {
+        const uint8_t* p = r + (b >> 3) * BYTES;
+        const int n = (b & 7) >> 2, sh = 2 * (b & 3), bit = n * 4 + (b & 3);
+        const __m256i lo = field(p + 32 + n * 32, sh, 3);
+        const __m256i hb = field(p, bit, 1);  // 1 where the offset is 0
+        return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 2)), _mm256_set1_epi8(4));
+    }
+#endif
+};
+
+// Q4_K: d, dmin, scales[12] (8 6-bit scales and minimums), qs[128] (sub-blocks 2i / 2i+1: low / high nibbles).
+struct Q4_KF {
+    static constexpr int QK = 256, BYTES = 144;
+    static constexpr bool MIN = true, HALVES = false;
+    static void scales(const uint8_t* r, int b, float* D, float* M) { scales_k4(r + (b >> 3) * BYTES, b & 7, D, M); }
+    static void scales8(const uint8_t* p, float* D, float* M) { scales8_k4(p, D, M); }
+    static void q(const uint8_t* r, int b, int8_t* q) {
+        const uint8_t* s = r + (b >> 3) * BYTES + 16 + ((b & 7) >> 1) * 32;
+        const int sh = 4 * (b & 1);
+        for (int i = 0; i < 32; ++i) q[i] = (int8_t)((s[i] >> sh) & 0xF);
+    }
+#ifdef FLOWRT_AVX2
+    static __m256i qv(const uint8_t* r, int b) {
+        return nibbles32(r + (b >> 3) * BYTES + 16 + ((b & 7) >> 1) * 32, b & 1);
+    }
+#endif
+};
+
+// Q5_K: Q4_K's fields, then qh[32] (bit j of byte i: sub-block j's fifth bit of element i) before qs[128].
+struct Q5_KF {
+    static constexpr int QK = 256, BYTES = 176;
+    static constexpr bool MIN = true, HALVES = false;
+    static void scales(const uint8_t* r, int b, float* D, float* M) { scales_k4(r + (b >> 3) * BYTES, b & 7, D, M); }
+    static void scales8(const uint8_t* p, float* D, float* M) { scales8_k4(p, D, M); }
+    static void q(const uint8_t* r, int b, int8_t* q) {
+        const uint8_t* p = r + (b >> 3) * BYTES;
+        const uint8_t* s = p + 48 + ((b & 7) >> 1) * 32;
+        const int sh = 4 * (b & 1), j = b & 7;
+        for (int i = 0; i < 32; ++i) q[i] = (int8_t)(((s[i] >> sh) & 0xF) | (((p[16 + i] >> j) & 1) << 4));
+    }
+#ifdef FLOWRT_AVX2
+    static __m256i qv(const uint8_t* r, int b) {
+        const uint8_t* p = r + (b >> 3) * BYTES;
+        const __m256i lo = nibbles32(p + 48 + ((b & 7) >> 1) * 32, b & 1);
+        return _mm256_or_si256(lo, _mm256_slli_epi16(field(p + 16, b & 7, 1), 4));
+    }
+#endif
+};
+
+// Q6_K: ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8, one per 16 elements), d; values - 32.
+struct Q6_KF {
+    static constexpr int QK = 256, BYTES = 210;
+    static constexpr bool MIN = false, HALVES = true;
+    static void scales(const uint8_t* r, int b, float* D, float*) {
+        const uint8_t* p = r + (b >> 3) * BYTES;
+        const float d = half(p + 208);
+        const int j = b & 7;
+        D[0] = d * (float)(int8_t)p[192 + 2 * j];
+        D[1] = d * (float)(int8_t)p[192 + 2 * j + 1];
+    }
+    static void scales8(const uint8_t* p, float* D, float*) {
+        const float d = half(p + 208);
+        for (int i = 0; i < 16; ++i) D[i] = d * (float)(int8_t)p[192 + i];
+    }
+    static void q(const uint8_t* r, int b, int8_t* q) {
+        const uint8_t* p = r + (b >> 3) * BYTES;
+        const int n = (b & 7) >> 2, c = b & 3;
+        const uint8_t* ql = p + n * 64 + (c & 1) * 32;
+        const uint8_t* qh = p + 128 + n * 32;
+        for (int i = 0; i < 32; ++i)
+            q[i] = (int8_t)((((ql[i] >> (4 * (c >> 1))) & 0xF) | (((qh[i] >> (2 * c)) & 3) << 4)) - 32);
+    }
+#ifdef FLOWRT_AVX2
+    static __m256i qv(const uint8_t* r, int b) {
+        const uint8_t* p = r + (b >> 3) * BYTES;
+        const int n = (b & 7) >> 2, c = b & 3;
+        const __m256i lo = nibbles32(p + n * 64 + (c & 1) * 32, c >> 1);
+        const __m256i hi = _mm256_slli_epi16(field(p + 128 + n * 32, 2 * c, 3), 4);
+        return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+    }
+#endif
+};
+
+// Block b of a row as 32 values of the storage type T (float or bf16_t): D * q (+ M), a multiply and an add in float32,
+// the gguf package's order, so float32 values equal gguf.quants.dequantize bit for bit (bf16: rounded to nearest even).
+template <typename F, typename T>
+static inline void block_values(const uint8_t* row, int b, T* out) {
+    float D[2], Mn[2] = {0.f, 0.f};
+    F::scales(row, b, D, Mn);
+#ifdef FLOWRT_AVX2
+    const __m256i q = F::qv(row, b);
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; ++i) {
+        __m256 v = _mm256_mul_ps(_mm256_set1_ps(D[i >> 1]), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])));
+        if constexpr (F::MIN) v = _mm256_add_ps(v, _mm256_set1_ps(Mn[i >> 1]));
+        store8(out + 8 * i, v);
+    }
+#else
+    int8_t q[32];
+    F::q(row, b, q);
+    for (int i = 0; i < 32; ++i) {
+        float v = D[i >> 4] * (float)q[i];
+        if constexpr (F::MIN) v = v + Mn[i >> 4];
+        out[i] = from_f32<T>(v);
+    }
+#endif
+}
+
+template <typename F> struct Tag { using type = F; };
+
+// Calls f(Tag<Format>{}) for the format `type` (f a generic lambda); returns -1 for a type without one.
+template <typename Fn>
+static inline int dispatch(int type, Fn&& f) {
+    switch (type) {
+        case Q8_0: f(Tag<Q8_0F>{}); return 0;
+        case Q4_0: f(Tag<Q4_0F>{}); return 0;
+        case Q4_1: f(Tag<Q4_1F>{}); return 0;
+        case Q5_0: f(Tag<Q5_0F>{}); return 0;
+        case Q5_1: f(Tag<Q5_1F>{}); return 0;
+        case IQ4_NL: f(Tag<IQ4_NLF>{}); return 0;
+        case Q2_K: f(Tag<Q2_KF>{}); return 0;
+        case Q3_K: f(Tag<Q3_KF>{}); return 0;
+        case Q4_K: f(Tag<Q4_KF>{}); return 0;
+        case Q5_K: f(Tag<Q5_KF>{}); return 0;
+        case Q6_K: f(Tag<Q6_KF>{}); return 0;
+        default: return -1;
+    }
+}
+
+}  // namespace qfmt

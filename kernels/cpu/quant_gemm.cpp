@@ -1,0 +1,294 @@
+// Quantized projections y[M, N] = x[M, K] @ W^T (+ bias), W in a GGUF block format read in place (uint8 rows of
+// whole blocks, as the file stores them; formats in quant_blocks.h). x is quantized first (quant_act.cpp: int8 blocks
+// of 32 with a scale d and the halves' scaled sums sx); then for every (row, column) pair and block of 32 the integer
+// dot product of q_x and the weight's q, as eight int32 lanes of four products each, is scaled by d_x * D (the lanes
+// of each 16-element half by its own D) and accumulated in eight float lanes; formats with minimums add M * sx. The
+// eight lanes are summed once at the end, always in the same tree. So a pair's result does not depend on the tile it
+// was computed in or on the thread count: a row gives the same bits alone (decode) or in a batch.
+//
+// Tiles of 4 rows x 2 columns: a column's block is unpacked once and used by four rows (prefill), and decode
+// (1 row) streams each weight byte once. Work items are chunks of 16 columns (by rows too from 64 rows) handed to
+// the threads dynamically.
+//
+// ISA: the AVX2 code (maddubs / madd on 256-bit vectors) also serves the avx512 and avx512bf16 variants (their builds
+// define __AVX2__): no AVX-512 or VNNI path here, as none could be tested on the AVX2-only machines these were
+// written on. The generic variant runs the same arithmetic in scalar C++.
+#include "flowrt_cpu.h"
+#include "common.h"
+#include "quant_blocks.h"
+#ifdef FLOWRT_AVX2
+#include "gemm.h"
+#endif
+
+#include <type_traits>
+
+namespace {
+
+struct Act {
+    const int8_t* q;   // [M, K]
+    const float* d;    // [M, nb]
+    const float* sx;   // [M, nb, 8]
+    int64_t K, nb;
+};
+
+template <typename T>
+static inline void put(T* y, float v) { *y = from_f32<T>(v); }
+
+#ifdef FLOWRT_AVX2
+// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): the one summation order of a pair's lanes.
+static inline float lanes_sum(__m256 v) {
+    const __m256 h = _mm256_hadd_ps(v, v);
+    const __m256 h2 = _mm256_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
+}
+
+static inline __m256 halves(const float* v, bool two) {
+    return two ? _mm256_set_m128(_mm_set1_ps(v[1]), _mm_set1_ps(v[0])) : _mm256_set1_ps(v[0]);
+}
+
+template <typename F, int R, int C, typename T>
+static inline void tile(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, int64_t c0, const float* bias, T* y,
+                        int64_t ys) {
+    __m256 acc[R][C];
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+        #pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t* xq = a.q + r0 * a.K;
+    const float* xd = a.d + r0 * a.nb;
+    const float* xs = a.sx + r0 * a.nb * 8;
+    // the next C rows of W (contiguous after these) stream into L1 while this tile runs, a share per block: rows are
+    // short runs (K = 2048 at 4.5 bits is 18 lines) that the hardware prefetcher alone does not cover in time
+    constexpr int PF = C * F::BYTES * 32 / F::QK;  // bytes of the next tile per block of 32
+    constexpr int G = F::QK / 32;                  // blocks of 32 per format block: the loop over them is unrolled
+    const uint8_t* next = w + (c0 + C) * rb;
+    for (int64_t sb = 0; sb < a.nb / G; ++sb) {
+        float Ds[C][2 * G], Ms[C][2 * G];  // D, M of the block's halves, decoded once per column
+        #pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+            if constexpr (G == 8) F::scales8(w + (c0 + c) * rb + sb * F::BYTES, Ds[c], Ms[c]);
+            else F::scales(w + (c0 + c) * rb, (int)sb, Ds[c], Ms[c]);
+        }
+        #pragma GCC unroll 8
+        for (int j = 0; j < G; ++j) {
+            const int64_t b = sb * G + j;
+            #pragma GCC unroll 4
+            for (int o = 0; o < PF; o += 64) _mm_prefetch((const char*)(next + b * PF + o), _MM_HINT_T0);
+            #pragma GCC unroll 4
+            for (int c = 0; c < C; ++c) {
+                const __m256i q = F::qv(w + (c0 + c) * rb, (int)b);
+                constexpr int H = F::HALVES ? 2 : 1;
+                const __m256 Dv = halves(Ds[c] + H * j, F::HALVES);
+                const __m256i aq = F::MIN ? q : _mm256_sign_epi8(q, q);
+                #pragma GCC unroll 8
+                for (int r = 0; r < R; ++r) {
+                    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * a.K + 32 * b));
+                    const __m256i p = F::MIN ? _mm256_maddubs_epi16(q, x)
+                                             : _mm256_maddubs_epi16(aq, _mm256_sign_epi8(x, q));
+                    const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+                    const __m256 scale = _mm256_mul_ps(Dv, _mm256_broadcast_ss(xd + r * a.nb + b));
+                    acc[r][c] = _mm256_fmadd_ps(s, scale, acc[r][c]);
+                    if constexpr (F::MIN)
+                        acc[r][c] = _mm256_fmadd_ps(halves(Ms[c] + H * j, F::HALVES),
+                                                    _mm256_loadu_ps(xs + (r * a.nb + b) * 8), acc[r][c]);
+                }
+            }
+        }
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+        #pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+            float v = lanes_sum(acc[r][c]);
+            if (bias) v += bias[c0 + c];
+            put(y + (r0 + r) * ys + c0 + c, v);
+        }
+}
+
+template <typename F, int C, typename T>
+static inline void rows_tile(int R, const Act& a, int64_t r0, const uint8_t* w, int64_t rb, int64_t c0,
+                             const float* bias, T* y, int64_t ys) {
+    switch (R) {
+        case 4: tile<F, 4, C>(a, r0, w, rb, c0, bias, y, ys); break;
+        case 3: tile<F, 3, C>(a, r0, w, rb, c0, bias, y, ys); break;
+        case 2: tile<F, 2, C>(a, r0, w, rb, c0, bias, y, ys); break;
+        default: tile<F, 1, C>(a, r0, w, rb, c0, bias, y, ys); break;
+    }
+}
+#else
+// The scalar twin: per (row, column) pair and block, the two halves' integer sums scaled by d_x * D (+ M * sx).
+template <typename F, typename T>
+static inline void scalar_tile(int R, const Act& a, int64_t r0, const uint8_t* w, int64_t rb, int64_t c0,
+                               const float* bias, T* y, int64_t ys) {
+    const uint8_t* row = w + c0 * rb;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    int8_t q[32];
+    for (int64_t b = 0; b < a.nb; ++b) {
+        float D[2], Mn[2];
+        F::q(row, (int)b, q);
+        F::scales(row, (int)b, D, Mn);
+        for (int r = 0; r < R; ++r) {
+            const int8_t* x = a.q + (r0 + r) * a.K + 32 * b;
+            int s[2] = {0, 0};
+            for (int i = 0; i < 32; ++i) s[i >> 4] += (int)q[i] * (int)x[i];
+            const float dx = a.d[(r0 + r) * a.nb + b];
+            acc[r] += (float)s[0] * (D[0] * dx) + (float)s[1] * (D[1] * dx);
+            if constexpr (F::MIN) {
+                const float* sx = a.sx + ((r0 + r) * a.nb + b) * 8;
+                acc[r] += Mn[0] * (4.0f * sx[0]) + Mn[1] * (4.0f * sx[4]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) put(y + (r0 + r) * ys + c0, acc[r] + (bias ? bias[c0] : 0.f));
+}
+#endif
+
+// The rows [r0, r1) against the columns [c0, c1).
+template <typename F, typename T>
+static void block(const Act& a, int64_t r0, int64_t r1, const uint8_t* w, int64_t rb, int64_t c0, int64_t c1,
+                  const float* bias, T* y, int64_t ys) {
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int R = (int)std::min<int64_t>(4, r1 - r);
+        int64_t c = c0;
+#ifdef FLOWRT_AVX2
+        if (R == 1)  // one row: four columns' chains in flight
+            for (; c + 4 <= c1; c += 4) tile<F, 1, 4>(a, r, w, rb, c, bias, y, ys);
+        for (; c + 2 <= c1; c += 2) rows_tile<F, 2>(R, a, r, w, rb, c, bias, y, ys);
+        for (; c < c1; ++c) rows_tile<F, 1>(R, a, r, w, rb, c, bias, y, ys);
+#else
+        for (; c < c1; ++c) scalar_tile<F>(R, a, r, w, rb, c, bias, y, ys);
+#endif
+    }
+}
+
+constexpr int64_t COLS = 16;  // columns per work item
+
+// A buffer per thread, grown as needed, 32-byte aligned; slots: 0 the activations, 1 x', 2 a weight panel.
+static uint8_t* scratch(size_t bytes, int slot = 0) {
+    static thread_local std::vector<uint8_t> buf[3];
+    if (buf[slot].size() < bytes + 32) buf[slot].resize(bytes + 32);
+    return buf[slot].data() + (-(uintptr_t)buf[slot].data() & 31);
+}
+
+#ifdef FLOWRT_AVX2
+// From PANEL_ROWS rows (prefill) the int8 pairs above cost more than float32 FMAs on AVX2 (a pair's block takes
+// ~6 operations for 32 products against 4 FMAs), so each panel of 16 columns is dequantized once (exact values,
+// k-major in L2) and multiplied by x' = q_x * d_x, the dequantized activations, with gemm.h's 6 x 16 float32 tile:
+// the same numbers (reference.linear's operands), summed in another order, at PackedLinear's speed. Each regime is
+// batch invariant on its own; a row's bits differ between them only by float32 summation order.
+constexpr int64_t PANEL_ROWS = 64;
+
+// Columns c0 .. c0+nvalid-1 of W dequantized into wp[k * 16 + j] (zeros past nvalid).
+template <typename F>
+static void dequant_panel(const uint8_t* w, int64_t rb, int64_t c0, int nvalid, int64_t nb, float* wp) {
+    alignas(32) float t[16][32];
+    for (int j = nvalid; j < 16; ++j) std::fill(t[j], t[j] + 32, 0.f);
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int j = 0; j < nvalid; ++j) qfmt::block_values<F>(w + (c0 + j) * rb, (int)b, t[j]);
+        for (int g = 0; g < 4; ++g)
+            for (int h = 0; h < 2; ++h) {
+                __m256 r[8];
+                for (int i = 0; i < 8; ++i) r[i] = _mm256_load_ps(&t[8 * h + i][8 * g]);
+                transpose8(r);
+                for (int i = 0; i < 8; ++i) _mm256_store_ps(wp + (32 * b + 8 * g + i) * 16 + 8 * h, r[i]);
+            }
+    }
+}
+
+template <typename F, typename T>
+static void gemm_panels(const Act& a, int64_t M, const uint8_t* w, int64_t N, const float* bias, T* y, int64_t ys) {
+    const int64_t K = a.K, rb = K / F::QK * F::BYTES, P = (N + 15) / 16;
+    float* xf = reinterpret_cast<float*>(scratch((size_t)(M * K * 4), 1));
+    #pragma omp parallel num_threads(flowrt_threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; ++r)
+            for (int64_t b = 0; b < a.nb; ++b) {
+                const __m256 d = _mm256_set1_ps(a.d[r * a.nb + b]);
+                const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + r * K + 32 * b));
+                const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+                const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+                for (int i = 0; i < 4; ++i)
+                    _mm256_storeu_ps(xf + r * K + 32 * b + 8 * i,
+                                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])), d));
+            }
+        float* wp = reinterpret_cast<float*>(scratch((size_t)(K * 16 * 4), 2));
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < P; ++p) {
+            const int nvalid = (int)std::min<int64_t>(16, N - 16 * p);
+            dequant_panel<F>(w, rb, 16 * p, nvalid, a.nb, wp);
+            alignas(32) float bp[16] = {};
+            if (bias) std::copy(bias + 16 * p, bias + 16 * p + nvalid, bp);
+            for (int64_t r = 0; r < M; r += 6) {
+                const int rows = (int)std::min<int64_t>(6, M - r);
+                if constexpr (std::is_same_v<T, float>) {
+                    gemm_rows<false>(rows, xf + r * K, K, (int)K, wp, bias ? bp : nullptr, y + r * ys + 16 * p, ys,
+                                     nvalid, nullptr, 0);
+                } else {
+                    alignas(32) float t[6 * 16];
+                    gemm_rows<false>(rows, xf + r * K, K, (int)K, wp, bias ? bp : nullptr, t, 16, 16, nullptr, 0);
+                    for (int i = 0; i < rows; ++i)
+                        for (int j = 0; j < nvalid; ++j) y[(r + i) * ys + 16 * p + j] = f32_to_bf16(t[i * 16 + j]);
+                }
+            }
+        }
+    }
+}
+#endif
+
+template <typename F, typename T>
+static void gemm(const Act& a, int64_t M, const uint8_t* w, int64_t N, const float* bias, T* y, int64_t ys) {
+    const int64_t rb = a.K / F::QK * F::BYTES;
+    const int64_t NC = (N + COLS - 1) / COLS;
+    // from 64 rows, blocks of rows whose activations (~1.1 bytes an element) stay in L2 while a chunk's columns run
+    const int64_t MB = M < 64 ? M : std::max<int64_t>(4, (98304 / a.K) & ~(int64_t)3);
+    const int64_t RB = (M + MB - 1) / MB;
+    #pragma omp parallel for schedule(dynamic, 1) if (M * N * a.K >= (1 << 18)) num_threads(flowrt_threads)
+    for (int64_t it = 0; it < RB * NC; ++it) {
+        const int64_t r0 = it / NC * MB, c0 = it % NC * COLS;
+        block<F>(a, r0, std::min(M, r0 + MB), w, rb, c0, std::min(N, c0 + COLS), bias, y, ys);
+    }
+}
+
+template <typename T>
+int quant_gemm(const T* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w, int qtype, int64_t N,
+               const float* bias, T* y, int64_t y_st) {
+    if (qfmt::dispatch(qtype, [](auto) {}) != 0) return -1;
+    int qk = 0;
+    qfmt::dispatch(qtype, [&](auto tag) { qk = decltype(tag)::type::QK; });
+    if (K % qk) return -2;
+    const int64_t nb = K / 32;
+    uint8_t* buf = scratch((size_t)(M * K + M * nb * 36 + 64));
+    float* d = reinterpret_cast<float*>(buf + ((M * K + 31) & ~(int64_t)31));
+    float* sx = d + M * nb;
+    if constexpr (std::is_same_v<T, float>) quant_act_f32(x, x_st, M, K, (int8_t*)buf, d, sx);
+    else quant_act_bf16(x, x_st, M, K, (int8_t*)buf, d, sx);
+    const Act a{(const int8_t*)buf, d, sx, K, nb};
+    qfmt::dispatch(qtype, [&](auto tag) {
+        using F = typename decltype(tag)::type;
+#ifdef FLOWRT_AVX2
+        if (M >= PANEL_ROWS) return gemm_panels<F>(a, M, w, N, bias, y, y_st);
+#endif
+        gemm<F>(a, M, w, N, bias, y, y_st);
+    });
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int quant_gemm_supported(int qtype) { return qfmt::dispatch(qtype, [](auto) {}) == 0; }
+
+int quant_gemm_f32(const float* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w, int qtype, int64_t N,
+                   const float* bias, float* y, int64_t y_st) {
+    return quant_gemm(x, x_st, M, K, w, qtype, N, bias, y, y_st);
+}
+
+int quant_gemm_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w, int qtype, int64_t N,
+                    const float* bias, bf16_t* y, int64_t y_st) {
+    return quant_gemm(x, x_st, M, K, w, qtype, N, bias, y, y_st);
+}
+
+}  // extern "C"

@@ -1,0 +1,202 @@
+"""The quantized-weight CPU kernels (kernels/cpu/quant_*.cpp through engine/quant/kernels.py) per instruction-set
+variant the CPU runs: every native GGUF block type against reference.linear on random blocks (float32 and bfloat16
+activations, with and without bias, the decode and prefill regimes), bit-equal across thread counts and batch sizes,
+activation quantization bit-equal to the reference, dequantize / rows() bit-equal to gguf.quants.dequantize."""
+
+import os
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from flowrt.engine import cpu_build, cpu_ops
+from flowrt.engine.quant import NATIVE_TYPES, QuantLinear, QuantType, block_shape, concat, dequant, kernels, reference
+
+HAVE_CXX = shutil.which(os.environ.get("CXX") or "g++") is not None
+SUPPORTED = [i.name for i in cpu_build.supported()]
+TYPES = sorted(NATIVE_TYPES, key=int)
+# byte offsets of each block's float16 fields (scales, minimums)
+HALF_FIELDS = {QuantType.Q8_0: [0], QuantType.Q4_0: [0], QuantType.Q4_1: [0, 2], QuantType.Q5_0: [0],
+               QuantType.Q5_1: [0, 2], QuantType.IQ4_NL: [0], QuantType.Q2_K: [80, 82], QuantType.Q3_K: [108],
+               QuantType.Q4_K: [0, 2], QuantType.Q5_K: [0, 2], QuantType.Q6_K: [208]}
+N = 37  # odd: not a multiple of any tile (2 or 4 columns, chunks and panels of 16)
+# the scalar variant is the slow one (and the fallback of CPUs without AVX2): in the CI suite, not the fast tier
+VARIANTS = [pytest.param(n, marks=pytest.mark.slow) if n == "generic" else n for n in cpu_build.ISA_NAMES]
+
+
+def _variant(name: str):
+    if not HAVE_CXX:
+        pytest.skip("no C++ compiler here")
+    if name not in SUPPORTED:
+        missing = [f for f in cpu_build.get_isa(name).cpu if f not in cpu_build.cpu_flags()]
+        pytest.skip(f"this CPU lacks {', '.join(missing)} (needed by the {name} variant)")
+    return cpu_ops.use_isa(name)
+
+
+def _k(qtype: QuantType) -> int:
+    """Several blocks: two super-blocks of the K-quants, five blocks of the others."""
+    return 512 if block_shape(qtype)[0] == 256 else 160
+
+
+def _blocks(qtype: QuantType, n: int, k: int, seed: int) -> torch.Tensor:
+    """Random rows of blocks: random bytes, the float16 fields replaced by small finite values."""
+    g = torch.Generator().manual_seed(seed)
+    per, nbytes = block_shape(qtype)
+    data = torch.randint(0, 256, (n * (k // per), nbytes), dtype=torch.uint8, generator=g)
+    for off in HALF_FIELDS[qtype]:
+        v = (torch.rand(data.shape[0], generator=g) * 0.04 - 0.02).half()
+        data[:, off:off + 2] = v.view(torch.uint8).view(-1, 2)
+    return data.reshape(n, -1)
+
+
+def _gguf(data: torch.Tensor, qtype: QuantType, n: int, k: int) -> torch.Tensor:
+    values = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType(int(qtype)))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(n, k)
+
+
+def _reference(x, data, qtype, n, k, bias):
+    """reference.linear and the error each element may have: float32 summation (bf16 output: plus its rounding)."""
+    ref = reference.linear(x, data, qtype, n, k, bias)
+    xq = reference.dequantize_activations(*reference.quantize_activations(x)).double()
+    bound = xq.abs() @ _gguf(data, qtype, n, k).double().abs().T * 1e-5 + 1e-6
+    if x.dtype == torch.bfloat16:
+        bound = bound + ref.abs() * 2.0**-8
+    return ref, bound
+
+
+def _assert_within(y, ref, bound, what):
+    err = (y.double() - ref).abs()
+    assert (err <= bound).all(), f"{what}: max error {err.max().item():.3g} over bound"
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_products_match_reference(name, qtype):
+    """M rows 1, 3, 4, 17 (decode tiles and their tails) and 70 (prefill panels): each row against the reference."""
+    k = _k(qtype)
+    data = _blocks(qtype, N, k, seed=int(qtype))
+    bias = torch.randn(N)
+    with _variant(name):
+        for b in (None, bias):
+            lin = QuantLinear(qtype, data, N, k, b)
+            assert lin.runs_kernels
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(70, k).to(dtype)
+                ref, bound = _reference(x, data, qtype, N, k, b)
+                for M in (1, 3, 4, 17, 70):
+                    y = lin(x[:M])
+                    assert y.dtype == dtype and y.shape == (M, N)
+                    _assert_within(y, ref[:M], bound[:M], f"{qtype.name} M={M} {dtype} bias={b is not None}")
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_threads_and_batches_give_the_same_bits(name, qtype):
+    """1 thread vs 2 bit-equal; a row alone (decode) equals it inside a batch of 17 (both int8 regime), and inside
+    a prefill batch of 70 equals it inside one of 130 (both panel regime)."""
+    k = _k(qtype)
+    lin = QuantLinear(qtype, _blocks(qtype, N, k, seed=7), N, k, torch.randn(N))
+    x = torch.randn(130, k)
+    n = torch.get_num_threads()
+    out = {}
+    try:
+        with _variant(name):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                out[threads] = {M: lin(x[:M]) for M in (1, 17, 70, 130)}
+            alone = torch.cat([lin(x[i:i + 1]) for i in range(17)])
+    finally:
+        torch.set_num_threads(n)
+        cpu_ops.lib()
+    for M in out[1]:
+        assert torch.equal(out[1][M], out[2][M]), M
+    assert torch.equal(alone, out[1][17])
+    assert torch.equal(out[1][130][:70], out[1][70])
+
+
+@pytest.mark.parametrize("name", cpu_build.ISA_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_activation_quantization_is_the_reference(name, dtype):
+    x = torch.randn(9, 96) * 3
+    x[0, :32] = 0  # a zero block: d = 0, q = 0
+    x[1, :32] = torch.arange(32) - 15.5  # halves (x * (1 / d) near .5)
+    x = x.to(dtype)
+    with _variant(name):
+        q, d, sx = kernels.quantize_activations(x)
+    rq, rd = reference.quantize_activations(x)
+    assert torch.equal(q, rq) and torch.equal(d, rd)
+    halves = rq.view(9, 3, 2, 16).int().sum(-1).float() * rd.unsqueeze(-1) * 0.25
+    assert torch.equal(sx, halves.repeat_interleave(4, dim=-1))
+
+
+@pytest.mark.parametrize("name", cpu_build.ISA_NAMES)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_and_rows_are_gguf_bits(name, qtype):
+    k = _k(qtype)
+    data = _blocks(qtype, N, k, seed=11)
+    ref = _gguf(data, qtype, N, k)
+    ids = torch.tensor([5, 0, 36, 5])
+    with _variant(name):
+        lin = QuantLinear(qtype, data, N, k)
+        assert torch.equal(lin.dequantize(), ref)
+        assert torch.equal(dequant.dequantize(data, qtype, N, k, torch.bfloat16), ref.bfloat16())
+        assert torch.equal(lin.rows(ids), ref[ids])
+        assert torch.equal(lin.rows(ids.int(), torch.bfloat16), ref[ids].bfloat16())
+        with pytest.raises(IndexError, match="outside the 37 rows"):
+            lin.rows(torch.tensor([37]))
+
+
+def test_torch_fallback_matches_the_kernels():
+    """With the kernels turned off QuantLinear runs the plain-torch reference path, and rows / dequantize fall back
+    to gguf's values."""
+    qtype, k = QuantType.Q4_K, 512
+    data = _blocks(qtype, N, k, seed=3)
+    lin = QuantLinear(qtype, data, N, k, torch.randn(N))
+    x = torch.randn(5, k)
+    cpu_ops.set_enabled(False)
+    try:
+        assert not lin.runs_kernels
+        y = lin(x)
+        assert torch.equal(lin.rows(torch.tensor([1, 2])), _gguf(data, qtype, N, k)[1:3])
+        assert torch.equal(lin.dequantize(), _gguf(data, qtype, N, k))
+        with pytest.raises(IndexError):
+            lin.rows(torch.tensor([-1]))
+    finally:
+        cpu_ops.set_enabled(True)
+    _assert_within(y, *_reference(x, data, qtype, N, k, lin.bias), "torch path")
+
+
+def test_float_types_dequantize():
+    w = torch.randn(3, 8)
+    assert torch.equal(dequant.dequantize(w.view(torch.uint8), QuantType.F32, 3, 8), w)
+    assert torch.equal(dequant.dequantize(w.half().view(torch.uint8), QuantType.F16, 3, 8), w.half().float())
+
+
+@pytest.mark.skipif(cpu_ops.lib() is None, reason="CPU kernels unavailable")
+def test_mixed_formats_concat():
+    """q/k/v of different formats: one output, each part written into its slice."""
+    parts = [QuantLinear(t, _blocks(t, n, 512, seed=n), n, 512) for t, n in
+             ((QuantType.Q4_K, 20), (QuantType.Q6_K, 9), (QuantType.Q4_K, 9))]
+    fused = concat(parts)
+    x = torch.randn(3, 512)
+    y = fused(x)
+    assert y.shape == (3, 38)
+    assert torch.equal(y, torch.cat([p(x) for p in parts], dim=1))
+    assert torch.equal(concat([parts[0], parts[2]])(x), torch.cat([parts[0](x), parts[2](x)], dim=1))
+
+
+@pytest.mark.skipif(cpu_ops.lib() is None, reason="CPU kernels unavailable")
+def test_bad_inputs_are_named():
+    lin = QuantLinear(QuantType.Q8_0, _blocks(QuantType.Q8_0, 4, 64, seed=1), 4, 64)
+    with pytest.raises(ValueError, match=r"x must be a float32 or bfloat16 \[M, 64\]"):
+        lin(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        lin(torch.randn(2, 64).half())
+    with pytest.raises(ValueError, match="ids must be an integer tensor"):
+        lin.rows(torch.tensor([0.0]))
+    with pytest.raises(ValueError, match="Q4_K rows hold whole blocks of 256"):
+        QuantLinear(QuantType.Q4_K, torch.zeros(4, 0, dtype=torch.uint8), 4, 64)
+    with pytest.raises(ValueError, match="out must be"):
+        kernels.gemm(torch.randn(2, 64), lin.data, lin.qtype, 4, 64, out=torch.empty(2, 5))
