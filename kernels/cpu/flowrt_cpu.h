@@ -52,9 +52,9 @@ int decode_layers_f32(int L, int64_t T, int E, int I, int H, int Hkv, int D, flo
 int decode_layers_bf16(int L, int64_t T, int E, int I, int H, int Hkv, int D, float eps, float scale, bf16_t* h, bf16_t* work, const int64_t* layer_ptrs, const bf16_t* cos_t, const bf16_t* sin_t, const int64_t* pos, const int64_t* slots, int64_t n_slots, int n_calls, const int64_t* calls, const int64_t* flash, int bs);
 
 // ---- quantized weights: GGUF block rows read in place (quant_blocks.h; qtype = the ggml type id)
-// x -> int8 blocks of 32 with scales d [M, K/32] and the halves' scaled sums sx [M, K/32, 8] (nullable) (quant_act.cpp)
-int quant_act_f32(const float* x, int64_t x_st, int64_t M, int64_t K, int8_t* q, float* d, float* sx);
-int quant_act_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, int8_t* q, float* d, float* sx);
+// x -> int16 blocks of 32 with scales d [M, K/32] and the halves' scaled sums sx [M, K/32, 8] (nullable) (quant_act.cpp)
+int quant_act_f32(const float* x, int64_t x_st, int64_t M, int64_t K, int16_t* q, float* d, float* sx);
+int quant_act_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, int16_t* q, float* d, float* sx);
 // y = x @ W^T (+ bias), W uint8 [N, row bytes]; 0, -1 unsupported qtype, -2 K not whole blocks (quant_gemm.cpp)
 int quant_gemm_supported(int qtype);
 int quant_gemm_f32(const float* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w, int qtype, int64_t N, const float* bias, float* y, int64_t y_st);

@@ -1,7 +1,8 @@
-// Activations of the quantized projections: each row quantized in blocks of 32 to int8 with one float32 scale,
-// d = amax / 127, q = round-half-away(x * (1 / d)) (engine/quant/reference.py's numbers, bit for bit), and per block
-// the scaled sums of its two halves, sx[0..3] = d * sum(q[0..15]) / 4, sx[4..7] = d * sum(q[16..31]) / 4: the eight
-// lanes the products multiply with the weight blocks' minimums (quant_gemm.cpp), so they stay one vector operation.
+// Activations of the quantized projections: each row quantized in blocks of 32 to int16 with one float32 scale,
+// d = amax / 32767, q = round-half-away(x * (1 / d)) (engine/quant/reference.py's numbers, bit for bit), and per block
+// the scaled sums of its two halves s0 = d * sum(q[0..15]) / 4, s1 = d * sum(q[16..31]) / 4 laid out as the lanes of
+// the products (quant_gemm.cpp): sx = {s0, s0, s1, s1, s0, s0, s1, s1}, so the weight blocks' minimums multiply them
+// in one vector operation.
 #include "flowrt_cpu.h"
 #include "common.h"
 
@@ -9,7 +10,7 @@ namespace {
 
 // One block of 32: q, *d, sx[8] (nullable).
 template <typename T>
-void quant_block(const T* x, int8_t* q, float* d, float* sx) {
+void quant_block(const T* x, int16_t* q, float* d, float* sx) {
 #ifdef FLOWRT_AVX2
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4];
@@ -21,7 +22,7 @@ void quant_block(const T* x, int8_t* q, float* d, float* sx) {
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float dd = _mm_cvtss_f32(m4) / 127.0f;
+    const float dd = _mm_cvtss_f32(m4) / 32767.0f;
     const __m256 id = _mm256_set1_ps(dd > 0 ? 1.0f / dd : 0.0f);
     __m256i qi[4];
     for (int i = 0; i < 4; ++i) {
@@ -29,10 +30,11 @@ void quant_block(const T* x, int8_t* q, float* d, float* sx) {
         const __m256 r = _mm256_floor_ps(_mm256_add_ps(_mm256_andnot_ps(sign, s), _mm256_set1_ps(0.5f)));
         qi[i] = _mm256_cvtps_epi32(_mm256_or_ps(r, _mm256_and_ps(s, sign)));
     }
-    // int32 x 32 -> int8 x 32 (the packs work per 128-bit lane; the permute restores the order)
-    const __m256i w0 = _mm256_packs_epi32(qi[0], qi[1]), w1 = _mm256_packs_epi32(qi[2], qi[3]);
-    const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w0, w1), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b8);
+    // int32 x 32 -> int16 x 32 (the packs work per 128-bit lane; the permutes restore the order)
+    const __m256i w0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xD8);
+    const __m256i w1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), w0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), w1);
     *d = dd;
     if (sx) {
         const __m256i h0 = _mm256_add_epi32(qi[0], qi[1]), h1 = _mm256_add_epi32(qi[2], qi[3]);
@@ -41,28 +43,29 @@ void quant_block(const T* x, int8_t* q, float* d, float* sx) {
         _mm256_store_si256(reinterpret_cast<__m256i*>(t1), h1);
         int s0 = 0, s1 = 0;
         for (int i = 0; i < 8; ++i) { s0 += t0[i]; s1 += t1[i]; }
-        _mm256_storeu_ps(sx, _mm256_set_m128(_mm_set1_ps(dd * (float)s1 * 0.25f), _mm_set1_ps(dd * (float)s0 * 0.25f)));
+        const float a0 = dd * (float)s0 * 0.25f, a1 = dd * (float)s1 * 0.25f;
+        _mm256_storeu_ps(sx, _mm256_setr_ps(a0, a0, a1, a1, a0, a0, a1, a1));
     }
 #else
     float amax = 0.f;
     for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(to_f32(x[i])));
-    const float dd = amax / 127.0f;
+    const float dd = amax / 32767.0f;
     const float id = dd > 0 ? 1.0f / dd : 0.0f;
     int s[2] = {0, 0};
     for (int i = 0; i < 32; ++i) {
         const float v = to_f32(x[i]) * id;
         const float r = std::floor(std::fabs(v) + 0.5f);
-        q[i] = (int8_t)(v < 0 ? -r : r);
+        q[i] = (int16_t)(v < 0 ? -r : r);
         s[i >> 4] += q[i];
     }
     *d = dd;
     if (sx)
-        for (int i = 0; i < 8; ++i) sx[i] = dd * (float)s[i >> 2] * 0.25f;
+        for (int i = 0; i < 8; ++i) sx[i] = dd * (float)s[(i >> 1) & 1] * 0.25f;
 #endif
 }
 
 template <typename T>
-void quant_rows(const T* x, int64_t x_st, int64_t M, int64_t K, int8_t* q, float* d, float* sx) {
+void quant_rows(const T* x, int64_t x_st, int64_t M, int64_t K, int16_t* q, float* d, float* sx) {
     const int64_t nb = K / 32;
     #pragma omp parallel for schedule(static) if (M * K >= (1 << 16)) num_threads(flowrt_threads)
     for (int64_t r = 0; r < M; ++r)
@@ -74,13 +77,13 @@ void quant_rows(const T* x, int64_t x_st, int64_t M, int64_t K, int8_t* q, float
 
 extern "C" {
 
-int quant_act_f32(const float* x, int64_t x_st, int64_t M, int64_t K, int8_t* q, float* d, float* sx) {
+int quant_act_f32(const float* x, int64_t x_st, int64_t M, int64_t K, int16_t* q, float* d, float* sx) {
     if (K % 32) return -2;
     quant_rows(x, x_st, M, K, q, d, sx);
     return 0;
 }
 
-int quant_act_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, int8_t* q, float* d, float* sx) {
+int quant_act_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, int16_t* q, float* d, float* sx) {
     if (K % 32) return -2;
     quant_rows(x, x_st, M, K, q, d, sx);
     return 0;

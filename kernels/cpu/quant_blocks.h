@@ -91,6 +91,13 @@ static inline __m256i nibbles16(const uint8_t* p) {
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
 }
 
+// 16 packed bytes -> the low nibbles (elements 0-15) in q0 and the high nibbles (16-31) in q1, as int16.
+static inline void nibbles16_i16(const uint8_t* p, __m256i& q0, __m256i& q1) {
+    const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    q0 = _mm256_and_si256(t, _mm256_set1_epi16(0x0F));
+    q1 = _mm256_srli_epi16(t, 4);
+}
+
 // 32 packed bytes -> their low (hi = false) or high nibbles.
 static inline __m256i nibbles32(const uint8_t* p, bool hi) {
     __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -127,6 +134,10 @@ struct Q8_0F {
     static __m256i qv(const uint8_t* r, int b) {
         return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + b * BYTES + 2));
     }
+    static void qv16(const uint8_t* r, int b, __m256i& q0, __m256i& q1) {
+        q0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + b * BYTES + 2)));
+        q1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + b * BYTES + 18)));
+    }
 #endif
 };
 
@@ -141,6 +152,11 @@ struct Q4_0F {
 #ifdef FLOWRT_AVX2
     static __m256i qv(const uint8_t* r, int b) {
         return _mm256_sub_epi8(nibbles16(r + b * BYTES + 2), _mm256_set1_epi8(8));
+    }
+    static void qv16(const uint8_t* r, int b, __m256i& q0, __m256i& q1) {
+        nibbles16_i16(r + b * BYTES + 2, q0, q1);
+        q0 = _mm256_sub_epi16(q0, _mm256_set1_epi16(8));
+        q1 = _mm256_sub_epi16(q1, _mm256_set1_epi16(8));
     }
 #endif
 };
@@ -158,6 +174,7 @@ struct Q4_1F {
     }
 #ifdef FLOWRT_AVX2
     static __m256i qv(const uint8_t* r, int b) { return nibbles16(r + b * BYTES + 4); }
+    static void qv16(const uint8_t* r, int b, __m256i& q0, __m256i& q1) { nibbles16_i16(r + b * BYTES + 4, q0, q1); }
 #endif
 };
 
@@ -300,6 +317,13 @@ struct Q4_KF {
 #ifdef FLOWRT_AVX2
     static __m256i qv(const uint8_t* r, int b) {
         return nibbles32(r + (b >> 3) * BYTES + 16 + ((b & 7) >> 1) * 32, b & 1);
+    }
+    static void qv16(const uint8_t* r, int b, __m256i& q0, __m256i& q1) {
+        const uint8_t* p = r + (b >> 3) * BYTES + 16 + ((b & 7) >> 1) * 32;
+        const __m128i sh = _mm_cvtsi32_si128(4 * (b & 1));
+        const __m256i m = _mm256_set1_epi16(0x0F);
+        q0 = _mm256_and_si256(_mm256_srl_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)), sh), m);
+        q1 = _mm256_and_si256(_mm256_srl_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(p + 16))), sh), m);
     }
 #endif
 };

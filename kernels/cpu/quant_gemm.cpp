@@ -1,8 +1,11 @@
 // Quantized projections y[M, N] = x[M, K] @ W^T (+ bias), W in a GGUF block format read in place (uint8 rows of
-// whole blocks, as the file stores them; formats in quant_blocks.h). x is quantized first (quant_act.cpp: int8 blocks
+// whole blocks, as the file stores them; formats in quant_blocks.h). x is quantized first (quant_act.cpp: int16 blocks
 // of 32 with a scale d and the halves' scaled sums sx); then for every (row, column) pair and block of 32 the integer
-// dot product of q_x and the weight's q, as eight int32 lanes of four products each, is scaled by d_x * D (the lanes
-// of each 16-element half by its own D) and accumulated in eight float lanes; formats with minimums add M * sx. The
+// dot product of q_x and the weight's q (widened to int16: madd over pairs), as eight int32 lanes of four products
+// each (lanes 0, 1, 4, 5 the block's first 16 elements, 2, 3, 6, 7 its second), is scaled by d_x * D (each half by
+// its own D) and accumulated in eight float lanes; formats with minimums add M * sx. Why int16 activations: int8
+// ones (llama.cpp's q8) perturb the logits enough (~0.1 nats) to flip greedy choices against the dequantized float32
+// path; int16 is ~1e-5 relative, and on AVX2 the int16 madd costs what the int8 sign/maddubs pair did. The
 // eight lanes are summed once at the end, always in the same tree. So a pair's result does not depend on the tile it
 // was computed in or on the thread count: a row gives the same bits alone (decode) or in a batch.
 //
@@ -10,7 +13,7 @@
 // (1 row) streams each weight byte once. Work items are chunks of 16 columns (by rows too from 64 rows) handed to
 // the threads dynamically.
 //
-// ISA: the AVX2 code (maddubs / madd on 256-bit vectors) also serves the avx512 and avx512bf16 variants (their builds
+// ISA: the AVX2 code (madd on 256-bit vectors) also serves the avx512 and avx512bf16 variants (their builds
 // define __AVX2__): no AVX-512 or VNNI path here, as none could be tested on the AVX2-only machines these were
 // written on. The generic variant runs the same arithmetic in scalar C++.
 #include "flowrt_cpu.h"
@@ -25,7 +28,7 @@
 namespace {
 
 struct Act {
-    const int8_t* q;   // [M, K]
+    const int16_t* q;  // [M, K]
     const float* d;    // [M, nb]
     const float* sx;   // [M, nb, 8]
     int64_t K, nb;
@@ -42,8 +45,25 @@ static inline float lanes_sum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
 }
 
+// A 32-block's per-half values in the products' lane order: {v0, v0, v1, v1, v0, v0, v1, v1} (one value: all lanes).
 static inline __m256 halves(const float* v, bool two) {
-    return two ? _mm256_set_m128(_mm_set1_ps(v[1]), _mm_set1_ps(v[0])) : _mm256_set1_ps(v[0]);
+    return two ? _mm256_setr_ps(v[0], v[0], v[1], v[1], v[0], v[0], v[1], v[1]) : _mm256_set1_ps(v[0]);
+}
+
+template <typename F, typename = void> struct has_qv16 : std::false_type {};
+template <typename F> struct has_qv16<F, std::void_t<decltype(&F::qv16)>> : std::true_type {};
+
+// The 32-block b of a row as two int16 vectors (elements 0-15, 16-31): the format's own unpacking where it has one
+// (straight to int16), else its 32 int8 values widened.
+template <typename F>
+static inline void qv16(const uint8_t* r, int b, __m256i& q0, __m256i& q1) {
+    if constexpr (has_qv16<F>::value) {
+        F::qv16(r, b, q0, q1);
+    } else {
+        const __m256i q = F::qv(r, b);
+        q0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+        q1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+    }
 }
 
 template <typename F, int R, int C, typename T>
@@ -54,8 +74,7 @@ static inline void tile(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, 
     for (int r = 0; r < R; ++r)
         #pragma GCC unroll 4
         for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int8_t* xq = a.q + r0 * a.K;
+    const int16_t* xq = a.q + r0 * a.K;
     const float* xd = a.d + r0 * a.nb;
     const float* xs = a.sx + r0 * a.nb * 8;
     // the next C rows of W (contiguous after these) stream into L1 while this tile runs, a share per block: rows are
@@ -77,16 +96,17 @@ static inline void tile(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, 
             for (int o = 0; o < PF; o += 64) _mm_prefetch((const char*)(next + b * PF + o), _MM_HINT_T0);
             #pragma GCC unroll 4
             for (int c = 0; c < C; ++c) {
-                const __m256i q = F::qv(w + (c0 + c) * rb, (int)b);
                 constexpr int H = F::HALVES ? 2 : 1;
                 const __m256 Dv = halves(Ds[c] + H * j, F::HALVES);
-                const __m256i aq = F::MIN ? q : _mm256_sign_epi8(q, q);
+                __m256i q0, q1;
+                qv16<F>(w + (c0 + c) * rb, (int)b, q0, q1);
                 #pragma GCC unroll 8
                 for (int r = 0; r < R; ++r) {
-                    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * a.K + 32 * b));
-                    const __m256i p = F::MIN ? _mm256_maddubs_epi16(q, x)
-                                             : _mm256_maddubs_epi16(aq, _mm256_sign_epi8(x, q));
-                    const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+                    const int16_t* xb = xq + r * a.K + 32 * b;
+                    const __m256i p0 = _mm256_madd_epi16(q0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
+                    const __m256i p1 =
+                        _mm256_madd_epi16(q1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16)));
+                    const __m256 s = _mm256_cvtepi32_ps(F::HALVES ? _mm256_hadd_epi32(p0, p1) : _mm256_add_epi32(p0, p1));
                     const __m256 scale = _mm256_mul_ps(Dv, _mm256_broadcast_ss(xd + r * a.nb + b));
                     acc[r][c] = _mm256_fmadd_ps(s, scale, acc[r][c]);
                     if constexpr (F::MIN)
@@ -129,14 +149,14 @@ static inline void scalar_tile(int R, const Act& a, int64_t r0, const uint8_t* w
         F::q(row, (int)b, q);
         F::scales(row, (int)b, D, Mn);
         for (int r = 0; r < R; ++r) {
-            const int8_t* x = a.q + (r0 + r) * a.K + 32 * b;
+            const int16_t* x = a.q + (r0 + r) * a.K + 32 * b;
             int s[2] = {0, 0};
             for (int i = 0; i < 32; ++i) s[i >> 4] += (int)q[i] * (int)x[i];
             const float dx = a.d[(r0 + r) * a.nb + b];
             acc[r] += (float)s[0] * (D[0] * dx) + (float)s[1] * (D[1] * dx);
             if constexpr (F::MIN) {
                 const float* sx = a.sx + ((r0 + r) * a.nb + b) * 8;
-                acc[r] += Mn[0] * (4.0f * sx[0]) + Mn[1] * (4.0f * sx[4]);
+                acc[r] += Mn[0] * (4.0f * sx[0]) + Mn[1] * (4.0f * sx[2]);
             }
         }
     }
@@ -172,7 +192,7 @@ static uint8_t* scratch(size_t bytes, int slot = 0) {
 }
 
 #ifdef FLOWRT_AVX2
-// From PANEL_ROWS rows (prefill) the int8 pairs above cost more than float32 FMAs on AVX2 (a pair's block takes
+// From PANEL_ROWS rows (prefill) the integer pairs above cost more than float32 FMAs on AVX2 (a pair's block takes
 // ~6 operations for 32 products against 4 FMAs), so each panel of 16 columns is dequantized once (exact values,
 // k-major in L2) and multiplied by x' = q_x * d_x, the dequantized activations, with gemm.h's 6 x 16 float32 tile:
 // the same numbers (reference.linear's operands), summed in another order, at PackedLinear's speed. Each regime is
@@ -206,12 +226,12 @@ static void gemm_panels(const Act& a, int64_t M, const uint8_t* w, int64_t N, co
         for (int64_t r = 0; r < M; ++r)
             for (int64_t b = 0; b < a.nb; ++b) {
                 const __m256 d = _mm256_set1_ps(a.d[r * a.nb + b]);
-                const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + r * K + 32 * b));
-                const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-                const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-                for (int i = 0; i < 4; ++i)
+                const int16_t* q = a.q + r * K + 32 * b;
+                for (int i = 0; i < 4; ++i) {
+                    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 8 * i));
                     _mm256_storeu_ps(xf + r * K + 32 * b + 8 * i,
-                                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])), d));
+                                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(v)), d));
+                }
             }
         float* wp = reinterpret_cast<float*>(scratch((size_t)(K * 16 * 4), 2));
         #pragma omp for schedule(dynamic, 1)
@@ -259,12 +279,12 @@ int quant_gemm(const T* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w,
     qfmt::dispatch(qtype, [&](auto tag) { qk = decltype(tag)::type::QK; });
     if (K % qk) return -2;
     const int64_t nb = K / 32;
-    uint8_t* buf = scratch((size_t)(M * K + M * nb * 36 + 64));
-    float* d = reinterpret_cast<float*>(buf + ((M * K + 31) & ~(int64_t)31));
+    uint8_t* buf = scratch((size_t)(2 * M * K + M * nb * 36 + 64));
+    float* d = reinterpret_cast<float*>(buf + ((2 * M * K + 31) & ~(int64_t)31));
     float* sx = d + M * nb;
-    if constexpr (std::is_same_v<T, float>) quant_act_f32(x, x_st, M, K, (int8_t*)buf, d, sx);
-    else quant_act_bf16(x, x_st, M, K, (int8_t*)buf, d, sx);
-    const Act a{(const int8_t*)buf, d, sx, K, nb};
+    if constexpr (std::is_same_v<T, float>) quant_act_f32(x, x_st, M, K, (int16_t*)buf, d, sx);
+    else quant_act_bf16(x, x_st, M, K, (int16_t*)buf, d, sx);
+    const Act a{(const int16_t*)buf, d, sx, K, nb};
     qfmt::dispatch(qtype, [&](auto tag) {
         using F = typename decltype(tag)::type;
 #ifdef FLOWRT_AVX2
