@@ -99,7 +99,8 @@ class _Turn:
 
     def usage(self, out: Any) -> dict[str, Any]:
         n_in, n_out = len(self.prompt.token_ids), len(out.outputs[0].token_ids)
-        return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": out.num_cached_tokens or 0},
+        return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": out.num_cached_tokens or 0,
+                                                                  "cache_write_tokens": 0},
                 "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n_in + n_out}
 
     def complete(self, items: list[dict[str, Any]], out: Any) -> dict[str, Any]:
