@@ -64,6 +64,15 @@ def _chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> P.Ch
         raise from_validation_errors(e.errors(include_url=False)) from None
 
 
+def _no_calls() -> S.Constraint:
+    """tool_choice "none" with tools in the prompt: free text that never opens a call (the thread API's rule;
+    a small model otherwise writes call markup as text)."""
+    from flowrt.engine import StructuredOutputsParams
+    from flowrt.llm.chat import _NO_TOOL_CALL_GRAMMAR
+
+    return S.Constraint(StructuredOutputsParams(grammar=_NO_TOOL_CALL_GRAMMAR), "tool_choice")
+
+
 @dataclass
 class _Turn:
     """One response being made: what its object, its events and its stored entry need."""
@@ -139,6 +148,8 @@ async def create_response(req: ResponsesRequest, request: Request, st: State) ->
     with _renamed():
         chat = _chat_request(req, system + history)
         constraint, tools = S.resolve(chat)
+        if constraint is None and tools is not None and tools.choice == "none":
+            constraint = _no_calls()
         prompt = await responses_prompt.build(st, chat, tools.specs if tools else None, previous)
         kw = chat.sampling_kwargs(max_tokens_for(st, len(prompt.token_ids), req.max_output_tokens, "input"))
         if constraint is not None:
