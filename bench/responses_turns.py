@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""Prompt tokens the server computes for a tool-using conversation on /v1/responses: chained with
+previous_response_id (the server continues the stored token sequence) vs re-sending the whole history each
+request (as a client without server-side state does).
+
+Workload: --turns (5) user turns over the openai client against an in-process `flowrt serve` app on the default
+model. Each turn is two requests: the question with tool_choice "required" (one get_weather call), then the
+call's output with tool_choice "none" (the answer). Both modes send the same questions and tool results, at
+--temperature (0: greedy; else sampled with a seed per request); the prefix cache is emptied between modes. Reported per mode: prompt tokens (sum of usage
+input_tokens), of them cached (usage cached_tokens) and computed by the engine (its prefill_tokens_computed
+counter), and what the follow-ups (every request after the first) computed.
+
+    python bench/responses_turns.py [--turns 5] [--dtype float32] [--temperature 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sysinfo import banner  # noqa: E402
+
+CITIES = ["Paris", "Rome", "London", "Madrid", "Berlin", "Vienna", "Lisbon"]
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The current weather in a city.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": CITIES}},
+                         "required": ["city"]}}]
+INSTRUCTIONS = "You answer questions about the weather in cities. Use the get_weather tool, then answer briefly."
+
+
+def converse(client, model: str, turns: int, chained: bool, engine, temperature: float) -> dict:
+    history: list = []   # every item so far (what a client without server state re-sends)
+    previous = out = None
+    rows = []
+    for t in range(turns):
+        city = CITIES[t % len(CITIES)]
+        for step in ("ask", "answer"):
+            if step == "ask":
+                new = [{"role": "user", "content": f"What is the weather in {city}?"}]
+                choice = "required"
+            else:
+                call = out.output[-1]
+                new = [{"type": "function_call_output", "call_id": call.call_id,
+                        "output": json.dumps({"city": city, "sky": "sunny", "temp_c": 18 + t})}]
+                choice = "none"
+            before = engine.stats()["prefill_tokens_computed"]
+            out = client.responses.create(
+                model=model, instructions=INSTRUCTIONS, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+                temperature=temperature, extra_body={"seed": len(rows)}, max_output_tokens=64,
+                input=new if chained else history + new,
+                previous_response_id=previous if chained else None, store=chained)
+            computed = engine.stats()["prefill_tokens_computed"] - before
+            history += new + [item.model_dump(exclude_none=True) for item in out.output]
+            previous = out.id
+            u = out.usage
+            rows.append({"turn": t + 1, "step": step, "prompt": u.input_tokens,
+                         "cached": u.input_tokens_details.cached_tokens, "computed": computed})
+    follow = rows[1:]
+    return {"requests": rows, "prompt_tokens": sum(r["prompt"] for r in rows),
+            "cached_tokens": sum(r["cached"] for r in rows), "computed_tokens": sum(r["computed"] for r in rows),
+            "follow_up_computed": sum(r["computed"] for r in follow)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampled (> 0, seeded per request) or greedy")
+    args = ap.parse_args()
+    import openai
+
+    from flowrt.engine import AsyncLLM, default_model_path
+    from flowrt.server.app import create_app
+    from flowrt.server.background import BackgroundServer
+
+    print(banner(args.dtype))
+    engine = AsyncLLM(model=default_model_path(), dtype=args.dtype, seed=0)
+    srv = BackgroundServer(create_app(engine, served_model_name="smollm2")).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        result = {}
+        for mode, chained in (("previous_response_id", True), ("resend history", False)):
+            engine.engine.reset_prefix_cache()
+            result[mode] = converse(client, "smollm2", args.turns, chained, engine, args.temperature)
+        for mode, r in result.items():
+            print(f"{mode:>22}: prompt tokens {r['prompt_tokens']}, cached {r['cached_tokens']}, computed "
+                  f"{r['computed_tokens']} (follow-ups: computed {r['follow_up_computed']})")
+            for row in r["requests"]:
+                print(f"{'':>24}turn {row['turn']} {row['step']:<6} prompt {row['prompt']:>5} "
+                      f"cached {row['cached']:>5} computed {row['computed']:>5}")
+        print(json.dumps(result))
+    finally:
+        srv.stop()
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
