@@ -134,13 +134,17 @@ def agent_factory(server):
     return make
 
 
-@pytest.mark.parametrize("kind", ["responses", "chat_completions"])
-def test_agents_sdk_runner_run(agent_factory, kind):
+@pytest.mark.parametrize("kind, chained", [("responses", False), ("responses", True), ("chat_completions", False)])
+def test_agents_sdk_runner_run(agent_factory, server, kind, chained):
+    """chained: the SDK sends each model call only its new items and the previous response's id."""
     from agents import Runner
 
-    result = asyncio.run(Runner.run(agent_factory(kind), QUESTION, max_turns=5))
+    result = asyncio.run(Runner.run(agent_factory(kind), QUESTION, max_turns=5, auto_previous_response_id=chained))
     _both_tools_ran(agent_factory.calls)
     _final_answer(result.final_output)
+    if chained:
+        last = server.app.state.flowrt_responses.get(result.last_response_id).body
+        assert last["previous_response_id"] is not None and last["output"][-1]["type"] == "message"
 
 
 @pytest.mark.parametrize("kind", ["responses", "chat_completions"])
