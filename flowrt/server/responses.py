@@ -10,6 +10,7 @@ kept (responses_store) for ``GET`` and for a later ``previous_response_id``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from .responses_store import ResponseStore, StoredResponse
 from .state import State
 
 router = APIRouter(prefix="/v1")
+logger = logging.getLogger("flowrt.server")
 
 
 def store_of(request: Request) -> ResponseStore:
@@ -46,7 +48,7 @@ def _renamed() -> Iterator[None]:
         yield
     except OpenAIError as e:
         e.message = I.rename_param(e.message)
-        e.param = I.rename_param(e.param) if e.param else e.param
+        e.param = "input" if e.param == "prompt" else I.rename_param(e.param) if e.param else e.param
         e.args = (e.message,)
         raise
 
@@ -189,6 +191,7 @@ async def _events(turn: _Turn, sub: Submission) -> AsyncIterator[str]:
         body = turn.complete(es.items, final)
         yield es.response("response.completed" if body["status"] == "completed" else "response.incomplete", body)
     except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+        logger.warning("response stream %s failed: %s", turn.id, e, exc_info=not isinstance(e, ValueError))
         error = {"code": "server_error", "message": f"{type(e).__name__}: {e}"}
         yield es.response("response.failed", turn.body("failed", es.items, error=error))
 

@@ -14,6 +14,7 @@ from test_server_langchain import TEMPLATE
 
 from flowrt.server import responses_items as I
 from flowrt.server.errors import OpenAIError
+from flowrt.server.responses_events import EventStream
 from flowrt.server.responses_store import ResponseStore, StoredResponse
 
 openai = pytest.importorskip("openai")
@@ -89,6 +90,27 @@ def test_input_items_it_cannot_take_are_a_400_naming_them(items, param):
     with pytest.raises(OpenAIError) as e:
         I.input_messages(items)
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_event_stream_closes_each_item_before_the_next():
+    es = EventStream()
+    call = [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}},
+            {"index": 0, "function": {"arguments": '{"a": 1}'}}]
+    raw = es.text("Hi") + es.text(" there") + es.calls(call) + es.text("Done.") + es.close()
+    events = [json.loads(r.split("data: ", 1)[1]) for r in raw]
+    for r, e in zip(raw, events):
+        assert r.startswith(f"event: {e['type']}\n")
+        EVENTS[e["type"]].model_validate(e)
+    assert [e["type"].removeprefix("response.") for e in events] == [
+        "output_item.added", "content_part.added", "output_text.delta", "output_text.delta", "output_text.done",
+        "content_part.done", "output_item.done",
+        "output_item.added", "function_call_arguments.delta", "function_call_arguments.done", "output_item.done",
+        "output_item.added", "content_part.added", "output_text.delta", "output_text.done", "content_part.done",
+        "output_item.done"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [it["type"] for it in es.items] == ["message", "function_call", "message"]
+    assert es.items[0]["content"][0]["text"] == "Hi there" and es.items[1]["arguments"] == '{"a": 1}'
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2]
 
 
 # ---- over HTTP ------------------------------------------------------------------------------------------
