@@ -6,9 +6,11 @@ request (as a client without server-side state does).
 Workload: --turns (5) user turns over the openai client against an in-process `flowrt serve` app on the default
 model. Each turn is two requests: the question with tool_choice "required" (one get_weather call), then the
 call's output with tool_choice "none" (the answer). Both modes send the same questions and tool results, at
---temperature (0: greedy; else sampled with a seed per request); the prefix cache is emptied between modes. Reported per mode: prompt tokens (sum of usage
-input_tokens), of them cached (usage cached_tokens) and computed by the engine (its prefill_tokens_computed
-counter), and what the follow-ups (every request after the first) computed.
+--temperature (0: greedy; else sampled with a seed per request); the prefix cache is emptied between modes.
+Reported per mode: prompt tokens (usage input_tokens) and of them cached (usage cached_tokens), in all and for
+the follow-ups (every request after the first): their prompt tokens not cached are what the engine computed of
+the prompts. The engine's prefill_tokens_computed counter is shown too; it also counts output tokens that a
+constraint forced (the fixed parts of a tool call), which are computed like a prompt.
 
     python bench/responses_turns.py [--turns 5] [--dtype float32] [--temperature 0]
 """
@@ -59,8 +61,10 @@ def converse(client, model: str, turns: int, chained: bool, engine, temperature:
                          "cached": u.input_tokens_details.cached_tokens, "computed": computed})
     follow = rows[1:]
     return {"requests": rows, "prompt_tokens": sum(r["prompt"] for r in rows),
-            "cached_tokens": sum(r["cached"] for r in rows), "computed_tokens": sum(r["computed"] for r in rows),
-            "follow_up_computed": sum(r["computed"] for r in follow)}
+            "cached_tokens": sum(r["cached"] for r in rows), "engine_prefill": sum(r["computed"] for r in rows),
+            "follow_up_prompt": sum(r["prompt"] for r in follow),
+            "follow_up_uncached": sum(r["prompt"] - r["cached"] for r in follow),
+            "follow_up_engine_prefill": sum(r["computed"] for r in follow)}
 
 
 def main() -> None:
@@ -85,8 +89,9 @@ def main() -> None:
             engine.engine.reset_prefix_cache()
             result[mode] = converse(client, "smollm2", args.turns, chained, engine, args.temperature)
         for mode, r in result.items():
-            print(f"{mode:>22}: prompt tokens {r['prompt_tokens']}, cached {r['cached_tokens']}, computed "
-                  f"{r['computed_tokens']} (follow-ups: computed {r['follow_up_computed']})")
+            print(f"{mode:>22}: prompt tokens {r['prompt_tokens']}, cached {r['cached_tokens']}; the 2nd-last requests: "
+                  f"{r['follow_up_prompt']} prompt tokens, {r['follow_up_uncached']} not cached, engine prefill "
+                  f"{r['follow_up_engine_prefill']}")
             for row in r["requests"]:
                 print(f"{'':>24}turn {row['turn']} {row['step']:<6} prompt {row['prompt']:>5} "
                       f"cached {row['cached']:>5} computed {row['computed']:>5}")
