@@ -2,7 +2,8 @@
 
 ``create_app(engine, ...)`` takes an already-constructed ``flowrt.engine.AsyncLLM`` (tests and embedders
 build their own; ``flowrt serve`` builds one from its options) and returns the ASGI app. The endpoints
-live one family per module (completions, chat, models, workflows, health); they share ``ServerState``.
+live one family per module (completions, chat, responses, models, workflows, health); they share
+``ServerState``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
 
-from . import chat, completions, health, models
+from . import chat, completions, health, models, responses
 from . import workflows as workflow_endpoints
 from .errors import install_handlers
-from .defaults import DEFAULT_CHAT_TEMPLATE_TIMEOUT, DEFAULT_MAX_BODY_BYTES
+from .defaults import (DEFAULT_CHAT_TEMPLATE_TIMEOUT, DEFAULT_MAX_BODY_BYTES, DEFAULT_RESPONSES_MAX,
+                       DEFAULT_RESPONSES_MAX_BYTES)
 from .guard import Guard
 from .metrics import ServerMetrics
+from .responses_store import ResponseStore
 from .state import ServerState, default_model_name
 
 
@@ -26,7 +29,9 @@ def create_app(engine: Any, *, served_model_name: str | list[str] | None = None,
                api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                workflows: dict[str, Any] | None = None, workflow_runtime: Any = None,
                trust_request_chat_template: bool = False,
-               chat_template_timeout: float = DEFAULT_CHAT_TEMPLATE_TIMEOUT, owns_engine: bool = False) -> FastAPI:
+               chat_template_timeout: float = DEFAULT_CHAT_TEMPLATE_TIMEOUT, owns_engine: bool = False,
+               responses_max: int = DEFAULT_RESPONSES_MAX,
+               responses_max_bytes: int = DEFAULT_RESPONSES_MAX_BYTES) -> FastAPI:
     """The OpenAI-compatible app over `engine` (a flowrt.engine.AsyncLLM).
 
     served_model_name: the name(s) clients must pass as `model` (default: the model directory's name, or
@@ -36,6 +41,7 @@ def create_app(engine: Any, *, served_model_name: str | list[str] | None = None,
     trust_request_chat_template: accept chat templates sent in requests (client code run by the server).
     chat_template_timeout: seconds a chat template may take to render before the request gets a 400.
     owns_engine: shut the engine down when the app shuts down.
+    responses_max, responses_max_bytes: how many stored /v1/responses (and their bytes) are kept, oldest evicted.
     """
     if served_model_name is None:
         served_model_name = default_model_name(model_path)
@@ -57,8 +63,9 @@ def create_app(engine: Any, *, served_model_name: str | list[str] | None = None,
 
     app = FastAPI(title="flowrt", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.flowrt = st
+    app.state.flowrt_responses = ResponseStore(responses_max, responses_max_bytes)
     install_handlers(app)
     app.add_middleware(Guard, state=st)
-    for module in (health, models, completions, chat, workflow_endpoints):
+    for module in (health, models, completions, chat, responses, workflow_endpoints):
         app.include_router(module.router)
     return app

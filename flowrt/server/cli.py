@@ -5,6 +5,7 @@ The model runs in this process on flowrt's continuous-batching engine; any OpenA
 
   POST /v1/completions                 text completions (streaming, n, logprobs, echo)
   POST /v1/chat/completions            chat through the model's chat template (streaming, n, logprobs)
+  POST /v1/responses                   the Responses API (GET/DELETE /v1/responses/ID for stored ones)
   GET  /v1/models                      the served model name(s)
   POST /v1/workflows/NAME/runs         run a served workflow (--workflow); GET /v1/workflows lists them
   GET  /health                         200 when serving, 503 while shutting down
@@ -23,7 +24,8 @@ import os
 import sys
 from typing import Any
 
-from .defaults import DEFAULT_CHAT_TEMPLATE_TIMEOUT, DEFAULT_GRACEFUL_TIMEOUT, DEFAULT_MAX_BODY_BYTES
+from .defaults import (DEFAULT_CHAT_TEMPLATE_TIMEOUT, DEFAULT_GRACEFUL_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
+                       DEFAULT_RESPONSES_MAX, DEFAULT_RESPONSES_MAX_BYTES)
 
 logger = logging.getLogger("flowrt.server")
 
@@ -52,6 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--checkpoint SQLite database), so that a resumed run does not compute them again")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body accepted; larger ones get 413 (default 16 MiB)")
+    p.add_argument("--responses-max", type=int, default=DEFAULT_RESPONSES_MAX, metavar="N",
+                   help="stored /v1/responses kept for GET and previous_response_id, oldest evicted "
+                        "(default %(default)d)")
+    p.add_argument("--responses-max-bytes", type=int, default=DEFAULT_RESPONSES_MAX_BYTES, metavar="BYTES",
+                   help="bytes of stored responses kept, oldest evicted (default 256 MiB)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat template sent in a chat request (`chat_template`, "
                         "`chat_template_kwargs.chat_template`); off by default: a template is code the server "
@@ -123,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(engine, served_model_name=args.served_model_name, model_path=model_path,
                          api_key=args.api_key, max_body_bytes=args.max_body_bytes, workflows=workflows,
                          workflow_runtime=runtime, trust_request_chat_template=args.trust_request_chat_template,
-                         chat_template_timeout=args.chat_template_timeout)
+                         chat_template_timeout=args.chat_template_timeout, responses_max=args.responses_max,
+                         responses_max_bytes=args.responses_max_bytes)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                                 timeout_graceful_shutdown=STOP_FLUSH_SECONDS)
         server = DrainingServer(config, app.state.flowrt, grace=args.graceful_timeout)

@@ -12,7 +12,7 @@ from .errors import OpenAIError, RequestTooLarge, bad_request
 from .state import ServerState
 from .streaming import ABORTED_KEY
 
-_KNOWN_PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/workflows")
+_KNOWN_PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/workflows")
 
 
 class Guard:
@@ -30,6 +30,8 @@ class Guard:
             return path
         if path.startswith("/v1/models/"):
             return "/v1/models/{model}"
+        if path.startswith("/v1/responses/"):
+            return "/v1/responses/{id}"
         if path.startswith("/v1/workflows/") and path.endswith("/runs"):
             return "/v1/workflows/{name}/runs"
         return "other"
