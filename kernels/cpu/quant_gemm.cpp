@@ -10,7 +10,7 @@
 // was computed in or on the thread count: a row gives the same bits alone (decode) or in a batch.
 //
 // Tiles of 4 rows x 2 columns: a column's block is unpacked once and used by four rows (prefill), and decode
-// (1 row) streams each weight byte once. Work items are chunks of 16 columns (by rows too from 64 rows) handed to
+// (1 row) streams each weight byte once. Work items are chunks of 16 columns handed to
 // the threads dynamically.
 //
 // ISA: the AVX2 code (madd on 256-bit vectors) also serves the avx512 and avx512bf16 variants (their builds
@@ -192,12 +192,13 @@ static uint8_t* scratch(size_t bytes, int slot = 0) {
 }
 
 #ifdef FLOWRT_AVX2
-// From PANEL_ROWS rows (prefill) the integer pairs above cost more than float32 FMAs on AVX2 (a pair's block takes
-// ~6 operations for 32 products against 4 FMAs), so each panel of 16 columns is dequantized once (exact values,
+// From PANEL_ROWS rows (batched decode, prefill) the integer pairs above cost more than float32 FMAs on AVX2 (a pair's
+// block takes ~7 operations for 32 products against 4 FMAs; at 16 rows 0.35-0.68x PackedLinear, the panels 0.55-0.88x;
+// at 32 rows the panels 0.7-1.04x, Zen3, 1 thread, cold weights), so each panel of 16 columns is dequantized once (exact values,
 // k-major in L2) and multiplied by x' = q_x * d_x, the dequantized activations, with gemm.h's 6 x 16 float32 tile:
 // the same numbers (reference.linear's operands), summed in another order, at PackedLinear's speed. Each regime is
 // batch invariant on its own; a row's bits differ between them only by float32 summation order.
-constexpr int64_t PANEL_ROWS = 64;
+constexpr int64_t PANEL_ROWS = 16;
 
 // Columns c0 .. c0+nvalid-1 of W dequantized into wp[k * 16 + j] (zeros past nvalid).
 template <typename F>

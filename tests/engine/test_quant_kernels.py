@@ -94,8 +94,8 @@ def test_products_match_reference(name, qtype):
 @pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_threads_and_batches_give_the_same_bits(name, qtype):
-    """1 thread vs 2 bit-equal; a row alone (decode) equals it inside a batch of 17 (both int8 regime), and inside
-    a prefill batch of 70 equals it inside one of 130 (both panel regime)."""
+    """1 thread vs 2 bit-equal; a row alone (decode) equals it inside a batch of 9 (both integer regime), and inside
+    a batch of 17 equals it inside one of 70 and 130 (all panel regime, from 16 rows)."""
     k = _k(qtype)
     lin = QuantLinear(qtype, _blocks(qtype, N, k, seed=7), N, k, torch.randn(N))
     x = torch.randn(130, k)
@@ -105,15 +105,16 @@ def test_threads_and_batches_give_the_same_bits(name, qtype):
         with _variant(name):
             for threads in (1, 2):
                 torch.set_num_threads(threads)
-                out[threads] = {M: lin(x[:M]) for M in (1, 17, 70, 130)}
-            alone = torch.cat([lin(x[i:i + 1]) for i in range(17)])
+                out[threads] = {M: lin(x[:M]) for M in (1, 9, 17, 70, 130)}
+            alone = torch.cat([lin(x[i:i + 1]) for i in range(9)])
     finally:
         torch.set_num_threads(n)
         cpu_ops.lib()
     for M in out[1]:
         assert torch.equal(out[1][M], out[2][M]), M
-    assert torch.equal(alone, out[1][17])
+    assert torch.equal(alone, out[1][9])
     assert torch.equal(out[1][130][:70], out[1][70])
+    assert torch.equal(out[1][70][:17], out[1][17])
 
 
 @pytest.mark.parametrize("name", cpu_build.ISA_NAMES)
