@@ -27,9 +27,6 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from sysinfo import banner  # noqa: E402
 
-# bench/agents.py would shadow the OpenAI Agents SDK's package `agents`: import that from the environment
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
-
 CITIES = ["Paris", "Rome", "London", "Madrid", "Berlin", "Vienna", "Lisbon"]
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The current weather in a city.",
           "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": CITIES}},

@@ -15,22 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from support import ROOT
+from cpu_variants import HAVE_CXX, SUPPORTED, cpu_variant
 from flowrt.engine import cpu_build, cpu_ops
 from flowrt.engine.models.llama import rms_norm, rotate_half
 from flowrt.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 
-HAVE_CXX = shutil.which(os.environ.get("CXX") or "g++") is not None
-SUPPORTED = [i.name for i in cpu_build.supported()]
 needs_kernels = pytest.mark.skipif(cpu_ops.lib() is None, reason=f"CPU kernels unavailable: {cpu_ops._error}")
 
 
-def _variant(name: str):
-    if not HAVE_CXX:
-        pytest.skip("no C++ compiler here")
-    if name not in SUPPORTED:
-        missing = [f for f in cpu_build.get_isa(name).cpu if f not in cpu_build.cpu_flags()]
-        pytest.skip(f"this CPU lacks {', '.join(missing)} (needed by the {name} variant)")
-    return cpu_ops.use_isa(name)
+_variant = cpu_variant  # the tests say `with _variant(name)`
 
 
 def _paged(B, Hkv, G, D, bs, lens, dtype, seed):

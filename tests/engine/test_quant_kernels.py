@@ -3,19 +3,16 @@ variant the CPU runs: every native GGUF block type against reference.linear on r
 activations, with and without bias, the decode and prefill regimes), bit-equal across thread counts and batch sizes,
 activation quantization bit-equal to the reference, dequantize / rows() bit-equal to gguf.quants.dequantize."""
 
-import os
-import shutil
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
+from cpu_variants import cpu_variant
 from flowrt.engine import cpu_build, cpu_ops
 from flowrt.engine.quant import NATIVE_TYPES, QuantLinear, QuantType, block_shape, concat, dequant, kernels, reference
 
-HAVE_CXX = shutil.which(os.environ.get("CXX") or "g++") is not None
-SUPPORTED = [i.name for i in cpu_build.supported()]
 TYPES = sorted(NATIVE_TYPES, key=int)
 # byte offsets of each block's float16 fields (scales, minimums)
 HALF_FIELDS = {QuantType.Q8_0: [0], QuantType.Q4_0: [0], QuantType.Q4_1: [0, 2], QuantType.Q5_0: [0],
@@ -26,13 +23,7 @@ N = 37  # odd: not a multiple of any tile (2 or 4 columns, chunks and panels of 
 VARIANTS = [pytest.param(n, marks=pytest.mark.slow) if n == "generic" else n for n in cpu_build.ISA_NAMES]
 
 
-def _variant(name: str):
-    if not HAVE_CXX:
-        pytest.skip("no C++ compiler here")
-    if name not in SUPPORTED:
-        missing = [f for f in cpu_build.get_isa(name).cpu if f not in cpu_build.cpu_flags()]
-        pytest.skip(f"this CPU lacks {', '.join(missing)} (needed by the {name} variant)")
-    return cpu_ops.use_isa(name)
+_variant = cpu_variant  # the tests say `with _variant(name)`
 
 
 def _k(qtype: QuantType) -> int:

@@ -15,7 +15,7 @@ Reported per policy and pool: runs/s, p50/p95/max run latency (arrival to last t
 computed and recomputed (KV this engine had computed before and computed again), KV blocks evicted and
 needed again, preemptions, and mean queueing time per run.
 
-    python bench/agents.py [--runs 32] [--rate 4] [--pools half,full] [--policies fcfs,program] [--model PATH]
+    python bench/agent_programs.py [--runs 32] [--rate 4] [--pools half,full] [--policies fcfs,program] [--model PATH]
 """
 
 from __future__ import annotations
