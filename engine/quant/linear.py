@@ -85,7 +85,7 @@ class QuantLinear:
         return out
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
-        """The plain-torch path: the reference numerics (int8 activations), weights dequantized once and kept."""
+        """The plain-torch path: the reference numerics (int16 activations), weights dequantized once and kept."""
         if self._plain is None:
             self._plain = self.dequantize(torch.float32)
         xq = reference.dequantize_activations(*reference.quantize_activations(x))
