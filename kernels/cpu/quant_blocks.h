@@ -2,7 +2,7 @@
 // row into a canonical form, w[e] = D[e / 16] * q[e] (+ M[e / 16] for the formats with a minimum), with q small
 // integers (signed, or unsigned 0..63 for the formats with a minimum) and D, M float32 computed exactly as the gguf
 // package's dequantizers compute them (so D * q + M is bit for bit the file's value). The products
-// (quant_gemm.cpp) multiply q with int8 activations and scale by D; the dequantizer (quant_dequant.cpp) evaluates
+// (quant_gemm.cpp) multiply q with int16 activations and scale by D; the dequantizer (quant_dequant.cpp) evaluates
 // D * q + M. Block layouts: ggml's block_q*_* (gguf/quants.py's dequantize_blocks).
 #pragma once
 
