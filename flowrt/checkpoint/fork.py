@@ -61,7 +61,9 @@ def fork_state(state: dict[str, Any], wf: Workflow, at: str,
             "timings": keep(state.get("timings", {})), "answers": keep(state.get("answers", {})),
             "subruns": {**keep(state.get("subruns", {})),
                         **(_inner_states(sub, at, inner, history or []) if sub is not None else {})},
-            "held_threads": keep(state.get("held_threads", {})), "interrupt": None}
+            "held_threads": keep(state.get("held_threads", {})), "interrupt": None,
+            "llm_calls": keep(state.get("llm_calls", {})), "llm_totals": None,   # the totals of the calls kept
+            "forks": [f for f in state.get("forks", []) if _top(f.get("step") or "") not in again]}
 
 
 def _subgraph(wf: Workflow, at: str) -> Workflow:

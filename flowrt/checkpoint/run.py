@@ -66,6 +66,7 @@ class RunCheckpoint:
         self._enc: dict[str, dict[str, Any]] = {}
         self._scope: Any = None
         self.restored_steps: list[str] = []   # steps a resume did not run again
+        self.activity: Any = None             # a RunActivity (flowrt.checkpoint.activity): LLM calls, forks
 
     @classmethod
     def new(cls, store: CheckpointStore, workflow: str, inputs: dict[str, Any], *, file: str | None = None,
@@ -254,6 +255,8 @@ class RunCheckpoint:
         route = next((r for r in reversed(own.route_log) if r["step"] == name), None) if name else None
         status = own.status.get(name, "") if name else run_status
         live, state = self._threads(threads), self._state(st)
+        if self.activity is not None:
+            state.update(self.activity.state())
         if self.kv is not None and self.kv.bound and run_status != "done":   # a finished run keeps no KV
             self.kv_owner = self.kv_owner or new_owner()
             held = [ids for lists in getattr(st, "held_threads", {}).values() for ids in lists]

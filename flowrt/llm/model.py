@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 import anyio
 
 from ..context import current_run_threads, current_step, current_tracer
+from ..runner.trace import clip
 
 if TYPE_CHECKING:
     from ..engine import CompletionOutput, EngineClient, RequestOutput, SamplingParams, SequenceHandle
@@ -143,23 +144,26 @@ class Model:
 
         return ProgramContext(run_id=getattr(run, "run_id", None), step=step, thread_id=thread_id)
 
-    def _span(self, kind: str, uncomputed: int) -> tuple[Tracer | None, Any]:
+    def _span(self, kind: str, uncomputed: int, thread_id: Any = None) -> tuple[Tracer | None, Any]:
         tracer = current_tracer.get()
         if tracer is None:
             return None, None
-        return tracer, tracer.start(kind, "llm", kind=kind, step=current_step.get(), pending_tokens=uncomputed)
+        return tracer, tracer.start(kind, "llm", kind=kind, step=current_step.get(), pending_tokens=uncomputed,
+                                    thread_id=thread_id)
 
-    @staticmethod
-    def _span_fields(out: RequestOutput, uncomputed: int) -> dict[str, Any]:
+    def _span_fields(self, out: RequestOutput, uncomputed: int) -> dict[str, Any]:
         """Token counts of one request. ``cached_tokens`` (KV reused, as the engine reports it) splits
-        into tokens already in the thread's own sequence and prefix-cache hits."""
+        into tokens already in the thread's own sequence and prefix-cache hits. The prompt and the first
+        output's text, clipped (flowrt.runner.trace.clip), are for the run viewer."""
         prompt = len(out.prompt_token_ids or [])
         cached = int(out.num_cached_tokens or 0)
         own = max(0, prompt - uncomputed)
         gen = sum(len(o.token_ids) for o in out.outputs)
+        text = out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids or [])
         return {"prompt_tokens": prompt, "cached_tokens": cached, "tokens_computed": max(0, prompt - cached),
                 "prefix_cache_hit_tokens": max(0, cached - own), "generated_tokens": gen,
-                "finish_reason": out.outputs[0].finish_reason if out.outputs else None}
+                "finish_reason": out.outputs[0].finish_reason if out.outputs else None,
+                "prompt": clip(text), "output": clip(out.outputs[0].text or "") if out.outputs else ""}
 
     @staticmethod
     def _check_finished(out: RequestOutput) -> None:
@@ -183,7 +187,7 @@ class Model:
         have no KV yet (for the trace's token accounting). Cancellation aborts the engine request; an
         engine-side abort raises RuntimeError."""
         rid = f"flowrt-{self._pid}-{next(_request_ids)}"
-        tracer, span = self._span(kind, uncomputed)
+        tracer, span = self._span(kind, uncomputed, thread_id)
         try:
             program = self.program_context(thread_id)
             out = await (self.engine.generate(seq, params, request_id=rid) if program is None
@@ -207,7 +211,7 @@ class Model:
         """Like ``run``, yielding the engine's cumulative outputs as they come. Closing the iterator
         early aborts the engine request (the tokens generated so far stay in ``seq``)."""
         rid = f"flowrt-{self._pid}-{next(_request_ids)}"
-        tracer, span = self._span(kind, uncomputed)
+        tracer, span = self._span(kind, uncomputed, thread_id)
         out = None
         try:
             program = self.program_context(thread_id)

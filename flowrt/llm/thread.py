@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Iterator
 import anyio
 
 from ..aio import gather
-from ..context import current_step, token_sink, track
+from ..context import current_step, current_tracer, token_sink, track
 from ..events import Token
 from .structured import split_constraint
 
@@ -299,6 +299,10 @@ class Thread:
         children = self._fork_raw(n)
         for c in children:
             self._copy_extra_state(c)
+        tracer = current_tracer.get()
+        if tracer is not None:   # the run viewer's fork tree (flowrt.ui)
+            base = self._base
+            tracer.fork(current_step.get(), self.id, [c.id for c in children], base.num_tokens() if base else 0)
         return children
 
     def copy(self) -> "Thread":

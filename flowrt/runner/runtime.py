@@ -179,6 +179,11 @@ class Runtime:
             run = RunCheckpoint.new(self.checkpointer, wf.name, checked, file=file or _workflow_file(wf),
                                     kv=self.kv_checkpoint,
                                     meta=self._run_meta())
+        if run is not None:   # what the run viewer shows of it (flowrt.ui): its LLM calls and forks
+            from ..checkpoint.activity import RunActivity
+
+            tracer = tracer or Tracer(stats_fn=self.stats)
+            run.activity = RunActivity(tracer, run.record.state if run.record is not None else None)
         kw: dict[str, Any] = dict(tracer=tracer, observer=observer, stats_fn=self.stats, checkpoint=run,
                                   events=events)
         with run.held() if run is not None else contextlib.nullcontext():

@@ -6,8 +6,10 @@ overlap in time are put on different rows ("lanes"), so a step that fans out eig
 eight parallel rows. Each LLM span carries its step, kind (gen / stream / select / prefill),
 ``prompt_tokens``, ``tokens_computed`` (prefill work actually done), ``cached_tokens`` (prompt tokens whose
 KV was reused), of which ``prefix_cache_hit_tokens`` came from the prefix cache (the rest were already in
-the thread's own sequence), and ``generated_tokens``. Counter tracks
-record the engine's KV blocks in use after each LLM call.
+the thread's own sequence), and ``generated_tokens``; its ``thread_id``, ``prompt`` and ``output`` text
+(long ones shortened, ``clip``) are what the run viewer shows (flowrt.ui). Counter tracks record the engine's KV
+blocks in use after each LLM call. ``forks`` lists the thread forks of the run (parent, children, the tokens
+they share), for the viewer's fork tree; they are not part of the Chrome trace.
 """
 
 from __future__ import annotations
@@ -20,12 +22,22 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-__all__ = ["Tracer", "Span", "LLM_TOTAL_KEYS"]
+__all__ = ["Tracer", "Span", "Fork", "LLM_TOTAL_KEYS", "clip"]
 
 
 _PIDS = {"step": 1, "llm": 2}
 _PROCESS_NAMES = {1: "workflow steps", 2: "LLM calls"}
 LLM_TOTAL_KEYS = ("prompt_tokens", "tokens_computed", "cached_tokens", "prefix_cache_hit_tokens", "generated_tokens")
+CLIP_CHARS = 4000   # an LLM span's prompt or output text longer than this keeps its head and tail
+
+
+def clip(text: str, limit: int = CLIP_CHARS) -> str:
+    """``text``, or its first quarter and last three quarters of ``limit`` characters around a marker that says
+    how many were left out (a prompt's start holds its system text, its end what the call added)."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit // 4, limit - limit // 4
+    return f"{text[:head]}\n[... {len(text) - head - tail} characters left out ...]\n{text[-tail:]}"
 
 
 @dataclass
@@ -42,6 +54,17 @@ class Span:
         return ((self.end_ns or time.perf_counter_ns()) - self.start_ns) / 1e9
 
 
+@dataclass
+class Fork:
+    """``parent`` thread forked into ``children`` sharing its first ``tokens`` tokens (copy-on-write KV)."""
+
+    step: str | None
+    parent: int
+    children: list[int]
+    tokens: int
+    time_s: float
+
+
 class Tracer:
     """Collects spans of one run (thread-safe: sync steps run in worker threads)."""
 
@@ -54,6 +77,7 @@ class Tracer:
         self._busy_lanes: dict[str, set[int]] = {"step": set(), "llm": set()}
         self.stats_fn = stats_fn
         self.llm_totals: dict[str, int] = {"llm_calls": 0, **{k: 0 for k in LLM_TOTAL_KEYS}}
+        self.forks: list[Fork] = []
 
     # ------------------------------------------------------------------ recording
     def _take_lane(self, cat: str) -> int:
@@ -92,6 +116,12 @@ class Tracer:
                 with self._lock:
                     self._counters.append((span.end_ns, "KV blocks", {
                         "used": st.get("kv_blocks_used", 0), "shared": st.get("kv_blocks_shared", 0)}))
+
+    def fork(self, step: str | None, parent: int, children: list[int], tokens: int) -> None:
+        """Record a thread fork (``Thread.fork``)."""
+        with self._lock:
+            self.forks.append(Fork(step, parent, list(children), tokens,
+                                   (time.perf_counter_ns() - self._t0) / 1e9))
 
     @contextmanager
     def span(self, name: str, cat: str = "step", **args: Any) -> Iterator[Span]:
