@@ -756,6 +756,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     _register_external(sub, "flowrt.server.cli")
+    _register_external(sub, "flowrt.ui.cli")
     _register_external(sub, "flowrt.retrieval.cli")
     return parser
 

@@ -68,4 +68,16 @@ def create_app(engine: Any, *, served_model_name: str | list[str] | None = None,
     app.add_middleware(Guard, state=st)
     for module in (health, models, completions, chat, responses, workflow_endpoints):
         app.include_router(module.router)
+    _install_viewer(app, st)
     return app
+
+
+def _install_viewer(app: FastAPI, st: ServerState) -> None:
+    """The run viewer at /ui (flowrt.ui) over the served workflows' runs, behind the server's API key."""
+    from flowrt.ui.api import install
+    from flowrt.ui.viewer import Viewer
+
+    viewer = Viewer(lambda: workflow_endpoints._runtime(st).checkpointer, workflows=st.workflows,
+                    runtime=lambda: workflow_endpoints._runtime(st), api_key=st.api_key)
+    st.stoppers.add(viewer.stop_all)
+    install(app, viewer)
