@@ -59,18 +59,32 @@ def _steps_of(wf: Workflow | None, state: dict[str, Any]) -> list[str]:
     return out
 
 
-def _state_at(state: dict[str, Any], path: str) -> tuple[dict[str, Any], str]:
-    """The (sub)run state holding step ``path`` and the step's name in it."""
+def _state_at(state: dict[str, Any], path: str,
+              history: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], str]:
+    """The (sub)run state holding step ``path`` and the step's name in it. A subgraph that is not in flight
+    keeps no state of its own: its steps' are rebuilt from their latest checkpoints in ``history``."""
     head, _, name = path.rpartition("/")
-    return ((state.get("subruns") or {}).get(head) or {}) if head else state, name
+    if not head:
+        return state, name
+    kept = (state.get("subruns") or {}).get(head)
+    if kept is not None or not history:
+        return kept or {}, name
+    last = next((h for h in reversed(history) if h.get("step") == path), None)
+    if last is None:
+        return {}, name
+    at: dict[str, Any] = {"status": {name: last["status"]}, "visits": {name: last["visit"]}}
+    if last["status"] == "done" and last.get("result") is not None:
+        at["outputs"] = {name: last["result"]}
+    return at, name
 
 
-def step_states(wf: Workflow | None, record: RunRecord) -> dict[str, str]:
-    """Each step's state (one of ``STEP_STATES``) by path."""
+def step_states(wf: Workflow | None, record: RunRecord, history: list[dict[str, Any]] | None = None) -> dict[str, str]:
+    """Each step's state (one of ``STEP_STATES``) by path (``history``: the run's checkpoints, for the steps of
+    a subgraph that has ended)."""
     state = record.state or {}
     out: dict[str, str] = {}
     for path in _steps_of(wf, state):
-        at, name = _state_at(state, path)
+        at, name = _state_at(state, path, history)
         raw = (at.get("status") or {}).get(name, "pending")
         if raw == "failed" and (at.get("errors") or {}).get(name, {}).get("kind") == "skipped":
             raw = "skipped"
@@ -103,11 +117,11 @@ def _calls_by_step(state: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
 def detail(record: RunRecord, wf: Workflow | None, history: list[dict[str, Any]]) -> dict[str, Any]:
     """A run's page."""
     state = record.state or {}
-    states = step_states(wf, record)
+    states = step_states(wf, record, history)
     calls = _calls_by_step(state)
     steps = []
     for path, s in states.items():
-        at, name = _state_at(state, path)
+        at, name = _state_at(state, path, history)
         err = (at.get("errors") or {}).get(name)
         not_routed = (at.get("not_routed") or {}).get(name)
         entry: dict[str, Any] = {"step": path, "state": s, "visits": (at.get("visits") or {}).get(name, 0),

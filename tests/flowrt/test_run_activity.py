@@ -1,0 +1,62 @@
+"""A checkpointed run's LLM calls and thread forks, saved with its state for the run viewer
+(flowrt.checkpoint.activity), on stories260K."""
+
+import anyio
+
+import flowrt as fr
+from flowrt.checkpoint.fork import fork_state
+from flowrt.runner.trace import clip
+
+wf = fr.Workflow("activity")
+
+
+@wf.step
+async def draft(start: str, llm: fr.Model) -> str:
+    return await llm.thread(start).gen(max_tokens=5, temperature=0)
+
+
+@wf.step
+async def branches(draft: str, llm: fr.Model) -> list[str]:
+    t = llm.thread("Once upon a time " + draft)
+    return await fr.gather(*(b.gen(max_tokens=4, temperature=0.8, seed=i) for i, b in enumerate(t.fork(3))))
+
+
+@wf.step
+async def ask(branches: list[str]) -> str:
+    return await fr.interrupt({"pick": branches})
+
+
+def test_calls_and_forks_are_saved_and_kept_across_a_resume(engine, tmp_path):
+    async def go():
+        rt = fr.Runtime(model=engine, checkpoint=str(tmp_path / "runs.db"))
+        first = await rt.run(wf, start="Lily")
+        state = rt.checkpointer.get_run(first.run_id).state
+        await rt.resume(first.run_id, answer="b")
+        return first, state, rt.checkpointer.get_run(first.run_id).state
+
+    first, state, after = anyio.run(go)
+    assert first.status == "interrupted"
+    calls = state["llm_calls"]
+    (d,) = calls["draft"]
+    assert d["kind"] == "gen" and d["prompt"].endswith("Lily") and d["generated_tokens"] == 5
+    assert d["output"] == first.outputs["draft"] and d["seconds"] > 0 and d["prompt_tokens"] >= 2
+    gens = [c for c in calls["branches"] if c["kind"] == "gen"]
+    assert len(gens) == 3 and all(c["cached_tokens"] > 0 for c in gens)   # the forks reuse the shared prefix
+    (f,) = state["forks"]
+    assert f["step"] == "branches" and len(f["children"]) == 3 and f["tokens"] > 0
+    assert sorted(c["thread_id"] for c in gens) == sorted(f["children"])
+    assert state["llm_totals"]["llm_calls"] == len(calls["draft"]) + len(calls["branches"])
+    assert state["block_size"] > 0
+    # the resume (ask runs again, no LLM call) keeps what the first execution recorded
+    assert after["llm_calls"] == calls and after["forks"] == state["forks"]
+    assert after["llm_totals"] == state["llm_totals"]
+    # a fork at branches keeps draft's calls only, and counts those
+    forked = fork_state(after, wf, "branches")
+    assert set(forked["llm_calls"]) == {"draft"} and forked["forks"] == [] and forked["llm_totals"] is None
+
+
+def test_clip_keeps_head_and_tail():
+    assert clip("short") == "short"
+    text = "A" * 3000 + "B" * 3000
+    out = clip(text, 400)
+    assert out.startswith("A" * 100) and out.endswith("B" * 300) and "5600 characters left out" in out
