@@ -83,7 +83,8 @@ async function refreshList() {
     data = await api(`/runs${status ? `?status=${encodeURIComponent(status)}` : ""}`);
   } catch (e) { say(e.message); return; }
   say("");
-  $("#counts").textContent = Object.entries(data.counts).map(([k, n]) => `${n} ${k}`).join(" · ") || "no runs yet";
+  $("#counts").textContent = Object.entries(data.counts)
+    .map(([k, n]) => `${n} ${k === "interrupted" ? "waiting for an answer" : k}`).join(" · ") || "no runs yet";
   const body = $("#runs tbody");
   body.replaceChildren(...data.runs.map((r) => el("tr", { id: `run-${r.run_id}`, "data-status": r.status,
       onclick: () => { location.href = `/ui/runs/${r.run_id}`; } },
