@@ -114,15 +114,14 @@ class Viewer:
     # ------------------------------------------------------------------ acting
     def answer(self, run_id: str, given: dict[str, Any]) -> None:
         """Claim the interrupted run with ``given`` (``{"answer": v}`` or ``{"answers": {step: v}}``) and run it
-        on in the background; refusals are ``ViewerError`` s."""
+        on in the background; refusals (the claim's: finished, held by another, named, not waiting) are
+        ``ViewerError`` s."""
         from ..checkpoint import CheckpointError
 
         try:
             record = self.store.get_run(run_id, with_state=False)
         except CheckpointError as e:
             raise _refusal(e) from None
-        if record.status != "interrupted":
-            raise ViewerError(f"run {run_id} is not waiting for an answer (status {record.status})", 409)
         wf = self._workflow_or_refuse(record)
         rt = self.runtime(record)
         try:
