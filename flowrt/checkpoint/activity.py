@@ -31,6 +31,10 @@ class RunActivity:
         self.forks_before: list[dict[str, Any]] = list(before.get("forks") or [])
         self.totals_before: dict[str, int] = dict(before.get("llm_totals") or _sums(self.calls_before))
         self.block_size: int | None = before.get("block_size")
+        # thread ids count up per process: a later execution's are numbered after the earlier ones' (a resume in a
+        # fresh process starts again from 1)
+        self.id_offset = max([0] + [c.get("thread_id") or 0 for c in self.calls_before]
+                             + [i for f in self.forks_before for i in [f["parent"], *f["children"]]])
 
     def _calls(self) -> list[dict[str, Any]]:
         t = self.tracer
@@ -39,6 +43,8 @@ class RunActivity:
             if s.end_ns is None:
                 continue
             call = {k: s.args[k] for k in _CALL_KEYS if s.args.get(k) is not None}
+            if "thread_id" in call:
+                call["thread_id"] += self.id_offset
             call.update(step=s.args.get("step"), seconds=round(s.duration_s, 6),
                         started=round(t._wall0 + (s.start_ns - t._t0) / 1e9, 6))
             out.append(call)
@@ -57,8 +63,9 @@ class RunActivity:
         by_step: dict[str, list[dict[str, Any]]] = {}
         for c in calls:
             by_step.setdefault(c.get("step") or "", []).append(c)
-        forks = self.forks_before + [{"step": f.step, "parent": f.parent, "children": f.children, "tokens": f.tokens}
-                                     for f in list(self.tracer.forks)]
+        k = self.id_offset
+        forks = self.forks_before + [{"step": f.step, "parent": f.parent + k, "children": [c + k for c in f.children],
+                                      "tokens": f.tokens} for f in list(self.tracer.forks)]
         totals = {k: int(self.totals_before.get(k, 0)) + int(v) for k, v in self.tracer.llm_totals.items()}
         out: dict[str, Any] = {"llm_calls": by_step, "llm_totals": totals, "forks": forks[-MAX_FORKS:]}
         if forks and self._block_size():

@@ -8,6 +8,7 @@ The model runs in this process on flowrt's continuous-batching engine; any OpenA
   POST /v1/responses                   the Responses API (GET/DELETE /v1/responses/ID for stored ones)
   GET  /v1/models                      the served model name(s)
   POST /v1/workflows/NAME/runs         run a served workflow (--workflow); GET /v1/workflows lists them
+  GET  /ui                             the run viewer over the workflows' runs (flowrt ui; its API behind --api-key)
   GET  /health                         200 when serving, 503 while shutting down
   GET  /metrics                        Prometheus metrics
 

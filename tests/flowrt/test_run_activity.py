@@ -60,3 +60,19 @@ def test_clip_keeps_head_and_tail():
     text = "A" * 3000 + "B" * 3000
     out = clip(text, 400)
     assert out.startswith("A" * 100) and out.endswith("B" * 300) and "5600 characters left out" in out
+
+
+def test_a_later_execution_numbers_its_threads_after_the_earlier_ones():
+    from flowrt.checkpoint.activity import RunActivity
+    from flowrt.runner.trace import Tracer
+
+    before = {"llm_calls": {"a": [{"step": "a", "thread_id": 3, "prompt_tokens": 4}]},
+              "forks": [{"step": "a", "parent": 3, "children": [4, 5], "tokens": 2}]}
+    t = Tracer()
+    t.end(t.start("gen", "llm", kind="gen", step="b", thread_id=1, prompt_tokens=7))
+    t.fork("b", 1, [2], 7)   # a fresh process counts threads from 1 again
+    state = RunActivity(t, before).state()
+    assert [c["thread_id"] for c in state["llm_calls"]["b"]] == [6]
+    assert state["forks"][1] == {"step": "b", "parent": 6, "children": [7], "tokens": 7}
+    assert state["llm_calls"]["a"] == before["llm_calls"]["a"]
+    assert state["llm_totals"]["llm_calls"] == 2 and state["llm_totals"]["prompt_tokens"] == 11

@@ -128,7 +128,7 @@ def test_answer_a_waiting_run_in_the_browser_and_see_it_finish(ui, tmp_path):
         d.mkdir(parents=True, exist_ok=True)
 
     def shot(name: str) -> None:
-        driver.execute_script("window.scrollTo(0, 0)")
+        driver.execute_script("window.scrollTo({top: 0, behavior: 'instant'})")
         for d in shots:
             assert driver.save_screenshot(str(d / name))
 
