@@ -8,9 +8,20 @@ import dataclasses
 import math
 from typing import Any
 
-__all__ = ["to_jsonable", "unrenderable", "safe_repr", "printable"]
+__all__ = ["to_jsonable", "unrenderable", "safe_repr", "printable", "clip"]
 
 _MAX_DEPTH = 50
+
+CLIP_CHARS = 4000   # a traced LLM call's prompt or output text longer than this keeps its head and tail
+
+
+def clip(text: str, limit: int = CLIP_CHARS) -> str:
+    """``text``, or its first quarter and last three quarters of ``limit`` characters around a marker that says
+    how many were left out (a prompt's start holds its system text, its end what the call added)."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit // 4, limit - limit // 4
+    return f"{text[:head]}\n[... {len(text) - head - tail} characters left out ...]\n{text[-tail:]}"
 
 
 def unrenderable(v: Any, error: BaseException | str) -> str:

@@ -66,7 +66,7 @@ class RunCheckpoint:
         self._enc: dict[str, dict[str, Any]] = {}
         self._scope: Any = None
         self.restored_steps: list[str] = []   # steps a resume did not run again
-        self.activity: Any = None             # a RunActivity (flowrt.checkpoint.activity): LLM calls, forks
+        self.activity: Any = None             # a RunActivity (flowrt.runner.activity): LLM calls, forks
 
     @classmethod
     def new(cls, store: CheckpointStore, workflow: str, inputs: dict[str, Any], *, file: str | None = None,

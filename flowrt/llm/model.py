@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 import anyio
 
 from ..context import current_run_threads, current_step, current_tracer
-from ..runner.trace import clip
+from ..render import clip
 
 if TYPE_CHECKING:
     from ..engine import CompletionOutput, EngineClient, RequestOutput, SamplingParams, SequenceHandle

@@ -180,7 +180,7 @@ class Runtime:
                                     kv=self.kv_checkpoint,
                                     meta=self._run_meta())
         if run is not None:   # what the run viewer shows of it (flowrt.ui): its LLM calls and forks
-            from ..checkpoint.activity import RunActivity
+            from .activity import RunActivity
 
             tracer = tracer or Tracer(stats_fn=self.stats)
             run.activity = RunActivity(tracer, run.record.state if run.record is not None else None)

@@ -7,8 +7,8 @@ eight parallel rows. Each LLM span carries its step, kind (gen / stream / select
 ``prompt_tokens``, ``tokens_computed`` (prefill work actually done), ``cached_tokens`` (prompt tokens whose
 KV was reused), of which ``prefix_cache_hit_tokens`` came from the prefix cache (the rest were already in
 the thread's own sequence), and ``generated_tokens``; its ``thread_id``, ``prompt`` and ``output`` text
-(long ones shortened, ``clip``) are what the run viewer shows (flowrt.ui). Counter tracks record the engine's KV
-blocks in use after each LLM call. ``forks`` lists the thread forks of the run (parent, children, the tokens
+(long ones shortened, flowrt.render.clip) are what the run viewer shows (flowrt.ui). Counter tracks record the
+engine's KV blocks in use after each LLM call. ``forks`` lists the thread forks of the run (parent, children, the tokens
 they share), for the viewer's fork tree; they are not part of the Chrome trace.
 """
 
@@ -22,22 +22,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-__all__ = ["Tracer", "Span", "Fork", "LLM_TOTAL_KEYS", "clip"]
+__all__ = ["Tracer", "Span", "Fork", "LLM_TOTAL_KEYS"]
 
 
 _PIDS = {"step": 1, "llm": 2}
 _PROCESS_NAMES = {1: "workflow steps", 2: "LLM calls"}
 LLM_TOTAL_KEYS = ("prompt_tokens", "tokens_computed", "cached_tokens", "prefix_cache_hit_tokens", "generated_tokens")
-CLIP_CHARS = 4000   # an LLM span's prompt or output text longer than this keeps its head and tail
 
-
-def clip(text: str, limit: int = CLIP_CHARS) -> str:
-    """``text``, or its first quarter and last three quarters of ``limit`` characters around a marker that says
-    how many were left out (a prompt's start holds its system text, its end what the call added)."""
-    if len(text) <= limit:
-        return text
-    head, tail = limit // 4, limit - limit // 4
-    return f"{text[:head]}\n[... {len(text) - head - tail} characters left out ...]\n{text[-tail:]}"
 
 
 @dataclass

@@ -242,7 +242,7 @@ LAYERS = {
     "llm": 1, "replicas": 1,  # handles on an engine
     "graph": 2,  # defining workflows (their resources name fr.Model)
     "runner": 3, "checkpoint": 3,  # running them: builds Models, executes graphs, saves runs
-    "cli": 4, "server": 4,  # front ends
+    "cli": 4, "server": 4, "ui": 4,  # front ends
 }
 
 

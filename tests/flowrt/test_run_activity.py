@@ -1,11 +1,11 @@
 """A checkpointed run's LLM calls and thread forks, saved with its state for the run viewer
-(flowrt.checkpoint.activity), on stories260K."""
+(flowrt.runner.activity), on stories260K."""
 
 import anyio
 
 import flowrt as fr
 from flowrt.checkpoint.fork import fork_state
-from flowrt.runner.trace import clip
+from flowrt.render import clip
 
 wf = fr.Workflow("activity")
 
@@ -63,7 +63,7 @@ def test_clip_keeps_head_and_tail():
 
 
 def test_a_later_execution_numbers_its_threads_after_the_earlier_ones():
-    from flowrt.checkpoint.activity import RunActivity
+    from flowrt.runner.activity import RunActivity
     from flowrt.runner.trace import Tracer
 
     before = {"llm_calls": {"a": [{"step": "a", "thread_id": 3, "prompt_tokens": 4}]},

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..runner.trace import LLM_TOTAL_KEYS, Tracer
+from .trace import LLM_TOTAL_KEYS, Tracer
 
 __all__ = ["RunActivity", "MAX_CALLS", "MAX_FORKS"]
 
