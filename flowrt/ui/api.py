@@ -122,7 +122,7 @@ async def run_events(run_id: str, request: Request) -> StreamingResponse:
             if mark != seen:
                 seen = mark
                 yield _sse("run", shown)
-            if r["status"] != "running" and not v.running_here(run_id):
+            if v.closing or (r["status"] != "running" and not v.running_here(run_id)):
                 yield _sse("end", {"run_id": run_id, "status": r["status"]})
                 return
             await asyncio.sleep(POLL_S)

@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
+STOP_S = 3.0   # on Ctrl-C, how long open pages' event streams may stay before their connections are closed
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -55,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     options = {**engine_kwargs_from_args(args), **({"model": args.model} if args.model else {}),
                **({"index": args.index} if args.index else {})}
     viewer = Viewer(lambda: store, runtime_options=options, api_key=args.api_key)
-    config = uvicorn.Config(standalone_app(viewer), host=args.host, port=args.port, log_level=args.log_level)
+    config = uvicorn.Config(standalone_app(viewer), host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=STOP_S)
     server = uvicorn.Server(config)
     print(f"flowrt ui: http://{args.host}:{args.port}/ui (Ctrl-C stops)", file=sys.stderr)
     try:

@@ -66,6 +66,7 @@ class Viewer:
         self._runtimes: dict[str, Runtime] = {}
         self._loaded: dict[tuple[str, str, float], Workflow] = {}
         self.tasks: dict[str, asyncio.Task] = {}   # run id -> the task executing it here
+        self.closing = False                       # shutting down: event streams end
 
     @property
     def store(self) -> CheckpointStore:
@@ -171,7 +172,9 @@ class Viewer:
         task.add_done_callback(done)
 
     def stop_all(self) -> int:
-        """Cancel the runs executing here (shutdown); their leases are given back, their last checkpoints stand."""
+        """Cancel the runs executing here and end the event streams (shutdown); the runs' leases are given back,
+        their last checkpoints stand."""
+        self.closing = True
         live = [t for t in self.tasks.values() if not t.done()]
         for t in live:
             t.cancel()

@@ -4,7 +4,8 @@
 A step's state is one of ``STEP_STATES``. The store saves a run after each step, with the statuses it had then
 (steps in flight among them, ``running``); a step that started after the last save is still ``pending`` in it, so
 a pending step of a running run whose upstream steps are all done is shown running (the executor starts every
-step whose inputs are ready at once).
+step whose inputs are ready at once), and so is a step that was waiting for an answer in a run that is running
+again (resumed: it runs again from its start with the answer).
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def step_states(wf: Workflow | None, record: RunRecord, history: list[dict[str, 
         if raw == "failed" and (at.get("errors") or {}).get(name, {}).get("kind") == "skipped":
             raw = "skipped"
         out[path] = _SHOWN.get(raw, raw if raw in STEP_STATES else "pending")
+    if record.status == "running":   # resumed: its answered steps run again from their start
+        out = {n: "running" if s == "waiting" else s for n, s in out.items()}
     if wf is not None and record.status == "running":
         for name, s in list(out.items()):
             if s == "pending" and "/" not in name and name in wf.steps:

@@ -62,9 +62,12 @@ def viewer(tmp_path):
     result = _run(db, path, topic="owls")
     assert result.status == "interrupted"
     store = open_store(str(db), create=False)
-    srv = BackgroundServer(standalone_app(Viewer(lambda: store))).start()
+    v = Viewer(lambda: store)
+    srv = BackgroundServer(standalone_app(v)).start()
+    srv.viewer, srv.store = v, store
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as c:
+            c.server = srv
             yield c, result.run_id, db
     finally:
         srv.stop()
@@ -145,6 +148,34 @@ def test_event_stream_sends_the_run_until_it_ends(viewer):
     assert kinds == ["run", "end"]
     first = json.loads(text.split("data: ", 1)[1].split("\n", 1)[0])
     assert first["run"]["run_id"] == run_id and first["run"]["status"] == "interrupted"
+
+
+def test_event_stream_of_a_running_run_ends_when_the_viewer_stops(viewer):
+    import threading
+
+    from flowrt.checkpoint.lease import LEASE_TTL_S
+
+    c, run_id, _ = viewer
+    c.server.store.claim_run(run_id, "elsewhere:1:x", LEASE_TTL_S, waiting=True)   # running, in another process
+    got: list[str] = []
+
+    def read():
+        with c.stream("GET", f"/ui/api/runs/{run_id}/events") as s:
+            for line in s.iter_lines():
+                got.append(line)
+
+    t = threading.Thread(target=read)
+    t.start()
+    deadline = time.time() + 10
+    while not any(line.startswith("data: ") for line in got):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    time.sleep(3 * 0.25)
+    assert t.is_alive() and "event: end" not in got   # a running run is followed
+    assert '"status": "running"' in next(line for line in got if line.startswith("data: "))
+    c.server.viewer.stop_all()
+    t.join(timeout=10)
+    assert not t.is_alive() and "event: end" in got
 
 
 def test_fork_at_a_step_makes_a_new_run(viewer):

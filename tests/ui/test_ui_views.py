@@ -100,6 +100,8 @@ def test_states_shown_for_interrupted_skipped_and_not_routed_steps():
                                     "findings/pick": "pending", "write": "skipped"}
     rec = _record("interrupted", {"topic": "done", "findings": "interrupted", "write": "pending"})
     assert step_states(wf, rec)["findings"] == "waiting"
+    rec = _record("running", {"topic": "done", "findings": "interrupted", "write": "pending"})   # answered
+    assert step_states(wf, rec)["findings"] == "running"
 
 
 def test_steps_of_an_ended_subgraph_come_from_their_checkpoints():
