@@ -216,3 +216,11 @@ def test_api_key_guards_the_json_api_not_the_page(tmp_path):
     finally:
         srv.stop()
         store.close()
+
+
+def test_flowrt_ui_refuses_a_missing_database(tmp_path, capsys):
+    from flowrt.cli import main
+
+    assert main(["ui", "--checkpoint", str(tmp_path / "none.db")]) == 2
+    assert "flowrt ui: error:" in capsys.readouterr().err
+    assert not (tmp_path / "none.db").exists()   # never creates one
