@@ -37,19 +37,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from ..checkpoint import CheckpointError, open_store
-    from ..runner.options import engine_kwargs_from_args
-    from .api import standalone_app
-    from .viewer import Viewer
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         store = open_store(args.checkpoint, create=False)
     except CheckpointError as e:
         print(f"flowrt ui: error: {e}", file=sys.stderr)
         return 2
+    import uvicorn
+
+    from ..runner.options import engine_kwargs_from_args
+    from .api import standalone_app
+    from .viewer import Viewer
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.host not in _LOOPBACK:
         print(f"flowrt ui: binding {args.host}: the viewer is reachable from other machines"
               f"{'' if args.api_key else ' and no --api-key is set'}", file=sys.stderr)

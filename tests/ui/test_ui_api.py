@@ -219,8 +219,12 @@ def test_api_key_guards_the_json_api_not_the_page(tmp_path):
 
 
 def test_flowrt_ui_refuses_a_missing_database(tmp_path, capsys):
-    from flowrt.cli import main
+    import argparse
 
-    assert main(["ui", "--checkpoint", str(tmp_path / "none.db")]) == 2
+    from flowrt.ui.cli import run   # (the whole command line loads the engine for its options: the browser test)
+
+    args = argparse.Namespace(checkpoint=str(tmp_path / "none.db"), host="127.0.0.1", port=0, api_key=None,
+                              index=None, log_level="warning", model=None)
+    assert run(args) == 2
     assert "flowrt ui: error:" in capsys.readouterr().err
     assert not (tmp_path / "none.db").exists()   # never creates one
