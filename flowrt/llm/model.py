@@ -151,19 +151,30 @@ class Model:
         return tracer, tracer.start(kind, "llm", kind=kind, step=current_step.get(), pending_tokens=uncomputed,
                                     thread_id=thread_id)
 
-    def _span_fields(self, out: RequestOutput, uncomputed: int) -> dict[str, Any]:
+    def _end_span(self, tracer: Tracer, span: Any, out: RequestOutput, uncomputed: int) -> None:
+        """End a call's span with its token counts; its prompt text is decoded only when asked for (the run
+        viewer's record of a checkpointed run, flowrt.runner.activity), not on every call."""
+        if out.prompt is not None:
+            text = out.prompt
+            span.prompt_text = lambda: text
+        else:
+            ids, decode = out.prompt_token_ids or [], self.tokenizer.decode
+            span.prompt_text = lambda: decode(ids)
+        tracer.end(span, **self._span_fields(out, uncomputed))
+
+    @staticmethod
+    def _span_fields(out: RequestOutput, uncomputed: int) -> dict[str, Any]:
         """Token counts of one request. ``cached_tokens`` (KV reused, as the engine reports it) splits
-        into tokens already in the thread's own sequence and prefix-cache hits. The prompt and the first
-        output's text, clipped (flowrt.runner.trace.clip), are for the run viewer."""
+        into tokens already in the thread's own sequence and prefix-cache hits. The first output's text,
+        clipped (flowrt.render.clip), is for the run viewer."""
         prompt = len(out.prompt_token_ids or [])
         cached = int(out.num_cached_tokens or 0)
         own = max(0, prompt - uncomputed)
         gen = sum(len(o.token_ids) for o in out.outputs)
-        text = out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids or [])
         return {"prompt_tokens": prompt, "cached_tokens": cached, "tokens_computed": max(0, prompt - cached),
                 "prefix_cache_hit_tokens": max(0, cached - own), "generated_tokens": gen,
                 "finish_reason": out.outputs[0].finish_reason if out.outputs else None,
-                "prompt": clip(text), "output": clip(out.outputs[0].text or "") if out.outputs else ""}
+                "output": clip(out.outputs[0].text or "") if out.outputs else ""}
 
     @staticmethod
     def _check_finished(out: RequestOutput) -> None:
@@ -202,7 +213,7 @@ class Model:
                 tracer.end(span, kind="failed", error=f"{type(e).__name__}: {e}")
             raise
         if tracer is not None:
-            tracer.end(span, **self._span_fields(out, uncomputed))
+            self._end_span(tracer, span, out, uncomputed)
         self._check_finished(out)
         return out
 
@@ -230,7 +241,7 @@ class Model:
                 except Exception:  # noqa: BLE001 - best-effort cleanup: the engine may be gone already
                     pass
             if tracer is not None and out is not None:
-                tracer.end(span, **self._span_fields(out, uncomputed))
+                self._end_span(tracer, span, out, uncomputed)
         if out is not None and out.finished:
             self._check_finished(out)
 

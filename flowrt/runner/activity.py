@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..render import clip
 from .trace import LLM_TOTAL_KEYS, Tracer
 
 __all__ = ["RunActivity", "MAX_CALLS", "MAX_FORKS"]
 
 MAX_CALLS = 500
 MAX_FORKS = 200
-_CALL_KEYS = ("kind", "thread_id", *LLM_TOTAL_KEYS, "finish_reason", "prompt", "output", "error")
+_CALL_KEYS = ("kind", "thread_id", *LLM_TOTAL_KEYS, "finish_reason", "output", "error")
 
 
 class RunActivity:
@@ -31,6 +32,7 @@ class RunActivity:
         self.forks_before: list[dict[str, Any]] = list(before.get("forks") or [])
         self.totals_before: dict[str, int] = dict(before.get("llm_totals") or _sums(self.calls_before))
         self.block_size: int | None = before.get("block_size")
+        self._prompts: dict[int, str] = {}   # span id -> its prompt text, clipped (each decoded once)
         # thread ids count up per process: a later execution's are numbered after the earlier ones' (a resume in a
         # fresh process starts again from 1)
         self.id_offset = max([0] + [c.get("thread_id") or 0 for c in self.calls_before]
@@ -45,6 +47,10 @@ class RunActivity:
             call = {k: s.args[k] for k in _CALL_KEYS if s.args.get(k) is not None}
             if "thread_id" in call:
                 call["thread_id"] += self.id_offset
+            if s.prompt_text is not None:
+                if id(s) not in self._prompts:
+                    self._prompts[id(s)] = clip(s.prompt_text())
+                call["prompt"] = self._prompts[id(s)]
             call.update(step=s.args.get("step"), seconds=round(s.duration_s, 6),
                         started=round(t._wall0 + (s.start_ns - t._t0) / 1e9, 6))
             out.append(call)

@@ -6,10 +6,11 @@ overlap in time are put on different rows ("lanes"), so a step that fans out eig
 eight parallel rows. Each LLM span carries its step, kind (gen / stream / select / prefill),
 ``prompt_tokens``, ``tokens_computed`` (prefill work actually done), ``cached_tokens`` (prompt tokens whose
 KV was reused), of which ``prefix_cache_hit_tokens`` came from the prefix cache (the rest were already in
-the thread's own sequence), and ``generated_tokens``; its ``thread_id``, ``prompt`` and ``output`` text
-(long ones shortened, flowrt.render.clip) are what the run viewer shows (flowrt.ui). Counter tracks record the
-engine's KV blocks in use after each LLM call. ``forks`` lists the thread forks of the run (parent, children, the tokens
-they share), for the viewer's fork tree; they are not part of the Chrome trace.
+the thread's own sequence), and ``generated_tokens``; its ``thread_id``, ``output`` text (long ones shortened,
+flowrt.render.clip) and prompt text (``Span.prompt_text``, decoded when asked) are what the run viewer shows
+(flowrt.ui). Counter tracks record the engine's KV blocks in use after each LLM call. ``forks`` lists the
+thread forks of the run (parent, children, the tokens they share), for the viewer's fork tree; they are not part
+of the Chrome trace.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class Span:
     end_ns: int | None = None
     args: dict[str, Any] = field(default_factory=dict)
     lane: int = 0
+    # an LLM call's prompt text, decoded when asked (the run viewer's record; not in the Chrome trace)
+    prompt_text: Callable[[], str] | None = field(default=None, repr=False)
 
     @property
     def duration_s(self) -> float:

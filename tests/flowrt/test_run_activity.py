@@ -76,3 +76,23 @@ def test_a_later_execution_numbers_its_threads_after_the_earlier_ones():
     assert state["forks"][1] == {"step": "b", "parent": 6, "children": [7], "tokens": 7}
     assert state["llm_calls"]["a"] == before["llm_calls"]["a"]
     assert state["llm_totals"]["llm_calls"] == 2 and state["llm_totals"]["prompt_tokens"] == 11
+
+
+def test_prompt_text_is_decoded_only_when_asked(engine):
+    from flowrt.context import current_tracer
+    from flowrt.runner.trace import Tracer
+
+    tracer = Tracer()
+
+    async def go():
+        token = current_tracer.set(tracer)
+        try:
+            return await fr.Model(engine).thread("Lily").gen(max_tokens=2, temperature=0)
+        finally:
+            current_tracer.reset(token)
+
+    out = anyio.run(go)
+    (s,) = tracer.llm_spans()
+    assert "prompt" not in s.args and s.args["output"] == out   # nothing decoded on the call's path
+    assert s.prompt_text().endswith("Lily")
+    assert "Lily" not in str(tracer.to_chrome())                 # nor exported with the trace
