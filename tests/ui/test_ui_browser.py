@@ -1,8 +1,8 @@
 """The run viewer in a real browser: Debian's chromium, headless, driven by selenium through chromium-driver
 (nothing downloads a browser; .ci/run installs both). ``flowrt ui`` runs as its own process over a checkpoint
 database holding a run of stories260K that waits for an answer: the run list loads, the run opens, it is answered
-from the page, and the page shows it finish. A screenshot of each page is kept in out/ui-screenshots/ (ignored by
-git) and beside the test's tmp dir."""
+from the page, the page shows it finish, and a fork of it at its last step runs to the end too. A screenshot of
+each page is kept in out/ui-screenshots/ (ignored by git) and beside the test's tmp dir."""
 
 import asyncio
 import os
@@ -164,6 +164,17 @@ def test_answer_a_waiting_run_in_the_browser_and_see_it_finish(ui, tmp_path):
         driver.find_element(By.CSS_SELECTOR, '#graph .node[data-step="ending"]').click()
         wait.until(lambda d: "result" in d.find_element(By.ID, "step-ending").text)
         shot("3-run-done.png")
+        # time travel: fork the finished run at `ending` (same inputs), and the page opens the new run
+        fork = next(b for b in driver.find_elements(By.CSS_SELECTOR, "#history button.fork")
+                    if b.text == "fork at ending")
+        driver.execute_script("arguments[0].scrollIntoView()", fork)
+        fork.click()
+        wait.until(EC.alert_is_present()).accept()
+        wait.until(lambda d: f"/ui/runs/{run_id}" not in d.current_url)
+        forked = driver.current_url.rsplit("/", 1)[1]
+        wait.until(lambda d: d.find_element(By.ID, "run-status").get_attribute("data-status") == "done")
+        assert f"forked from {run_id} at ending" in driver.find_element(By.ID, "run-meta").text
+        shot("4-forked-run.png")
     finally:
         driver.quit()
     detail = httpx.get(f"{url}/ui/api/runs/{run_id}").json()
@@ -171,3 +182,8 @@ def test_answer_a_waiting_run_in_the_browser_and_see_it_finish(ui, tmp_path):
     assert {s["step"]: s["state"] for s in detail["steps"]} == {
         "draft": "done", "variants": "done", "review": "done", "ending": "done"}
     assert next(s for s in detail["steps"] if s["step"] == "review")["result"] == 1
+    again = httpx.get(f"{url}/ui/api/runs/{forked}").json()
+    assert again["run"]["forked_from"]["run_id"] == run_id
+    kept = {s["step"]: s.get("result") for s in again["steps"]}
+    first = {s["step"]: s.get("result") for s in detail["steps"]}
+    assert kept["review"] == 1 and kept["variants"] == first["variants"]   # kept, not run again
