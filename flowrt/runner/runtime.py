@@ -303,6 +303,16 @@ class Runtime:
         and the steps downstream of it run again, the steps upstream keep their results (their threads reuse
         the engine's cached KV where it is still there).
         The source run is unchanged; the result's ``run_id`` is the new run's (flowrt.checkpoint.fork)."""
+        wf, checked, run = self.prepare_fork(run_id, at=at, workflow=workflow, inputs=inputs)
+        return await self.execute(wf, checked, tracer=tracer, observer=observer, events=events, run=run)
+
+    def prepare_fork(self, run_id: str, *, at: str, workflow: Workflow | None = None,
+                     inputs: dict[str, Any] | None = None) -> tuple[Workflow, dict[str, Any], Any]:
+        """What ``fork`` does before it runs: the workflow, the new run's checked inputs, and the new run (a
+        ``RunCheckpoint`` held by this process; ``execute(wf, inputs, run=...)`` runs it). Refusals:
+        ``UnknownRunError``, ``flowrt.checkpoint.fork.UnknownStepError`` (``at`` names no step),
+        ``ForkAtError`` (a step that cannot be forked inside), ``RunBusyError`` (the run is running now),
+        ``WorkflowError`` (inputs)."""
         from ..checkpoint import CheckpointError
         from ..checkpoint.fork import fork_run
 
@@ -317,10 +327,10 @@ class Runtime:
 
             wf = loaded_workflow(record.file, record.workflow) or load_workflow(record.file, record.workflow)
         wf.validate()
-        checked = wf.check_inputs({**record.inputs, **inputs})
+        checked = wf.check_inputs({**record.inputs, **(inputs or {})})
         run = fork_run(self.checkpointer, run_id, wf, at, checked)
         run.kv = self.kv_checkpoint   # with KV checkpoints, the source run's saved blocks are loaded
-        return await self.execute(wf, checked, tracer=tracer, observer=observer, events=events, run=run)
+        return wf, checked, run
 
 
 def _kv_stats(result: RunResult, run: Any) -> RunResult:
