@@ -6,7 +6,8 @@ overlap in time are put on different rows ("lanes"), so a step that fans out eig
 eight parallel rows. Each LLM span carries its step, kind (gen / stream / select / prefill),
 ``prompt_tokens``, ``tokens_computed`` (prefill work actually done), ``cached_tokens`` (prompt tokens whose
 KV was reused), of which ``prefix_cache_hit_tokens`` came from the prefix cache (the rest were already in
-the thread's own sequence), and ``generated_tokens``. Counter tracks
+the thread's own sequence), and ``generated_tokens``. Process 3 holds the lookups of ``fr.Cache`` steps
+(``result``: hit or miss; flowrt.runner.step_cache). Counter tracks
 record the engine's KV blocks in use after each LLM call.
 """
 
@@ -23,8 +24,8 @@ from typing import Any, Callable, Iterator
 __all__ = ["Tracer", "Span", "LLM_TOTAL_KEYS"]
 
 
-_PIDS = {"step": 1, "llm": 2}
-_PROCESS_NAMES = {1: "workflow steps", 2: "LLM calls"}
+_PIDS = {"step": 1, "llm": 2, "cache": 3}
+_PROCESS_NAMES = {1: "workflow steps", 2: "LLM calls", 3: "step cache"}
 LLM_TOTAL_KEYS = ("prompt_tokens", "tokens_computed", "cached_tokens", "prefix_cache_hit_tokens", "generated_tokens")
 
 
@@ -115,7 +116,7 @@ class Tracer:
             counters = list(self._counters)
         now = time.perf_counter_ns()
         for s in spans:
-            pid = _PIDS.get(s.cat, 3)
+            pid = _PIDS.get(s.cat, 4)
             lanes.setdefault(pid, set()).add(s.lane)
             end = s.end_ns if s.end_ns is not None else now
             args = {k: _jsonable(v) for k, v in s.args.items()}

@@ -99,6 +99,8 @@ def _observer_class() -> type:
                                      "time": round(time.perf_counter() - self.t0, 6)}
             if status in ("done", "failed", "skipped") and step in self.started:
                 event["duration"] = round(self.finished[step] - self.started[step], 6)
+            if status == "done" and self.cache.get(step) == "hit":   # an fr.Cache step's kept result
+                event["cached"] = True
             if threading.get_ident() == self._loop_thread:
                 self._queue.put_nowait(event)
             else:

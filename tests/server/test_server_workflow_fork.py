@@ -1,8 +1,10 @@
 """Issue 34 item 3, over HTTP: ``GET /v1/workflows/{name}/runs/{id}/history`` and ``POST .../runs/{id}/fork``
 (``at``, ``inputs``), behind the API key, with the CLI's refusals (an unknown step: 404 naming it; a run
-that is running now: 409), on plain Python steps (no model)."""
+that is running now: 409), on plain Python steps (no model); and item 5's step cache in the step events."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -52,7 +54,7 @@ def _workflow() -> fr.Workflow:
 
     other = fr.Workflow("other")
 
-    @other.step
+    @other.step(cache=fr.Cache())
     def y(n: int) -> int:
         return n
 
@@ -151,3 +153,15 @@ def test_fork_refusals_are_the_clis(server, capsys, tmp_path):
     assert main(["runs", "fork", "busy1", "--at", "x", "--file", str(f), "--checkpoint", server.db]) == 2
     assert "run busy1 is held by" in capsys.readouterr().err
 
+
+def test_step_events_mark_a_result_from_the_step_cache(server):
+    def stream() -> list[dict]:
+        with httpx.stream("POST", f"{server.url}/v1/workflows/other/runs", headers=AUTH, timeout=30,
+                          json={"inputs": {"n": 7}, "stream": True}) as r:
+            lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        return [json.loads(d) for d in lines[:-1] if json.loads(d)["type"] == "step" and
+                json.loads(d)["status"] == "done"]
+
+    assert [e.get("cached") for e in stream()] == [None]
+    (done,) = stream()
+    assert done["step"] == "y" and done["cached"] is True
