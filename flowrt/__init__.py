@@ -45,6 +45,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "Tracer": ("flowrt.runner.trace", "Tracer"),
     "register_resource": ("flowrt.graph.resources", "register_resource"),
     "goto": ("flowrt.graph.routing", "goto"),
+    "Cache": ("flowrt.graph.cache", "Cache"),
     "Goto": ("flowrt.graph.routing", "Goto"),
     "interrupt": ("flowrt.runner.interrupts", "interrupt"),
     "subflow": ("flowrt.runner.executor", "subflow"),
@@ -63,7 +64,7 @@ __all__ = [
     "Workflow", "WorkflowError", "Model", "Runtime", "Thread", "ChatThread", "gather",
     "RunResult", "StepError", "StepFailed", "RunObserver", "Tracer", "register_resource",
     "Retriever", "rag", "goto", "Goto", "interrupt", "Interrupt", "subflow", "events", "tool", "Tool", "AssistantReply",
-    "IncompleteOutputError",
+    "IncompleteOutputError", "Cache",
     "__version__",
 ]
 
@@ -74,6 +75,7 @@ if TYPE_CHECKING:
     from . import events
     from .runner.interrupts import Interrupt, interrupt
     from .graph.resources import register_resource
+    from .graph.cache import Cache
     from .graph.routing import Goto, goto
     from .retrieval import Retriever, rag
     from .runner.runtime import Runtime

@@ -19,14 +19,22 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from ..render import to_jsonable
-from .lease import LEASE_TTL_S, new_holder
+from .lease import LEASE_TTL_S, live_holder, new_holder
 from .run import RunCheckpoint
-from .store import CheckpointError, CheckpointStore
+from .store import CheckpointError, CheckpointStore, RunBusyError
 
 if TYPE_CHECKING:
     from ..graph.workflow import Workflow
 
-__all__ = ["fork_state", "fork_run"]
+__all__ = ["fork_state", "fork_run", "ForkAtError", "UnknownStepError"]
+
+
+class ForkAtError(CheckpointError):
+    """``at`` names a step the run cannot be forked at (inside a mapped or routing subgraph step; HTTP: 400)."""
+
+
+class UnknownStepError(ForkAtError):
+    """``at`` names no step of the workflow (or of the subgraph it goes into; HTTP: 404)."""
 
 
 def _top(label: str) -> str:
@@ -42,7 +50,7 @@ def fork_state(state: dict[str, Any], wf: Workflow, at: str,
 
     at, _, inner = at.partition("/")
     if at not in wf.steps:
-        raise CheckpointError(f"workflow {wf.name!r} has no step {at!r} to fork at (its steps: "
+        raise UnknownStepError(f"workflow {wf.name!r} has no step {at!r} to fork at (its steps: "
                               f"{', '.join(wf.steps)})")
     sub = _subgraph(wf, at) if inner else None
     again = {at} | (set(nx.descendants(wf.graph, at)) & set(wf.steps))
@@ -70,11 +78,11 @@ def _subgraph(wf: Workflow, at: str) -> Workflow:
     """The workflow that step ``at`` runs, for a fork inside it."""
     step = wf.steps[at]
     if step.sub is None:
-        raise CheckpointError(f"step {at!r} of workflow {wf.name!r} runs no subgraph (wf.step(sub)); fork at "
+        raise ForkAtError(f"step {at!r} of workflow {wf.name!r} runs no subgraph (wf.step(sub)); fork at "
                               f"{at!r} itself")
     if step.map is not None or step.sub.has_routes:
         why = "mapped" if step.map is not None else "a subgraph whose steps route"
-        raise CheckpointError(f"cannot fork inside step {at!r}: it is {why} (its inner states are not stored); "
+        raise ForkAtError(f"cannot fork inside step {at!r}: it is {why} (its inner states are not stored); "
                               f"fork at {at!r} itself")
     return step.sub
 
@@ -96,10 +104,14 @@ def _inner_states(sub: Workflow, path: str, at: str, history: list[dict[str, Any
 
 def fork_run(store: CheckpointStore, run_id: str, wf: Workflow, at: str, inputs: dict[str, Any]) -> RunCheckpoint:
     """A new run in ``store``: ``run_id`` forked at step ``at`` with ``inputs`` (already checked) replacing
-    its inputs. Its first checkpoint holds the forked state, so a crash before its first step resumes it."""
+    its inputs. Its first checkpoint holds the forked state, so a crash before its first step resumes it.
+    A run that is running now (a live lease) is refused (``RunBusyError``): its state is still changing."""
     source = store.get_run(run_id)
     if source.workflow != wf.name:
         raise CheckpointError(f"run {run_id} is of workflow {source.workflow!r}, not {wf.name!r}")
+    busy = live_holder(source)
+    if busy is not None:
+        raise RunBusyError(run_id, busy, source.lease_expires)
     state = fork_state(source.state or {}, wf, at, store.history(run_id) if "/" in at else None)
     new_id = uuid.uuid4().hex[:16]
     meta = {**(source.meta or {}), "forked_from": {"run_id": run_id, "at": at, "time": time.time()}}

@@ -253,6 +253,7 @@ def _make_runtime(args: argparse.Namespace, cmd: str, model: Any, engine_kwargs:
     try:
         return Runtime(model, index=index, checkpoint=getattr(args, "checkpoint", None),
                        checkpoint_kv=getattr(args, "checkpoint_kv", False),
+                       cache=not getattr(args, "no_cache", False),
                        **replica_kwargs_from_args(args), **engine_kwargs)
     except Exception as e:  # a checkpoint database that cannot be used: corrupt, newer format, ...
         from ..checkpoint import CheckpointError
@@ -677,6 +678,12 @@ def _add_stored_run_options(g: Any, prefix: str = "") -> None:
     g.add_argument("--index", metavar="DIR", help=f"{prefix}retrieval index directory (default: the run's)")
     g.add_argument("--no-progress", action="store_true", help=f"{prefix}no live progress display")
     g.add_argument("--traceback", action="store_true", help=f"{prefix}print full tracebacks of failed steps")
+    _add_no_cache(g, prefix)
+
+
+def _add_no_cache(g: Any, prefix: str = "") -> None:
+    g.add_argument("--no-cache", action="store_true", help=f"{prefix}run every step: fr.Cache steps neither take "
+                   f"results kept in the checkpoint store nor keep theirs")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -703,6 +710,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(created if missing) or postgresql:// URL; prints the run id; `flowrt resume RUN_ID "
                    "--checkpoint DB` continues it")
     p.add_argument("--stream", action="store_true", help="print generated text live as the steps produce it")
+    _add_no_cache(p)
     _add_checkpoint_kv(p)
     add_engine_arguments(p)
     p.set_defaults(func=cmd_run)

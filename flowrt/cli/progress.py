@@ -65,12 +65,15 @@ class ProgressDisplay:
                 extra.append(f"{d}/{n} items")
             if ob.attempts.get(name, 1) > 1:
                 extra.append(f"attempt {ob.attempts[name]}")
+            if name in ob.cache:   # an fr.Cache step: its result taken from the cache, or computed (and kept)
+                extra.append("cached" if ob.cache[name] == "hit" else "cache miss")
             table.add_row(Text(_ICON[status], style=_STYLE[status]), Text(name, style=_STYLE[status]),
                           Text(status, style=_STYLE[status]), elapsed, ", ".join(extra))
         c = ob.counts()
         head = Text(f"{ob.workflow.name}: {c['done']} done, {c['running']} running, {c['pending']} pending"
                     + (f", {c['failed']} failed" if c["failed"] else "")
                     + (f", {c['skipped']} skipped" if c["skipped"] else "")
+                    + (f", {hits} cached" if (hits := sum(v == "hit" for v in ob.cache.values())) else "")
                     + (f"  [{ob.phase}]" if getattr(ob, "phase", "") else ""), style="bold")
         stats = self._stats()
         if stats and self._gen0 is None:
@@ -114,6 +117,8 @@ def summary_line(result: Any) -> str:
         parts.append(f"{st['steps_failed']} failed")
     if st.get("steps_skipped"):
         parts.append(f"{st['steps_skipped']} skipped")
+    if "run_cache_hits" in st:
+        parts.append(f"{st['run_cache_hits']} from the step cache, {st['run_cache_misses']} missed")
     line = ", ".join(parts) + f" in {st.get('elapsed_s', 0):.2f}s"
     if st.get("run_llm_calls"):
         el = st.get("elapsed_s") or 0

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable
 
 import networkx as nx
 
+from .cache import Cache
 from .inputs import coerce_inputs
 from .resources import match_resource, resource_kinds
 
@@ -67,6 +68,7 @@ class Step:
     gates: tuple[str, ...] = field(default=())
     loop_sources: tuple[str, ...] = field(default=())
     sub: "Workflow | None" = None      # a subgraph step: the workflow it runs (``wf.step(sub)``)
+    cache: Cache | None = None         # its result cache policy (``fr.Cache``; flowrt.runner.step_cache)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Steps stay callable as the plain functions they wrap (handy in tests)."""
@@ -159,7 +161,7 @@ class Workflow:
     def step(self, fn: Callable[..., Any] | None = None, *, name: str | None = None, map: str | None = None,
              retries: int = 0, timeout: float | None = None, retry_delay: float = 0.0,
              max_concurrency: int | None = None, after: Iterable[str] = (), routes: Iterable[str] = (),
-             max_visits: int = 25, output: str | None = None) -> Any:
+             max_visits: int = 25, output: str | None = None, cache: Cache | None = None) -> Any:
         """Register a step; usable as ``@wf.step`` or ``@wf.step(map="items", retries=2, timeout=30)``.
 
         ``map``: the name of a parameter holding a list; the step runs once per item (concurrently, at
@@ -168,7 +170,8 @@ class Workflow:
         when mapped). ``timeout``: seconds per attempt. ``after``: steps that must finish first although
         their result is not a parameter. ``routes``: successors the step chooses among by returning
         ``fr.goto(name, value)`` (flowrt.graph.routing); a route back to an earlier step makes a loop, and
-        ``max_visits`` bounds how often the step runs in one run.
+        ``max_visits`` bounds how often the step runs in one run. ``cache``: an ``fr.Cache`` (a TTL, a
+        ``key`` function): a later run with the same inputs takes the step's kept result (flowrt.graph.cache).
 
         ``wf.step(sub, name="research")`` with a ``Workflow`` adds it as a subgraph: its inputs are matched
         by name like parameters, its steps run inside this run (events, traces and checkpoints under
@@ -178,7 +181,7 @@ class Workflow:
         def register(f: Callable[..., Any]) -> Step:
             return self.add_step(f, name=name, map=map, retries=retries, timeout=timeout,
                                  retry_delay=retry_delay, max_concurrency=max_concurrency, after=after,
-                                 routes=routes, max_visits=max_visits, output=output)
+                                 routes=routes, max_visits=max_visits, output=output, cache=cache)
 
         if fn is not None:
             return register(fn)
@@ -187,7 +190,7 @@ class Workflow:
     def add_step(self, fn: Callable[..., Any], *, name: str | None = None, map: str | None = None,
                  retries: int = 0, timeout: float | None = None, retry_delay: float = 0.0,
                  max_concurrency: int | None = None, after: Iterable[str] = (), routes: Iterable[str] = (),
-                 max_visits: int = 25, output: str | None = None) -> Step:
+                 max_visits: int = 25, output: str | None = None, cache: Cache | None = None) -> Step:
         if isinstance(fn, Step):
             fn = fn.fn
         if isinstance(fn, Workflow):
@@ -216,15 +219,20 @@ class Workflow:
         if max_concurrency is not None and (not isinstance(max_concurrency, int) or max_concurrency < 1):
             raise WorkflowError(f"step {step_name!r}: max_concurrency must be an int >= 1")
 
+        if cache is not None and not isinstance(cache, Cache):
+            raise WorkflowError(f"step {step_name!r}: cache= takes an fr.Cache(ttl=..., key=...), got {cache!r}")
         params = fn.params() if isinstance(fn, SubgraphCall) else self._params(step_name, fn)
         self._check_map(step_name, params, map)
         after = tuple(after)
         routes = self._check_routes(step_name, routes, map, max_visits)
+        if cache is not None and routes:
+            raise WorkflowError(f"step {step_name!r}: a routing step cannot be cached (cache= and routes= together): "
+                                f"its route choice is part of the run")
         step = Step(name=step_name, fn=fn, params=params, map=map, retries=retries,
                     timeout=float(timeout) if timeout is not None else None, retry_delay=float(retry_delay),
                     max_concurrency=max_concurrency, after=after, is_async=_is_async_callable(fn),
                     doc=inspect.getdoc(fn) or "", routes=routes, max_visits=max_visits,
-                    sub=fn.sub if isinstance(fn, SubgraphCall) else None)
+                    sub=fn.sub if isinstance(fn, SubgraphCall) else None, cache=cache)
         if step.sub is not None:
             step.doc = step.sub.description
 

@@ -34,6 +34,7 @@ from ..graph.workflow import Step, Workflow
 from ..render import to_jsonable, unrenderable
 from ..worker import run_sync_abandonable
 from .interrupts import Interrupt, InterruptScope, current_interrupts
+from .step_cache import cached
 from .trace import Tracer
 
 logger = logging.getLogger("flowrt.runner")
@@ -148,6 +149,7 @@ class RunObserver:
         self.finished: dict[str, float] = {}
         self.items: dict[str, tuple[int, int]] = {}       # mapped steps: (done, total)
         self.attempts: dict[str, int] = {}
+        self.cache: dict[str, str] = {}                   # fr.Cache steps: "hit" or "miss" (step_cache)
         self.phase = ""                                   # e.g. "loading llm"
         self.t0 = time.perf_counter()
 
@@ -548,7 +550,7 @@ class WorkflowRun:
             self.emit(ev.StepStarted(label, visit))
             t0 = time.perf_counter()
             try:
-                value = await self._invoke(step, kwargs)
+                value = await cached(self, step, kwargs, self._invoke)   # fr.Cache steps: flowrt.runner.step_cache
             except anyio.get_cancelled_exc_class():
                 self.hold_threads(label)   # the run is stopped: the checkpoint it saves keeps their KV
                 raise

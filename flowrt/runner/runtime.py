@@ -44,6 +44,9 @@ class Runtime:
     ``checkpoint_kv``: True (a directory beside the SQLite file, ``runs.db.kv``) or a directory: the KV blocks
     of live threads are saved with every checkpoint, so that a resume in a fresh process loads them instead of
     computing them again (flowrt.checkpoint.kv).
+    ``cache``: with a checkpoint store, ``fr.Cache`` steps keep their results in it, and a later run (of any
+    process using the store) with the same inputs takes them (flowrt.runner.step_cache); ``cache=False``
+    runs every step (``--no-cache``).
     ``replicas=N``: N engine replicas as Ray actors (flowrt.replicas; ``ray_address`` joins a cluster,
     ``routing="prefix"|"round_robin"``, ``replica_options``: more ``ReplicaSet`` keywords); each run is bound
     to one replica.
@@ -53,10 +56,16 @@ class Runtime:
                  resources: dict[str, Any] | None = None, share_kv: bool = True, replicas: int | None = None,
                  ray_address: str | None = None, routing: str = "prefix",
                  replica_options: dict[str, Any] | None = None, checkpoint: Any = None,
-                 checkpoint_kv: bool | str | os.PathLike[str] = False, **engine_kwargs: Any) -> None:
+                 checkpoint_kv: bool | str | os.PathLike[str] = False, cache: bool = True,
+                 **engine_kwargs: Any) -> None:
         from ..checkpoint import CheckpointError, open_store
 
         self.checkpointer = open_store(checkpoint)   # a CheckpointStore (flowrt.checkpoint), or None
+        self.result_cache = None                     # where fr.Cache steps keep results (checkpoint.result_cache)
+        if cache and self.checkpointer is not None:
+            from ..checkpoint.result_cache import result_cache
+
+            self.result_cache = result_cache(self.checkpointer)
         self.kv_checkpoint = None                    # a flowrt.checkpoint.kv.KVCheckpoint, or None
         if checkpoint_kv:
             if self.checkpointer is None:
@@ -186,6 +195,16 @@ class Runtime:
             run.activity = RunActivity(tracer, run.record.state if run.record is not None else None)
         kw: dict[str, Any] = dict(tracer=tracer, observer=observer, stats_fn=self.stats, checkpoint=run,
                                   events=events)
+        from .step_cache import RunCache, current_cache
+
+        cache = RunCache(self.result_cache) if self.result_cache is not None else None
+        token = current_cache.set(cache)   # the run's fr.Cache steps look their results up there
+        try:
+            return _cache_stats(await self._execute(wf, inputs, run, kw), cache, wf)
+        finally:
+            current_cache.reset(token)
+
+    async def _execute(self, wf: Workflow, inputs: dict[str, Any], run: Any, kw: dict[str, Any]) -> RunResult:
         with run.held() if run is not None else contextlib.nullcontext():
             try:
                 if "llm" not in wf.resources or not self._binds_runs():
@@ -308,6 +327,16 @@ class Runtime:
         and the steps downstream of it run again, the steps upstream keep their results (their threads reuse
         the engine's cached KV where it is still there).
         The source run is unchanged; the result's ``run_id`` is the new run's (flowrt.checkpoint.fork)."""
+        wf, checked, run = self.prepare_fork(run_id, at=at, workflow=workflow, inputs=inputs)
+        return await self.execute(wf, checked, tracer=tracer, observer=observer, events=events, run=run)
+
+    def prepare_fork(self, run_id: str, *, at: str, workflow: Workflow | None = None,
+                     inputs: dict[str, Any] | None = None) -> tuple[Workflow, dict[str, Any], Any]:
+        """What ``fork`` does before it runs: the workflow, the new run's checked inputs, and the new run (a
+        ``RunCheckpoint`` held by this process; ``execute(wf, inputs, run=...)`` runs it). Refusals:
+        ``UnknownRunError``, ``flowrt.checkpoint.fork.UnknownStepError`` (``at`` names no step),
+        ``ForkAtError`` (a step that cannot be forked inside), ``RunBusyError`` (the run is running now),
+        ``WorkflowError`` (inputs)."""
         from ..checkpoint import CheckpointError
         from ..checkpoint.fork import fork_run
 
@@ -322,10 +351,10 @@ class Runtime:
 
             wf = loaded_workflow(record.file, record.workflow) or load_workflow(record.file, record.workflow)
         wf.validate()
-        checked = wf.check_inputs({**record.inputs, **inputs})
+        checked = wf.check_inputs({**record.inputs, **(inputs or {})})
         run = fork_run(self.checkpointer, run_id, wf, at, checked)
         run.kv = self.kv_checkpoint   # with KV checkpoints, the source run's saved blocks are loaded
-        return await self.execute(wf, checked, tracer=tracer, observer=observer, events=events, run=run)
+        return wf, checked, run
 
 
 def _kv_stats(result: RunResult, run: Any) -> RunResult:
@@ -337,6 +366,17 @@ def _kv_stats(result: RunResult, run: Any) -> RunResult:
     if getattr(run, "kv_load", None) is not None:
         result.stats["kv_blocks_loaded"] = run.kv_load.loaded
         result.stats["kv_blocks_rejected"] = dict(run.kv_load.rejected)
+    return result
+
+
+def _cache_stats(result: RunResult, cache: Any, wf: Workflow) -> RunResult:
+    """The step cache's hits and misses in ``result.stats`` (``run.cache_hits``, flat ``run_cache_hits``, and the
+    misses alike), for a run with a cache whose workflow has ``fr.Cache`` steps (or made lookups in subgraphs)."""
+    if cache is None or not (cache.hits or cache.misses or any(s.cache for s in wf.steps.values())):
+        return result
+    for k, v in cache.stats().items():
+        result.stats.setdefault("run", {})[k] = v
+        result.stats[f"run_{k}"] = v
     return result
 
 

@@ -8,9 +8,10 @@ eight parallel rows. Each LLM span carries its step, kind (gen / stream / select
 KV was reused), of which ``prefix_cache_hit_tokens`` came from the prefix cache (the rest were already in
 the thread's own sequence), and ``generated_tokens``; its ``thread_id``, ``output`` text (long ones shortened,
 flowrt.render.clip) and prompt text (``Span.prompt_text``, decoded when asked) are what the run viewer shows
-(flowrt.ui). Counter tracks record the engine's KV blocks in use after each LLM call. ``forks`` lists the
-thread forks of the run (parent, children, the tokens they share), for the viewer's fork tree; they are not part
-of the Chrome trace.
+(flowrt.ui). Process 3 holds the lookups of ``fr.Cache`` steps (``result``: hit or miss;
+flowrt.runner.step_cache). Counter tracks record the engine's KV blocks in use after each LLM call. ``forks``
+lists the thread forks of the run (parent, children, the tokens they share), for the viewer's fork tree; they
+are not part of the Chrome trace.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from typing import Any, Callable, Iterator
 __all__ = ["Tracer", "Span", "Fork", "LLM_TOTAL_KEYS"]
 
 
-_PIDS = {"step": 1, "llm": 2}
-_PROCESS_NAMES = {1: "workflow steps", 2: "LLM calls"}
+_PIDS = {"step": 1, "llm": 2, "cache": 3}
+_PROCESS_NAMES = {1: "workflow steps", 2: "LLM calls", 3: "step cache"}
 LLM_TOTAL_KEYS = ("prompt_tokens", "tokens_computed", "cached_tokens", "prefix_cache_hit_tokens", "generated_tokens")
 
 
@@ -139,7 +140,7 @@ class Tracer:
             counters = list(self._counters)
         now = time.perf_counter_ns()
         for s in spans:
-            pid = _PIDS.get(s.cat, 3)
+            pid = _PIDS.get(s.cat, 4)
             lanes.setdefault(pid, set()).add(s.lane)
             end = s.end_ns if s.end_ns is not None else now
             args = {k: _jsonable(v) for k, v in s.args.items()}

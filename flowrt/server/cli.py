@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-kv", nargs="?", const=True, default=False, metavar="DIR",
                    help="save the KV blocks of live threads with every checkpoint (in DIR; default: beside the "
                         "--checkpoint SQLite database), so that a resumed run does not compute them again")
+    p.add_argument("--no-cache", action="store_true",
+                   help="run every step of served workflows: fr.Cache steps neither take nor keep results")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body accepted; larger ones get 413 (default 16 MiB)")
     p.add_argument("--responses-max", type=int, default=DEFAULT_RESPONSES_MAX, metavar="N",
@@ -124,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
 
             try:
                 runtime = Runtime(model=engine, index=args.index, checkpoint=args.checkpoint or ":memory:",
-                                  checkpoint_kv=args.checkpoint_kv)
+                                  checkpoint_kv=args.checkpoint_kv, cache=not args.no_cache)
             except CheckpointError as e:   # a corrupt database, --checkpoint-kv without a place for blocks
                 print(f"flowrt serve: error: {e}", file=sys.stderr)
                 return 2

@@ -272,6 +272,13 @@ class WorkflowResumeRequest(_Body):
     stream_tokens: bool = False
 
 
+class WorkflowForkRequest(_Body):
+    at: str                       # the step to run again (with its downstream): "step" or "outer/inner"
+    inputs: dict[str, Any] = Field(default_factory=dict)   # inputs replacing the source run's of those names
+    stream: bool = False
+    stream_tokens: bool = False
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Responses
 

@@ -1,5 +1,6 @@
-"""Workflows as endpoints: ``POST /v1/workflows/{name}/runs``, ``POST /v1/workflows/{name}/runs/{id}/resume``
-and ``GET /v1/workflows``.
+"""Workflows as endpoints: ``POST /v1/workflows/{name}/runs``, ``POST /v1/workflows/{name}/runs/{id}/resume``,
+``GET /v1/workflows/{name}/runs/{id}/history``, ``POST /v1/workflows/{name}/runs/{id}/fork`` and
+``GET /v1/workflows``.
 
 Body ``{"inputs": {...}, "stream": false, "stream_tokens": false}``. Runs the workflow on the server's engine
 (through an ``fr.Runtime`` sharing it, so workflow steps batch with API requests) and returns the same JSON as
@@ -19,6 +20,16 @@ waiting at several interrupts (parallel branches: its ``interrupts``) takes ``{"
 Without ``answer`` or ``answers`` the resume of an interrupted run is a 400 (a run that crashed, with
 ``--checkpoint``, is resumed with ``{}``). The run is claimed before the response starts: a second resume
 while it runs is a 409 naming the holder.
+
+Time travel, as ``flowrt runs history`` / ``flowrt runs fork`` (flowrt.checkpoint.fork):
+``GET /v1/workflows/{name}/runs/{run_id}/history`` lists the run's checkpoints, oldest first (``{"object":
+"list", "data": [{"seq", "step", "visit", "status", "result", "route", "created"}, ...]}``), and
+``POST /v1/workflows/{name}/runs/{run_id}/fork`` with ``{"at": "step" or "outer/inner", "inputs": {...}}``
+starts a new run from the source run's state with ``at`` and what depends on it pending again (the inputs
+given replacing the source's) and answers like a run (``stream`` too; the new run's id in
+``X-Flowrt-Run-Id``). An unknown run or step is a 404 naming it, a run that is running now a 409, a step that
+cannot be forked inside (mapped, routing) or bad inputs a 400. A finished run is kept for this only with
+``flowrt serve --checkpoint`` (in memory only runs waiting for an answer are).
 """
 
 from __future__ import annotations
@@ -88,6 +99,8 @@ def _observer_class() -> type:
                                      "time": round(time.perf_counter() - self.t0, 6)}
             if status in ("done", "failed", "skipped") and step in self.started:
                 event["duration"] = round(self.finished[step] - self.started[step], 6)
+            if status == "done" and self.cache.get(step) == "hit":   # an fr.Cache step's kept result
+                event["cached"] = True
             if threading.get_ident() == self._loop_thread:
                 self._queue.put_nowait(event)
             else:
@@ -180,11 +193,7 @@ async def list_workflows(st: State) -> dict:
 async def run_workflow(name: str, req: P.WorkflowRunRequest, request: Request, st: State) -> Response:
     from flowrt.graph.workflow import WorkflowError
 
-    wf = st.workflows.get(name)
-    if wf is None:
-        known = ", ".join(st.workflows) or "none"
-        raise OpenAIError(f"Unknown workflow '{name}' (served: {known}).", 404, param="name",
-                          code="workflow_not_found")
+    wf = _served(st, name)
     try:
         wf.check_inputs(req.inputs)
     except WorkflowError as e:
@@ -195,24 +204,10 @@ async def run_workflow(name: str, req: P.WorkflowRunRequest, request: Request, s
 @router.post("/workflows/{name}/runs/{run_id}/resume")
 async def resume_workflow(name: str, run_id: str, req: P.WorkflowResumeRequest, request: Request,
                           st: State) -> Response:
-    wf = st.workflows.get(name)
-    if wf is None:
-        known = ", ".join(st.workflows) or "none"
-        raise OpenAIError(f"Unknown workflow '{name}' (served: {known}).", 404, param="name",
-                          code="workflow_not_found")
-    rt = _runtime(st)
-    if getattr(rt, "checkpointer", None) is None:
-        raise OpenAIError("This server keeps no checkpoints (its workflow runtime has none); nothing to resume.",
-                          409, param="run_id")
     from flowrt.checkpoint import CheckpointError
 
-    try:
-        record = rt.checkpointer.get_run(run_id, with_state=False)
-    except CheckpointError as e:
-        raise _run_error(e) from None
-    if record.workflow != wf.name:
-        raise OpenAIError(f"Run {run_id} is a run of workflow '{record.workflow}', not '{name}'.", 404,
-                          param="run_id", code="run_not_found")
+    wf = _served(st, name)
+    rt, record = _stored_run(st, wf, name, run_id)
     if record.status == "done":
         raise OpenAIError(f"Run {run_id} is not waiting for an answer (status done).", 409, param="run_id")
     given: dict[str, Any] = {}
@@ -231,6 +226,68 @@ async def resume_workflow(name: str, run_id: str, req: P.WorkflowResumeRequest, 
     except CheckpointError as e:
         raise _run_error(e) from None
     return await _respond(st, request, wf, dict(run.record.inputs), req.stream, req.stream_tokens, run=run)
+
+
+def _served(st: ServerState, name: str) -> Any:
+    """The workflow served as ``name``, or a 404 listing those served."""
+    wf = st.workflows.get(name)
+    if wf is None:
+        known = ", ".join(st.workflows) or "none"
+        raise OpenAIError(f"Unknown workflow '{name}' (served: {known}).", 404, param="name",
+                          code="workflow_not_found")
+    return wf
+
+
+def _stored_run(st: ServerState, wf: Any, name: str, run_id: str) -> tuple[Any, Any]:
+    """The runtime and the stored run ``run_id`` of workflow ``wf``: a 404 for an unknown run or one of
+    another workflow, a 409 when the server keeps no checkpoints."""
+    from flowrt.checkpoint import CheckpointError
+
+    rt = _runtime(st)
+    if getattr(rt, "checkpointer", None) is None:
+        raise OpenAIError("This server keeps no checkpoints (its workflow runtime has none).", 409, param="run_id")
+    try:
+        record = rt.checkpointer.get_run(run_id, with_state=False)
+    except CheckpointError as e:
+        raise _run_error(e) from None
+    if record.workflow != wf.name:
+        raise OpenAIError(f"Run {run_id} is a run of workflow '{record.workflow}', not '{name}'.", 404,
+                          param="run_id", code="run_not_found")
+    return rt, record
+
+
+@router.get("/workflows/{name}/runs/{run_id}/history")
+async def run_history(name: str, run_id: str, st: State) -> dict:
+    from flowrt.checkpoint import CheckpointError
+    from flowrt.render import to_jsonable
+
+    rt, _ = _stored_run(st, _served(st, name), name, run_id)
+    try:
+        history = rt.checkpointer.history(run_id)
+    except CheckpointError as e:
+        raise _run_error(e) from None
+    return {"object": "list", "run_id": run_id, "workflow": name, "data": to_jsonable(history)}
+
+
+@router.post("/workflows/{name}/runs/{run_id}/fork")
+async def fork_workflow(name: str, run_id: str, req: P.WorkflowForkRequest, request: Request, st: State) -> Response:
+    from flowrt.checkpoint import CheckpointError
+    from flowrt.checkpoint.fork import ForkAtError, UnknownStepError
+    from flowrt.graph.workflow import WorkflowError
+
+    wf = _served(st, name)
+    rt, _ = _stored_run(st, wf, name, run_id)
+    try:   # the new run is made (and held) before any response, as flowrt runs fork makes it
+        wf, inputs, run = rt.prepare_fork(run_id, at=req.at, workflow=wf, inputs=dict(req.inputs))
+    except UnknownStepError as e:
+        raise OpenAIError(str(e), 404, param="at", code="step_not_found") from None
+    except ForkAtError as e:
+        raise bad_request(str(e), param="at") from None
+    except WorkflowError as e:
+        raise bad_request(str(e), param="inputs") from None
+    except CheckpointError as e:
+        raise _run_error(e) from None
+    return await _respond(st, request, wf, inputs, req.stream, req.stream_tokens, run=run)
 
 
 async def _respond(st: ServerState, request: Request, wf: Any, inputs: dict[str, Any], stream: bool,
