@@ -36,12 +36,15 @@ class ViewerError(Exception):
 
 
 def _refusal(e: Exception) -> ViewerError:
+    """As the HTTP API answers them: 404 an unknown run or step, 400 bad inputs or a step that cannot be forked
+    inside, 409 the rest (finished, held by another, not waiting)."""
     from ..checkpoint import CheckpointError, UnknownRunError
+    from ..checkpoint.fork import ForkAtError, UnknownStepError
     from ..graph.workflow import WorkflowError
 
-    if isinstance(e, UnknownRunError):
+    if isinstance(e, (UnknownRunError, UnknownStepError)):
         return ViewerError(str(e), 404)
-    if isinstance(e, WorkflowError):
+    if isinstance(e, (WorkflowError, ForkAtError)):
         return ViewerError(str(e), 400)
     if isinstance(e, CheckpointError):
         return ViewerError(str(e), 409)
@@ -133,20 +136,19 @@ class Viewer:
 
     def fork(self, run_id: str, at: str, inputs: dict[str, Any]) -> str:
         """A new run of ``run_id``'s workflow from its state before step ``at`` (``at`` and its downstream run
-        again; ``inputs`` replace the run's of those names), started in the background; its id."""
+        again; ``inputs`` replace the run's of those names), made by ``Runtime.prepare_fork`` (as ``flowrt runs
+        fork`` and ``POST /v1/workflows/{name}/runs/{id}/fork``: a run running now is refused) and started in the
+        background; its id."""
         from ..checkpoint import CheckpointError
-        from ..checkpoint.fork import fork_run
         from ..graph.workflow import WorkflowError
 
         try:
             record = self.store.get_run(run_id, with_state=False)
             wf = self._workflow_or_refuse(record)
             rt = self.runtime(record)
-            checked = wf.check_inputs({**record.inputs, **inputs})
-            run = fork_run(rt.checkpointer, run_id, wf, at, checked)
+            wf, checked, run = rt.prepare_fork(run_id, at=at, workflow=wf, inputs=inputs)   # as rt.fork and HTTP
         except (CheckpointError, WorkflowError) as e:
             raise _refusal(e) from None
-        run.kv = rt.kv_checkpoint   # as Runtime.fork: with KV checkpoints the source run's blocks are loaded
         self._start(run.run_id, rt.execute(wf, checked, run=run), run)
         return run.run_id
 

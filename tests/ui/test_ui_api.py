@@ -187,8 +187,13 @@ def test_fork_at_a_step_makes_a_new_run(viewer):
     d = _wait_status(c, new, "interrupted")
     assert d["run"]["forked_from"]["run_id"] == run_id and d["run"]["inputs"] == {"topic": "bats"}
     assert next(s for s in d["steps"] if s["step"] == "draft")["result"] == "a draft about bats"
-    assert c.post(f"/ui/api/runs/{run_id}/fork", json={"at": "nope"}).status_code == 409
+    assert c.post(f"/ui/api/runs/{run_id}/fork", json={"at": "nope"}).status_code == 404
     assert c.post(f"/ui/api/runs/{run_id}/fork", json={"at": "draft", "inputs": {"x": 1}}).status_code == 400
+    from flowrt.checkpoint.lease import LEASE_TTL_S
+
+    c.server.store.claim_run(run_id, "elsewhere:1:x", LEASE_TTL_S, waiting=True)   # running now, elsewhere
+    busy = c.post(f"/ui/api/runs/{run_id}/fork", json={"at": "draft"})
+    assert busy.status_code == 409 and "elsewhere:1:x" in busy.json()["detail"]
 
 
 def test_unknown_run_is_404(viewer):
