@@ -158,7 +158,8 @@ class RunCheckpoint:
 
     def _given_answers(self, state: StoredState) -> dict[str, Any]:
         """The answers given to this resume, by the step of the pending interrupt each answers."""
-        pending = state.get("interrupts") or ([state["interrupt"]] if state.get("interrupt") else [])
+        first = state.get("interrupt")
+        pending = state.get("interrupts") or ([first] if first else [])
         steps = [p["step"] for p in pending]
         if (self.answer is not NO_ANSWER or self.answers) and not pending:
             raise CheckpointError(f"run {self.run_id} is not waiting for an answer (status "

@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import traceback as tb_mod
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol
 
@@ -65,7 +65,7 @@ class RunResult:
     sinks: list[str] = field(default_factory=list)
     tracer: Tracer | None = field(default=None, repr=False)
     skipped: dict[str, StepError] = field(default_factory=dict)   # steps no route chose (not errors)
-    routes: list[RouteTaken] = field(default_factory=list)     # routes taken, in order
+    routes: list[RouteTaken] = field(default_factory=list)         # routes taken, in order
     visits: dict[str, int] = field(default_factory=dict)           # steps that ran more than once
     status: RunStatus = RunStatus.DONE  # done, failed or interrupted
     run_id: str | None = None           # with a checkpointer
@@ -109,8 +109,8 @@ class RunResult:
         ``"skipped"`` and ``"routes"`` for a workflow that routed, ``"status"``, ``"run_id"`` and
         ``"interrupt"`` for an interrupted run."""
         out: dict[str, Any] = {"outputs": {k: to_jsonable(v) for k, v in self.outputs.items()},
-               "errors": {k: to_jsonable(e.message) for k, e in self.errors.items()},
-               "stats": to_jsonable(self.stats)}
+                               "errors": {k: to_jsonable(e.message) for k, e in self.errors.items()},
+                               "stats": to_jsonable(self.stats)}
         if self.skipped:
             out["skipped"] = {k: to_jsonable(e.message) for k, e in self.skipped.items()}
         if self.routes:
@@ -229,10 +229,6 @@ class WorkflowRun:
         # a subgraph's path below its parent run's, the key of its state in the parent's (RunState.children)
         below = parent.path + "/" if parent is not None and parent.path else ""
         self.key = path[len(below):] if below and path.startswith(below) else path
-        self.tracer: Tracer
-        self.observer: RunObserver | None
-        self.checkpoint: Checkpointer | None
-        self.events: EventSink | None
         if parent is None:
             self.root: WorkflowRun = self
             self.tracer = tracer or Tracer()
@@ -457,9 +453,11 @@ class WorkflowRun:
 
     async def run_mapped(self, step: Step, kwargs: dict[str, Any]) -> list[Any]:
         """Run ``step`` once per item of its ``map`` parameter, concurrently; the first failure fails it."""
-        items = kwargs[step.map]  # type: ignore[index]
+        mapped = step.map
+        assert mapped is not None, f"step {step.name!r} is not mapped"
+        items = kwargs[mapped]
         if isinstance(items, (str, bytes, dict)) or not hasattr(items, "__iter__"):
-            raise TypeError(f"step {step.name!r} maps over {step.map!r}, which must be a list "
+            raise TypeError(f"step {step.name!r} maps over {mapped!r}, which must be a list "
                             f"(got {type(items).__name__})")
         items = list(items)
         results: list[Any] = [None] * len(items)
@@ -476,9 +474,9 @@ class WorkflowRun:
             try:
                 if limiter is not None:
                     async with limiter:
-                        results[i], _ = await self.attempts(step, {**kwargs, step.map: item}, label)
+                        results[i], _ = await self.attempts(step, {**kwargs, mapped: item}, label)
                 else:
-                    results[i], _ = await self.attempts(step, {**kwargs, step.map: item}, label)
+                    results[i], _ = await self.attempts(step, {**kwargs, mapped: item}, label)
                 finished += 1
                 if self.observer is not None:
                     self.observer.items[step.name] = (finished, len(items))
@@ -629,11 +627,12 @@ class WorkflowRun:
 
     async def run(self) -> None:
         """Run the steps until none can start and none is running (in the run's context variables)."""
-        tokens = [(current_tracer, current_tracer.set(self.tracer)),
-                  (current_run_threads, current_run_threads.set(self.threads)),
-                  (current_sink, current_sink.set(self.events)),
-                  (current_interrupts, current_interrupts.set(self.scope)),
-                  (current_run, current_run.set(self))]
+        tokens: list[tuple[ContextVar[Any], Token[Any]]] = [
+            (current_tracer, current_tracer.set(self.tracer)),
+            (current_run_threads, current_run_threads.set(self.threads)),
+            (current_sink, current_sink.set(self.events)),
+            (current_interrupts, current_interrupts.set(self.scope)),
+            (current_run, current_run.set(self))]
         try:
             async with anyio.create_task_group() as tg:
                 while True:
