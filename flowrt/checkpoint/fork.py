@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Mapping, cast
 
 from ..render import to_jsonable
-from ..runner.state import StepStatus, step_of
+from ..runner.state import RunStatus, StepStatus, step_of
 from .lease import LEASE_TTL_S, new_holder
 from .run import RunCheckpoint
 from .state_codec import StoredState, load
@@ -31,11 +31,15 @@ if TYPE_CHECKING:
 __all__ = ["fork_state", "fork_run"]
 
 
-def fork_state(state: StoredState, wf: Workflow, at: str,
+def fork_state(state: Mapping[str, Any] | None, wf: Workflow, at: str,
                history: list[dict[str, Any]] | None = None) -> StoredState:
-    """``state`` (in the current form: ``state_codec.load``) with ``at`` and its downstream steps pending
-    again (a new dict; ``state`` is unchanged). ``history``: the run's checkpoints (``store.history``), for
+    """A stored run state (of any version) with ``at`` and its downstream steps pending again, in the current
+    form (a new dict; ``state`` is unchanged). ``history``: the run's checkpoints (``store.history``), for
     ``at`` inside a subgraph (``outer/inner``)."""
+    return _fork(load(state) or {}, wf, at, history)
+
+
+def _fork(state: StoredState, wf: Workflow, at: str, history: list[dict[str, Any]] | None) -> StoredState:
     import networkx as nx
 
     at, _, inner = at.partition("/")
@@ -84,7 +88,7 @@ def _inner_states(sub: Workflow, path: str, at: str, history: list[dict[str, Any
     done = {n: last[n]["result"] for n in sub.steps if n in last}
     state: StoredState = {"status": {n: str(StepStatus.DONE if n in done else StepStatus.PENDING) for n in sub.steps},
                           "visits": {n: int(n in done) for n in sub.steps}, "outputs": done}
-    return {path: fork_state(state, sub, at, rows)}
+    return {path: _fork(state, sub, at, rows)}
 
 
 def fork_run(store: CheckpointStore, run_id: str, wf: Workflow, at: str, inputs: dict[str, Any]) -> RunCheckpoint:
@@ -93,12 +97,12 @@ def fork_run(store: CheckpointStore, run_id: str, wf: Workflow, at: str, inputs:
     source = store.get_run(run_id)
     if source.workflow != wf.name:
         raise CheckpointError(f"run {run_id} is of workflow {source.workflow!r}, not {wf.name!r}")
-    state = fork_state(load(source.state) or {}, wf, at, store.history(run_id) if "/" in at else None)
+    state = fork_state(source.state, wf, at, store.history(run_id) if "/" in at else None)
     new_id = uuid.uuid4().hex[:16]
     meta = {**(source.meta or {}), "forked_from": {"run_id": run_id, "at": at, "time": time.time()}}
     holder = new_holder()   # the new run is held by this process from its creation, as any new run
     store.create_run(new_id, wf.name, to_jsonable(inputs), file=source.file, meta=meta, holder=holder,
                      ttl=LEASE_TTL_S)
     store.save(new_id, step=None, visit=0, step_status="forked", result=None, route=None, threads=[],
-               state=cast("dict[str, Any]", state), run_status="running", holder=holder)
+               state=cast("dict[str, Any]", state), run_status=str(RunStatus.RUNNING), holder=holder)
     return RunCheckpoint(store, new_id, record=store.get_run(new_id), holder=holder)

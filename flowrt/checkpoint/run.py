@@ -102,7 +102,7 @@ class RunCheckpoint:
             try:
                 run._given_answers(load(record.state) or {})
             except CheckpointError:   # answers that do not fit: the run stays interrupted, unclaimed
-                store.release_run(run_id, holder, status="interrupted")
+                store.release_run(run_id, holder, status=str(RunStatus.INTERRUPTED))
                 raise
         return run
 

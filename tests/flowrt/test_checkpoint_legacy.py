@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import anyio
+import pytest
 
 import flowrt as fr
 from flowrt.checkpoint import open_store
+from flowrt.checkpoint.state_codec import VERSION
 
 FIXTURE = Path(__file__).parent / "fixtures" / "legacy_runs.db"
 RUN_ID = "legacy00run00001"
@@ -101,8 +103,11 @@ def write_fixture(db: Path) -> None:
     FAIL["flaky"] = True
     store = open_store(str(db))
     cp = RunCheckpoint.new(store, wf.name, {"name": "d"}, run_id=RUN_ID)
-    with cp.held():
-        r = anyio.run(lambda: execute(wf, {"name": "d"}, checkpoint=cp))
+    try:
+        with cp.held():
+            r = anyio.run(lambda: execute(wf, {"name": "d"}, checkpoint=cp))
+    finally:
+        FAIL["flaky"] = False
     assert r.status == "interrupted" and sorted(i["step"] for i in r.interrupts) == PATHS, r
     assert r.errors["flaky"].kind == "failed"
 
@@ -113,8 +118,16 @@ def copy(tmp_path: Path) -> str:
     return str(db)
 
 
-def test_a_legacy_run_resumes_with_its_subgraph_states_and_answers(tmp_path):
-    db = copy(tmp_path)
+@pytest.fixture(params=["ecabb8b", "today"])
+def db(request, tmp_path) -> str:
+    """The run, as main at ecabb8b checkpointed it (the fixture) or as this code does."""
+    if request.param == "ecabb8b":
+        return copy(tmp_path)
+    write_fixture(tmp_path / "runs.db")
+    return str(tmp_path / "runs.db")
+
+
+def test_the_run_resumes_with_its_subgraph_states_and_answers(db):
     CALLS.clear()
 
     async def go() -> list:
@@ -146,7 +159,23 @@ def test_a_legacy_run_forks_and_keeps_its_subgraph_states(tmp_path):
     r = anyio.run(go)
     assert r.status == "interrupted" and sorted(i["step"] for i in r.interrupts) == PATHS
     assert {i["step"]: i["payload"]["doc"] for i in r.interrupts} == dict(zip(PATHS, ["D", "D", "D2", "D2"]))
+    state = open_store(db).get_run(r.run_id).state
+    assert state["version"] == VERSION and set(state["subruns"]) == {"rev", "second/outer"}   # now nested
     assert r.outputs["flaky"] == ("t0+t1", 1) and sorted(set(CALLS)) == ["flaky", "legal", "tech"]   # upstream: kept
+
+
+def test_the_fixture_is_in_the_old_form_and_a_run_of_today_writes_the_current_one(tmp_path):
+    old = open_store(str(FIXTURE), readonly=True).get_run(RUN_ID).state
+    assert "version" not in old and "second/outer/inner/review" in old["subruns"]   # version 1: flat
+    write_fixture(tmp_path / "runs.db")
+    new = open_store(str(tmp_path / "runs.db")).get_run(RUN_ID).state
+    assert new["version"] == VERSION and set(new["subruns"]) == {"rev", "second/outer"}
+    inner = new["subruns"]["second/outer"]["subruns"]["inner/review"]
+    assert inner["status"] == {"legal": "interrupted", "tech": "interrupted", "verdict": "pending"}
+    # the rest of the form is version 1's
+    assert {k: v for k, v in new.items() if k not in ("version", "subruns", "timings", "errors")} == \
+        {k: v for k, v in old.items() if k not in ("subruns", "timings", "errors")}
+    assert new["subruns"]["rev"].keys() == old["subruns"]["rev"].keys()
 
 
 if __name__ == "__main__":   # writes the fixture (on the code of the day: see the module's docstring)
