@@ -108,6 +108,7 @@ def write_fixture(db: Path) -> None:
             r = anyio.run(lambda: execute(wf, {"name": "d"}, checkpoint=cp))
     finally:
         FAIL["flaky"] = False
+        store.close()   # the database in one file (its write-ahead log merged)
     assert r.status == "interrupted" and sorted(i["step"] for i in r.interrupts) == PATHS, r
     assert r.errors["flaky"].kind == "failed"
 
@@ -165,7 +166,8 @@ def test_a_legacy_run_forks_and_keeps_its_subgraph_states(tmp_path):
 
 
 def test_the_fixture_is_in_the_old_form_and_a_run_of_today_writes_the_current_one(tmp_path):
-    old = open_store(str(FIXTURE), readonly=True).get_run(RUN_ID).state
+    (tmp_path / "old").mkdir()
+    old = open_store(copy(tmp_path / "old"), readonly=True).get_run(RUN_ID).state   # opening it adds files
     assert "version" not in old and "second/outer/inner/review" in old["subruns"]   # version 1: flat
     write_fixture(tmp_path / "runs.db")
     new = open_store(str(tmp_path / "runs.db")).get_run(RUN_ID).state
