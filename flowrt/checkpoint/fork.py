@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping, cast
 
 from ..render import to_jsonable
+from ..runner.state import RunStatus, StepStatus, step_of
 from .lease import LEASE_TTL_S, live_holder, new_holder
 from .run import RunCheckpoint
+from .state_codec import StoredState, load
 from .store import CheckpointError, CheckpointStore, RunBusyError
 
 if TYPE_CHECKING:
@@ -37,15 +39,15 @@ class UnknownStepError(ForkAtError):
     """``at`` names no step of the workflow (or of the subgraph it goes into; HTTP: 404)."""
 
 
-def _top(label: str) -> str:
-    """The top-level step of a label (``research/search`` -> research, ``each[3]`` -> each)."""
-    return label.split("/", 1)[0].split("[", 1)[0].split("#", 1)[0]
+def fork_state(state: Mapping[str, Any] | None, wf: Workflow, at: str,
+               history: list[dict[str, Any]] | None = None) -> StoredState:
+    """A stored run state (of any version) with ``at`` and its downstream steps pending again, in the current
+    form (a new dict; ``state`` is unchanged). ``history``: the run's checkpoints (``store.history``), for
+    ``at`` inside a subgraph (``outer/inner``)."""
+    return _fork(load(state) or {}, wf, at, history)
 
 
-def fork_state(state: dict[str, Any], wf: Workflow, at: str,
-               history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """``state`` with ``at`` and its downstream steps pending again (a new dict; ``state`` is unchanged).
-    ``history``: the run's checkpoints (``store.history``), for ``at`` inside a subgraph (``outer/inner``)."""
+def _fork(state: StoredState, wf: Workflow, at: str, history: list[dict[str, Any]] | None) -> StoredState:
     import networkx as nx
 
     at, _, inner = at.partition("/")
@@ -55,10 +57,10 @@ def fork_state(state: dict[str, Any], wf: Workflow, at: str,
     sub = _subgraph(wf, at) if inner else None
     again = {at} | (set(nx.descendants(wf.graph, at)) & set(wf.steps))
 
-    def keep(d: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in d.items() if _top(k) not in again}
+    def keep(d: dict[str, Any]) -> dict[str, Any]:   # keys: steps, labels (``each[2]``), subgraph paths
+        return {k: v for k, v in d.items() if step_of(k) not in again}
 
-    status = {n: ("pending" if n in again else s) for n, s in state.get("status", {}).items()}
+    status = {n: (str(StepStatus.PENDING) if n in again else s) for n, s in state.get("status", {}).items()}
     visits = {n: (0 if n in again else v) for n, v in state.get("visits", {}).items()}
     loops = {t: {r: v for r, v in c.items() if r not in again} for t, c in state.get("loop_values", {}).items()
              if t not in again}
@@ -87,19 +89,16 @@ def _subgraph(wf: Workflow, at: str) -> Workflow:
     return step.sub
 
 
-def _inner_states(sub: Workflow, path: str, at: str, history: list[dict[str, Any]]) -> dict[str, Any]:
-    """The states subgraph ``sub`` at ``path`` (and those below it) start from, forked at ``at`` inside it,
-    by path (as a run keeps them): each of its steps done with its latest result in the checkpoints, the
-    others pending."""
+def _inner_states(sub: Workflow, path: str, at: str, history: list[dict[str, Any]]) -> dict[str, StoredState]:
+    """The state subgraph ``sub`` at ``path`` starts from (those below it nested in it), forked at ``at``
+    inside it: each of its steps done with its latest result in the checkpoints, the others pending."""
     prefix = path + "/"
     rows = [{**h, "step": h["step"][len(prefix):]} for h in history if (h.get("step") or "").startswith(prefix)]
-    last = {h["step"]: h for h in rows if h.get("status") == "done" and h.get("result") is not None}
+    last = {h["step"]: h for h in rows if h.get("status") == StepStatus.DONE and h.get("result") is not None}
     done = {n: last[n]["result"] for n in sub.steps if n in last}
-    state = {"status": {n: "done" if n in done else "pending" for n in sub.steps},
-             "visits": {n: int(n in done) for n in sub.steps}, "outputs": done}
-    forked = fork_state(state, sub, at, rows)
-    below = forked.pop("subruns", {})   # the level below, by paths relative to this one
-    return {path: forked, **{prefix + k: v for k, v in below.items()}}
+    state: StoredState = {"status": {n: str(StepStatus.DONE if n in done else StepStatus.PENDING) for n in sub.steps},
+                          "visits": {n: int(n in done) for n in sub.steps}, "outputs": done}
+    return {path: _fork(state, sub, at, rows)}
 
 
 def fork_run(store: CheckpointStore, run_id: str, wf: Workflow, at: str, inputs: dict[str, Any]) -> RunCheckpoint:
@@ -112,12 +111,12 @@ def fork_run(store: CheckpointStore, run_id: str, wf: Workflow, at: str, inputs:
     busy = live_holder(source)
     if busy is not None:
         raise RunBusyError(run_id, busy, source.lease_expires)
-    state = fork_state(source.state or {}, wf, at, store.history(run_id) if "/" in at else None)
+    state = fork_state(source.state, wf, at, store.history(run_id) if "/" in at else None)
     new_id = uuid.uuid4().hex[:16]
     meta = {**(source.meta or {}), "forked_from": {"run_id": run_id, "at": at, "time": time.time()}}
     holder = new_holder()   # the new run is held by this process from its creation, as any new run
     store.create_run(new_id, wf.name, to_jsonable(inputs), file=source.file, meta=meta, holder=holder,
                      ttl=LEASE_TTL_S)
     store.save(new_id, step=None, visit=0, step_status="forked", result=None, route=None, threads=[],
-               state=state, run_status="running", holder=holder)
+               state=cast("dict[str, Any]", state), run_status=str(RunStatus.RUNNING), holder=holder)
     return RunCheckpoint(store, new_id, record=store.get_run(new_id), holder=holder)

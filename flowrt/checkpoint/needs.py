@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..runner.state import StepStatus
 from .codec import TAG
 
 if TYPE_CHECKING:
@@ -12,7 +13,7 @@ if TYPE_CHECKING:
 
 __all__ = ["resources_to_continue"]
 
-_KEPT = ("done", "not_routed")   # statuses a resume keeps; every other step runs again
+_KEPT = (StepStatus.DONE, StepStatus.NOT_ROUTED)   # statuses a resume keeps; every other step runs again
 
 
 def _holds_thread(v: Any) -> bool:
@@ -25,8 +26,8 @@ def _holds_thread(v: Any) -> bool:
 
 
 def _runs_again(name: str, state: dict[str, Any]) -> bool:
-    status = state.get("status", {}).get(name, "pending")
-    return status not in _KEPT or (status == "done" and "json" not in state.get("outputs", {}).get(name, {}))
+    status = state.get("status", {}).get(name, StepStatus.PENDING)
+    return status not in _KEPT or (status == StepStatus.DONE and "json" not in state.get("outputs", {}).get(name, {}))
 
 
 def resources_to_continue(wf: Workflow, state: dict[str, Any] | None) -> list[str]:

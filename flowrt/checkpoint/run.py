@@ -5,14 +5,22 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, cast
 
 from ..render import to_jsonable
-from .codec import NotRestorable, decode, encode, encode_thread
+from ..runner.state import RunState, RunStatus, StepStatus
+from .codec import encode, encode_thread
 from .kv import KVCheckpoint, KVLoad, owner_of
 from .kv_refs import new_owner
 from .lease import LEASE_TTL_S, holder_is_dead, new_holder, renewer
+from .needs import resources_to_continue
+from .state_codec import StoredState, dump, load, restore
 from .store import CheckpointError, CheckpointStore, RunBusyError, RunRecord
+
+if TYPE_CHECKING:
+    from ..context import RunThreads
+    from ..graph.workflow import Workflow
+    from ..runner.interrupts import InterruptScope
 
 __all__ = ["RunCheckpoint", "open_store", "NO_ANSWER"]
 
@@ -63,8 +71,7 @@ class RunCheckpoint:
         self.kv_save_failed = 0               # KV blocks that could not be written (a full disk, ...)
         self.kv_owner: str | None = None      # the run's KV reference file (flowrt.checkpoint.kv_refs)
         self._kv_kept: dict[str, Any] | None = None   # the KV reference of the state the store holds
-        self._enc: dict[str, dict[str, Any]] = {}
-        self._scope: Any = None
+        self._scope: InterruptScope | None = None
         self.restored_steps: list[str] = []   # steps a resume did not run again
         self.activity: Any = None             # a RunActivity (flowrt.runner.activity): LLM calls, forks
 
@@ -94,9 +101,9 @@ class RunCheckpoint:
         run = cls(store, run_id, record=record, answer=answer, kv=kv, answers=answers, holder=holder)
         if waiting:
             try:
-                run._given_answers(record.state or {})
+                run._given_answers(load(record.state) or {})
             except CheckpointError:   # answers that do not fit: the run stays interrupted, unclaimed
-                store.release_run(run_id, holder, status="interrupted")
+                store.release_run(run_id, holder, status=str(RunStatus.INTERRUPTED))
                 raise
         return run
 
@@ -122,13 +129,19 @@ class RunCheckpoint:
         """Its checkpoints save KV blocks (bound to the run's engine)."""
         return self.kv is not None and self.kv.bound
 
-    # ------------------------------------------------------------------ executor hooks
-    def start(self, st: Any, scope: Any, model: Any) -> bool:
+    # ------------------------------------------------------------------ executor hooks (flowrt.runner.checkpointer)
+    def resources_to_continue(self, wf: Workflow) -> list[str] | None:
+        """The resources to load before the run starts: for a resume those its remaining steps need
+        (flowrt.checkpoint.needs), for a new run None (all of the workflow's)."""
+        state = self.record.state if self.record is not None else None
+        return resources_to_continue(wf, state) if state else None
+
+    def start(self, st: RunState, scope: InterruptScope, model: Any) -> bool:
         """Fill the executor's state from the stored one (a resume); False for a new run."""
         self._scope = scope
         if self.kv is not None and model is not None:
             self.kv.bind(model.engine)
-        state = self.record.state if self.record is not None else None
+        state = load(self.record.state if self.record is not None else None)
         self._kv_kept = (state or {}).get("kv")
         self.kv_owner = owner_of(self._kv_kept, self.run_id)   # a resume keeps it, a fork gets its own
         if state and self.kv is not None:
@@ -137,16 +150,17 @@ class RunCheckpoint:
             if self.record is not None and (self.answer is not NO_ANSWER or self.answers):
                 raise CheckpointError(f"run {self.run_id} is not waiting for an answer")
             return False
-        status = self.restore_into(st, state, model)
+        restore(st, state, model, run_id=self.run_id)
         scope.answers = {k: list(v) for k, v in state.get("answers", {}).items()}
         for step, value in self._given_answers(state).items():
             scope.answers.setdefault(step, []).append(value)
-        self.restored_steps = [n for n, s in status.items() if s == "done" and n in st.outputs]
+        self.restored_steps = [n for n, s in st.status.items() if s == StepStatus.DONE and n in st.outputs]
         return True
 
-    def _given_answers(self, state: dict[str, Any]) -> dict[str, Any]:
+    def _given_answers(self, state: StoredState) -> dict[str, Any]:
         """The answers given to this resume, by the step of the pending interrupt each answers."""
-        pending = state.get("interrupts") or ([state["interrupt"]] if state.get("interrupt") else [])
+        first = state.get("interrupt")
+        pending = state.get("interrupts") or ([first] if first else [])
         steps = [p["step"] for p in pending]
         if (self.answer is not NO_ANSWER or self.answers) and not pending:
             raise CheckpointError(f"run {self.run_id} is not waiting for an answer (status "
@@ -164,78 +178,16 @@ class RunCheckpoint:
                                   f"(it waits at {', '.join(map(repr, steps))})")
         return given
 
-    def restore_into(self, st: Any, state: dict[str, Any], model: Any, prefix: str = "") -> dict[str, str]:
-        """Fill a run state (the run's, or a subgraph's: ``prefix`` is its path and "/") from a saved one;
-        returns the restored step statuses."""
-        status = dict(state.get("status", {}))
-        for name in list(status):
-            if name not in st.status:
-                raise CheckpointError(f"run {self.run_id}: its checkpoint has step {prefix + name!r}, which the "
-                                      f"workflow no longer defines (the workflow file changed?)")
-        for name, enc in state.get("outputs", {}).items():
-            try:
-                st.outputs[name] = decode(enc, model)
-                self._enc[prefix + name] = enc
-            except NotRestorable:
-                status[name] = "pending"   # cannot be restored: the step runs again
-        for name, s in status.items():
-            if s in ("running", "interrupted", "failed", "skipped"):
-                if s in ("running", "interrupted"):
-                    state.get("visits", {})[name] = max(0, int(state.get("visits", {}).get(name, 1)) - 1)
-                status[name] = "pending"
-            elif s == "done" and name not in st.outputs:
-                status[name] = "pending"
-        st.status.update(status)
-        st.visits.update({k: int(v) for k, v in state.get("visits", {}).items() if k in st.visits})
-        from ..runner.executor import StepError
+    def restore_into(self, st: RunState, saved: StoredState, model: Any, path: str) -> None:
+        """Fill the state of the subgraph at ``path`` from the one its last run left (found by the resume)."""
+        restore(st, saved, model, run_id=self.run_id, path=path)
 
-        st.not_routed = {n: StepError(n, m, kind="not_routed") for n, m in state.get("not_routed", {}).items()
-                         if status.get(n) == "not_routed"}
-        st.chosen = {r: {t: self._dec(v, model) for t, v in c.items()} for r, c in state.get("chosen", {}).items()}
-        st.loop_values = {t: {r: self._dec(v, model) for r, v in c.items()}
-                          for t, c in state.get("loop_values", {}).items()}
-        st.route_log = list(state.get("routes", []))
-        st.timings = dict(state.get("timings", {}))
-        st.restoring = dict(state.get("subruns", {}))
-        if not prefix:
-            st.held_threads = {k: [list(ids) for ids in v] for k, v in state.get("held_threads", {}).items()}
-        return status
+    def record_output(self, st: RunState, step: str, value: Any) -> None:
+        """Encode a step's result once, when it ends (every later checkpoint saves it as encoded here)."""
+        st.encoded[step] = encode(value)
 
     @staticmethod
-    def _dec(enc: Any, model: Any) -> Any:
-        try:
-            return decode(enc, model)
-        except NotRestorable:
-            return None
-
-    def record_output(self, step: str, value: Any) -> None:
-        self._enc[step] = encode(value)
-
-    def _state(self, st: Any, prefix: str = "") -> dict[str, Any]:
-        # subgraphs in flight, nested by path (one a resume found and did not restart yet is kept as found)
-        subruns = {**getattr(st, "restoring", {}),
-                   **{p: self._state(c, p + "/") for p, c in getattr(st, "children", {}).items()}}
-        return {
-            "status": dict(st.status),
-            "visits": dict(st.visits),
-            "outputs": {n: self._enc[prefix + n] for n in st.outputs if prefix + n in self._enc},
-            "errors": {n: {"message": e.message, "kind": e.kind, "traceback": e.traceback, "attempts": e.attempts}
-                       for n, e in st.errors.items()},
-            "not_routed": {n: e.message for n, e in st.not_routed.items()},
-            "chosen": {r: {t: encode(v) for t, v in c.items()} for r, c in st.chosen.items()},
-            "loop_values": {t: {r: encode(v) for r, v in c.items()} for t, c in st.loop_values.items()},
-            "routes": list(st.route_log),
-            "timings": dict(st.timings),
-            "interrupt": st.interrupt,
-            **({"interrupts": list(st.interrupts)} if len(getattr(st, "interrupts", ())) > 1 else {}),
-            "answers": to_jsonable(self._scope.answers) if self._scope is not None and not prefix else {},
-            **({"subruns": subruns} if subruns else {}),
-            **({"held_threads": dict(st.held_threads)} if not prefix and getattr(st, "held_threads", None)
-               and self.kv is not None else {}),
-        }
-
-    @staticmethod
-    def _threads(threads: Any) -> list[dict[str, Any]]:
+    def _threads(threads: RunThreads) -> list[dict[str, Any]]:
         out = []
         for t, step in threads.live():
             try:
@@ -246,20 +198,21 @@ class RunCheckpoint:
             out.append({"id": t.id, "step": step, "fork_index": getattr(t, "fork_index", 0), **d})
         return out
 
-    def save(self, st: Any, step: str | None, threads: Any, run_status: str = "running", *,
-             at: Any = None) -> None:
+    def save(self, st: RunState, step: str | None, threads: RunThreads, run_status: RunStatus = RunStatus.RUNNING,
+             *, at: RunState | None = None) -> None:
         """Checkpoint after ``step`` (None: the run's end). ``at``: the state of the subgraph that holds
         ``step`` (a path, ``research/search``), when it is not the run's own."""
         own = at if at is not None else st
         name = step.rsplit("/", 1)[-1] if step else None
         route = next((r for r in reversed(own.route_log) if r["step"] == name), None) if name else None
-        status = own.status.get(name, "") if name else run_status
-        live, state = self._threads(threads), self._state(st)
+        status = str(own.status.get(name, "")) if name else str(run_status)
+        answers = self._scope.answers if self._scope is not None else None
+        live, state = self._threads(threads), dump(st, answers=answers, held_threads=self.kv is not None)
         if self.activity is not None:
             state.update(self.activity.state())
-        if self.kv is not None and self.kv.bound and run_status != "done":   # a finished run keeps no KV
+        if self.kv is not None and self.kv.bound and run_status != RunStatus.DONE:   # a finished run keeps no KV
             self.kv_owner = self.kv_owner or new_owner()
-            held = [ids for lists in getattr(st, "held_threads", {}).values() for ids in lists]
+            held = [ids for lists in st.held_threads.values() for ids in lists]
             saved = self.kv.save([t["token_ids"] for t in live] + held, owner=self.kv_owner, run_id=self.run_id,
                                  kept=self._kv_kept)
             state["kv"] = saved.ref
@@ -267,15 +220,15 @@ class RunCheckpoint:
         elif self.kv_owner is not None:   # its reference file names the owner: any collection can drop it
             state["kv"] = {"owner": self.kv_owner, "run": self.run_id}
         self.store.save(self.run_id, step=step, visit=own.visits.get(name, 0) if name else 0, step_status=status,
-                        result=self._enc.get(step) if step and name in own.outputs else None,
-                        route=route, threads=live, state=state,
-                        run_status=run_status if step is None else "running", interrupt=st.interrupt,
-                        holder=self.holder)
+                        result=own.encoded.get(name) if name and name in own.outputs else None,
+                        route=route, threads=live, state=cast("dict[str, Any]", state),
+                        run_status=str(run_status) if step is None else str(RunStatus.RUNNING),
+                        interrupt=cast("dict[str, Any] | None", st.interrupt), holder=self.holder)
         self._kv_kept = state.get("kv")
 
-    def finish(self, st: Any, status: str, threads: Any) -> None:
+    def finish(self, st: RunState, status: RunStatus, threads: RunThreads) -> None:
         self.save(st, None, threads, run_status=status)
-        if self.kv is not None and status == "done":
+        if self.kv is not None and status == RunStatus.DONE:
             if self.kv_owner is not None:
                 self.kv.release(self.kv_owner)
             self.kv.collect(self.store)   # its blocks go unless another unfinished run refers to them

@@ -6,12 +6,13 @@ import time
 from typing import Any, Callable
 
 from ..runner.executor import RunObserver
+from ..runner.state import StepStatus as S
 
 __all__ = ["ProgressDisplay", "summary_line", "steps_done"]
 
-_STYLE = {"pending": "dim", "running": "yellow", "done": "green", "failed": "bold red", "skipped": "magenta",
-          "interrupted": "cyan"}
-_ICON = {"pending": "·", "running": "▶", "done": "✓", "failed": "✗", "skipped": "-", "interrupted": "?"}
+_STYLE = {S.PENDING: "dim", S.RUNNING: "yellow", S.DONE: "green", S.FAILED: "bold red", S.SKIPPED: "magenta",
+          S.INTERRUPTED: "cyan"}
+_ICON = {S.PENDING: "·", S.RUNNING: "▶", S.DONE: "✓", S.FAILED: "✗", S.SKIPPED: "-", S.INTERRUPTED: "?"}
 
 
 def _rates(stats: dict[str, Any], elapsed: float, gen0: int) -> dict[str, str]:

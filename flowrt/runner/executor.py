@@ -18,9 +18,9 @@ import json
 import logging
 import time
 import traceback as tb_mod
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 import anyio
 
@@ -33,29 +33,19 @@ from ..graph.routing import Goto
 from ..graph.workflow import Step, Workflow
 from ..render import to_jsonable, unrenderable
 from ..worker import run_sync_abandonable
+from .checkpointer import Checkpointer
 from .interrupts import Interrupt, InterruptScope, current_interrupts
 from .step_cache import cached
+from .state import PendingInterrupt, RouteTaken, RunState, RunStatus, StepError, StepStatus, step_of
 from .trace import Tracer
 
 logger = logging.getLogger("flowrt.runner")
 
 __all__ = ["RunResult", "StepError", "StepFailed", "RunObserver", "WorkflowRun", "execute", "load_resources",
-           "ResourceProvider", "to_jsonable", "subflow", "run_subgraph", "SubgraphFailed"]
+           "ResourceProvider", "to_jsonable", "subflow", "run_subgraph", "SubgraphFailed", "StepStatus", "RunStatus"]
 
-
-@dataclass
-class StepError:
-    """Why a step has no output. ``kind``: "failed" (raised), "timeout", or "skipped" (an upstream step
-    failed or a resource was unavailable)."""
-
-    step: str
-    message: str
-    traceback: str | None = None
-    kind: str = "failed"
-    attempts: int = 0
-
-    def __str__(self) -> str:
-        return self.message
+S = StepStatus
+Readiness = Literal["wait", "run", "resolved"]
 
 
 class StepFailed(RuntimeError):
@@ -76,12 +66,12 @@ class RunResult:
     sinks: list[str] = field(default_factory=list)
     tracer: Tracer | None = field(default=None, repr=False)
     skipped: dict[str, StepError] = field(default_factory=dict)   # steps no route chose (not errors)
-    routes: list[dict[str, Any]] = field(default_factory=list)     # routes taken, in order
+    routes: list[RouteTaken] = field(default_factory=list)         # routes taken, in order
     visits: dict[str, int] = field(default_factory=dict)           # steps that ran more than once
-    status: str = "done"                # "done", "failed" or "interrupted"
+    status: RunStatus = RunStatus.DONE  # done, failed or interrupted
     run_id: str | None = None           # with a checkpointer
-    interrupt: dict[str, Any] | None = None   # {"step", "payload"} of an interrupted run (its first)
-    interrupts: list[dict[str, Any]] = field(default_factory=list)   # every pending one (parallel branches)
+    interrupt: PendingInterrupt | None = None   # {"step", "index", "payload"} of an interrupted run (its first)
+    interrupts: list[PendingInterrupt] = field(default_factory=list)   # every pending one (parallel branches)
 
     @property
     def ok(self) -> bool:
@@ -112,16 +102,16 @@ class RunResult:
 
     @property
     def interrupted(self) -> bool:
-        return self.status == "interrupted"
+        return self.status == RunStatus.INTERRUPTED
 
     def to_dict(self) -> dict[str, Any]:
         """``{"outputs": {step: result}, "errors": {step: message}, "stats": {...}}`` (JSON-safe: a result
         that cannot be rendered becomes an ``<unrenderable ...>`` placeholder, the others are kept), plus
         ``"skipped"`` and ``"routes"`` for a workflow that routed, ``"status"``, ``"run_id"`` and
         ``"interrupt"`` for an interrupted run."""
-        out = {"outputs": {k: to_jsonable(v) for k, v in self.outputs.items()},
-               "errors": {k: to_jsonable(e.message) for k, e in self.errors.items()},
-               "stats": to_jsonable(self.stats)}
+        out: dict[str, Any] = {"outputs": {k: to_jsonable(v) for k, v in self.outputs.items()},
+                               "errors": {k: to_jsonable(e.message) for k, e in self.errors.items()},
+                               "stats": to_jsonable(self.stats)}
         if self.skipped:
             out["skipped"] = {k: to_jsonable(e.message) for k, e in self.skipped.items()}
         if self.routes:
@@ -144,7 +134,7 @@ class RunObserver:
 
     def __init__(self, workflow: Workflow) -> None:
         self.workflow = workflow
-        self.status: dict[str, str] = {name: "pending" for name in workflow.steps}
+        self.status: dict[str, StepStatus] = {name: S.PENDING for name in workflow.steps}
         self.started: dict[str, float] = {}
         self.finished: dict[str, float] = {}
         self.items: dict[str, tuple[int, int]] = {}       # mapped steps: (done, total)
@@ -153,18 +143,18 @@ class RunObserver:
         self.phase = ""                                   # e.g. "loading llm"
         self.t0 = time.perf_counter()
 
-    def on_status(self, step: str, status: str) -> None:
+    def on_status(self, step: str, status: StepStatus) -> None:
         self.status[step] = status
         now = time.perf_counter()
-        if status == "running":
+        if status == S.RUNNING:
             self.started.setdefault(step, now)
-        elif status in ("done", "failed", "skipped"):
+        elif status in (S.DONE, S.FAILED, S.SKIPPED):
             self.finished[step] = now
 
     def counts(self) -> dict[str, int]:
-        out = {"pending": 0, "running": 0, "done": 0, "failed": 0, "skipped": 0}
+        out = {str(s): 0 for s in (S.PENDING, S.RUNNING, S.DONE, S.FAILED, S.SKIPPED)}
         for s in self.status.values():
-            out[s] = out.get(s, 0) + 1
+            out[str(s)] = out.get(str(s), 0) + 1
         return out
 
 
@@ -189,35 +179,6 @@ async def _call_once(step: Step, kwargs: dict[str, Any]) -> Any:
     if step.is_async:
         return await step.fn(**kwargs)
     return await run_sync_abandonable(lambda: step.fn(**kwargs), name=f"flowrt step {step.name}")
-
-
-class _RunState:
-    """What the scheduler knows about a run; a checkpoint is this, serialized (see ``snapshot``).
-
-    ``status`` is per step for the current pass: pending, running, done, failed, skipped (an upstream
-    failure or a missing resource), not_routed, interrupted. A loop route back to a step sets it and every
-    step after it to pending again (their last results stay until replaced)."""
-
-    def __init__(self, wf: Workflow) -> None:
-        self.status: dict[str, str] = {n: "pending" for n in wf.steps}
-        self.visits: dict[str, int] = {n: 0 for n in wf.steps}
-        self.outputs: dict[str, Any] = {}
-        self.errors: dict[str, StepError] = {}
-        self.not_routed: dict[str, StepError] = {}
-        self.chosen: dict[str, dict[str, Any]] = {}        # router -> {target: value} (this pass)
-        self.loop_values: dict[str, dict[str, Any]] = {}   # target -> {router: value}
-        self.route_log: list[dict[str, Any]] = []
-        self.timings: dict[str, float] = {}
-        self.interrupt: dict[str, Any] | None = None        # the first pending interrupt
-        self.interrupts: list[dict[str, Any]] = []          # all of them (branches running in parallel)
-        # the root run's: the states of subgraphs in flight, by path (saved nested in its checkpoints), and
-        # those a resume found, which the subgraph takes when it starts again
-        self.children: dict[str, _RunState] = {}
-        self.restoring: dict[str, Any] = {}
-        # the root run's: token ids of the threads of steps that have not ended (waiting in fr.interrupt,
-        # stopped mid-step), by label: their frames are gone, and every checkpoint saves their KV until the
-        # step ends (flowrt.checkpoint.kv)
-        self.held_threads: dict[str, list[list[int]]] = {}
 
 
 def _as_gotos(step: Step, value: Any) -> list[Goto]:
@@ -256,7 +217,7 @@ class WorkflowRun:
 
     def __init__(self, wf: Workflow, inputs: dict[str, Any], *, resources: dict[str, Any] | None = None,
                  resource_errors: dict[str, str] | None = None, tracer: Tracer | None = None,
-                 observer: RunObserver | None = None, checkpoint: Any = None,
+                 observer: RunObserver | None = None, checkpoint: Checkpointer | None = None,
                  events: EventSink | None = None, provider: ResourceProvider | None = None,
                  parent: WorkflowRun | None = None, path: str = "") -> None:
         self.wf = wf
@@ -264,9 +225,12 @@ class WorkflowRun:
         self.resources = dict(resources or {})
         self.resource_errors = dict(resource_errors or {})
         self.provider = provider
-        self.st = _RunState(wf)
+        self.st = RunState.new(wf.steps)
         self.parent = parent
         self.path = path                      # a subgraph's: "research" (its steps are "research/...")
+        # a subgraph's path below its parent run's, the key of its state in the parent's (RunState.children)
+        below = parent.path + "/" if parent is not None and parent.path else ""
+        self.key = path[len(below):] if below and path.startswith(below) else path
         if parent is None:
             self.root: WorkflowRun = self
             self.tracer = tracer or Tracer()
@@ -274,7 +238,7 @@ class WorkflowRun:
             self.checkpoint = checkpoint
             self.events = events
             self.scope = InterruptScope(enabled=checkpoint is not None)
-            self.threads = RunThreads(getattr(checkpoint, "run_id", None))   # a checkpointed run: its durable id
+            self.threads = RunThreads(checkpoint.run_id if checkpoint is not None else None)   # its durable id
             self.subflow_calls: dict[str, int] = {}   # "label/sub" -> subflow calls in the current attempt
         else:   # a subgraph: its steps are the parent run's (one tracer, event sink, checkpoint, interrupts)
             self.root = parent.root
@@ -296,7 +260,7 @@ class WorkflowRun:
         if self.events is not None:
             self.events(event)
 
-    def set_status(self, name: str, status: str) -> None:
+    def set_status(self, name: str, status: StepStatus) -> None:
         if self.observer is not None:
             self.observer.on_status(name, status)
 
@@ -315,11 +279,11 @@ class WorkflowRun:
         if self.checkpoint is None:
             return False
         if self.parent is not None:
-            saved = self.root.st.restoring.pop(self.path, None)
-            self.root.st.children[self.path] = self.st
+            saved = self.parent.st.restoring.pop(self.key, None)
+            self.parent.st.children[self.key] = self.st
             if saved is None:
                 return False
-            self.checkpoint.restore_into(self.st, saved, self.resources.get("llm"), prefix=self.path + "/")
+            self.checkpoint.restore_into(self.st, saved, self.resources.get("llm"), self.path)
             return True
         token = current_run_threads.set(self.threads)   # threads restored from token ids are the run's too
         try:
@@ -329,55 +293,55 @@ class WorkflowRun:
         if restored:
             for name in self.st.status:
                 if name in self.st.outputs:
-                    self.set_status(name, "done")
+                    self.set_status(name, S.DONE)
         return bool(restored)
 
-    def resolve(self, name: str, status: str, err: StepError | None = None) -> None:
+    def resolve(self, name: str, status: StepStatus, err: StepError | None = None) -> None:
         """Record that ``name`` ended as ``status`` without a new output of its own (or ``done``)."""
         st = self.st
         st.status[name] = status
-        if status == "done":
+        if status == S.DONE:
             st.errors.pop(name, None)
             st.not_routed.pop(name, None)
-        elif status == "not_routed":
+        elif status == S.NOT_ROUTED:
             assert err is not None
             if name not in st.outputs:
                 st.not_routed[name] = err
-            self.set_status(name, "skipped" if name not in st.outputs else "done")
+            self.set_status(name, S.SKIPPED if name not in st.outputs else S.DONE)
             self.emit(ev.StepSkipped(self.label(name), err.message))
-        elif status in ("failed", "skipped"):
+        elif status in (S.FAILED, S.SKIPPED):
             assert err is not None
             st.outputs.pop(name, None)
             st.not_routed.pop(name, None)
             st.errors[name] = err
             self.set_status(name, status)
-            if status == "skipped":
+            if status == S.SKIPPED:
                 self.emit(ev.StepSkipped(self.label(name), err.message))
 
     # ------------------------------------------------------------------ decisions
-    def readiness(self, step: Step) -> str:
+    def readiness(self, step: Step) -> Readiness:
         """"wait", "run", or "resolved" (skipped / not routed here and now)."""
         st = self.st
         for d in step.deps + step.gates:
-            if st.status[d] in ("pending", "running", "interrupted"):
+            if st.status[d] in (S.PENDING, S.RUNNING, S.INTERRUPTED):
                 return "wait"
-        failed = [d for d in step.deps + step.gates if st.status[d] in ("failed", "skipped")]
+        failed = [d for d in step.deps + step.gates if st.status[d] in (S.FAILED, S.SKIPPED)]
         if failed:
-            self.resolve(step.name, "skipped", StepError(
+            self.resolve(step.name, S.SKIPPED, StepError(
                 step.name, f"skipped: depends on failed step {failed[0]!r}", kind="skipped"))
             return "resolved"
         if step.gates and not any(step.name in st.chosen.get(g, {}) for g in step.gates):
             by = ", ".join(step.gates)
-            self.resolve(step.name, "not_routed", StepError(
+            self.resolve(step.name, S.NOT_ROUTED, StepError(
                 step.name, f"not routed: {by} chose another route", kind="not_routed"))
             return "resolved"
         params = {p.name: p for p in step.params}
         for d in step.deps:
-            if st.status[d] == "not_routed" and d not in st.outputs:
+            if st.status[d] == S.NOT_ROUTED and d not in st.outputs:
                 p = params.get(d)
                 if p is None or p.has_default:   # ordering only, or a join: the default stands in
                     continue
-                self.resolve(step.name, "not_routed", StepError(
+                self.resolve(step.name, S.NOT_ROUTED, StepError(
                     step.name, f"not routed: depends on {d!r}, which was not routed", kind="not_routed"))
                 return "resolved"
         if self.skip_if_unavailable(step):
@@ -388,7 +352,7 @@ class WorkflowRun:
         """Skip ``step`` (True) when a resource it needs could not be loaded."""
         missing = [r for r in step.resources if r in self.resource_errors]
         if missing:
-            self.resolve(step.name, "skipped", StepError(
+            self.resolve(step.name, S.SKIPPED, StepError(
                 step.name, f"skipped: resource {missing[0]!r} is unavailable: "
                 f"{self.resource_errors[missing[0]]}", kind="skipped"))
         return bool(missing)
@@ -438,14 +402,14 @@ class WorkflowRun:
         for g in loops:
             again = {g.step} | (set(nx.descendants(self._graph, g.step)) & set(self.wf.steps))
             for x in again:
-                if st.status[x] != "running":
-                    st.status[x] = "pending"
+                if st.status[x] != S.RUNNING:
+                    st.status[x] = S.PENDING
                     st.chosen.pop(x, None)
                     st.not_routed.pop(x, None)   # this pass decides again (a last result stays until then)
                     if x != step.name:
                         st.errors.pop(x, None)
             st.loop_values.setdefault(g.step, {})[step.name] = g.value
-        if st.status[step.name] == "done":
+        if st.status[step.name] == S.DONE:
             st.chosen[step.name] = {g.step: g.value for g in forward}
         if isinstance(value, Goto):
             return value.value
@@ -491,9 +455,11 @@ class WorkflowRun:
 
     async def run_mapped(self, step: Step, kwargs: dict[str, Any]) -> list[Any]:
         """Run ``step`` once per item of its ``map`` parameter, concurrently; the first failure fails it."""
-        items = kwargs[step.map]  # type: ignore[index]
+        mapped = step.map
+        assert mapped is not None, f"step {step.name!r} is not mapped"
+        items = kwargs[mapped]
         if isinstance(items, (str, bytes, dict)) or not hasattr(items, "__iter__"):
-            raise TypeError(f"step {step.name!r} maps over {step.map!r}, which must be a list "
+            raise TypeError(f"step {step.name!r} maps over {mapped!r}, which must be a list "
                             f"(got {type(items).__name__})")
         items = list(items)
         results: list[Any] = [None] * len(items)
@@ -510,9 +476,9 @@ class WorkflowRun:
             try:
                 if limiter is not None:
                     async with limiter:
-                        results[i], _ = await self.attempts(step, {**kwargs, step.map: item}, label)
+                        results[i], _ = await self.attempts(step, {**kwargs, mapped: item}, label)
                 else:
-                    results[i], _ = await self.attempts(step, {**kwargs, step.map: item}, label)
+                    results[i], _ = await self.attempts(step, {**kwargs, mapped: item}, label)
                 finished += 1
                 if self.observer is not None:
                     self.observer.items[step.name] = (finished, len(items))
@@ -546,7 +512,7 @@ class WorkflowRun:
             if visit is None:
                 return
             kwargs = self.kwargs_for(step)
-            self.set_status(step.name, "running")
+            self.set_status(step.name, S.RUNNING)
             self.emit(ev.StepStarted(label, visit))
             t0 = time.perf_counter()
             try:
@@ -557,15 +523,15 @@ class WorkflowRun:
             except Interrupt as e:
                 self.on_interrupt(step, e)
             except Exception as e:  # noqa: BLE001 - step failure is recorded, other steps go on
-                self.resolve(step.name, "failed", _failure(step, e))
+                self.resolve(step.name, S.FAILED, _failure(step, e))
                 self.emit(ev.StepFailed(label, visit, self.st.errors[step.name].message,
                                         self.st.errors[step.name].kind))
             else:
                 self.on_result(step, value, visit, time.perf_counter() - t0)
             finally:
                 self.st.timings[step.name] = time.perf_counter() - t0
-            if self.st.status[step.name] != "interrupted":
-                self.root.drop_children(label)
+            if self.st.status[step.name] != S.INTERRUPTED:
+                self.drop_children(step.name)
             self.save(step.name)
         finally:
             self.threads.step_done(label)  # the step's open threads: "finished" hints to the engine
@@ -582,7 +548,7 @@ class WorkflowRun:
         msg = (f"step {step.name!r} would run a {visit}th time, past max_visits={step.max_visits} (a loop "
                f"that does not end?); end the loop or raise @wf.step(max_visits=...)")
         self.st.visits[step.name] -= 1
-        self.resolve(step.name, "failed", StepError(step.name, msg, kind="failed"))
+        self.resolve(step.name, S.FAILED, StepError(step.name, msg, kind="failed"))
         self.emit(ev.StepFailed(self.label(step.name), visit, msg))
         return None
 
@@ -592,7 +558,7 @@ class WorkflowRun:
         else:
             value = await self.run_mapped(step, kwargs)
         if step.routes:
-            self.st.status[step.name] = "done"   # a loop route may set it pending again
+            self.st.status[step.name] = S.DONE   # a loop route may set it pending again
             value = self.take_routes(step, value)
         return value
 
@@ -607,18 +573,19 @@ class WorkflowRun:
         """The step asked for an answer (or a subgraph it runs, for one or more): the run starts no new steps
         and ends interrupted, every pending interrupt listed."""
         st = self.st
-        st.status[step.name] = "interrupted"
+        st.status[step.name] = S.INTERRUPTED
         st.not_routed.pop(step.name, None)
         own = e.pending is None
-        infos = [{"step": e.step, "index": e.index, "payload": to_jsonable(e.payload)}] if own else e.pending
+        infos: list[PendingInterrupt] = ([{"step": e.step, "index": e.index, "payload": to_jsonable(e.payload)}]
+                                         if e.pending is None else e.pending)
         st.interrupts.extend(infos)
         st.interrupt = st.interrupt or infos[0]
         if e.threads:
             self.root.st.held_threads[e.step] = e.threads
         self.halted = True
-        self.set_status(step.name, "interrupted")
+        self.set_status(step.name, S.INTERRUPTED)
         if self.parent is None:   # a subgraph's interrupts reach the parent's step, which reports them
-            run_id = getattr(self.checkpoint, "run_id", None)
+            run_id = self.checkpoint.run_id if self.checkpoint is not None else None
             for info in infos:
                 self.emit(ev.Interrupted(info["step"], e.payload if own else info["payload"], run_id))
 
@@ -626,20 +593,22 @@ class WorkflowRun:
         st = self.st
         st.outputs[step.name] = value
         if self.checkpoint is not None:
-            self.checkpoint.record_output(self.label(step.name), value)
+            self.checkpoint.record_output(st, step.name, value)
         st.errors.pop(step.name, None)
         st.not_routed.pop(step.name, None)
-        if st.status[step.name] in ("running", "done"):
-            st.status[step.name] = "done"
-        self.set_status(step.name, "done")
+        if st.status[step.name] in (S.RUNNING, S.DONE):
+            st.status[step.name] = S.DONE
+        self.set_status(step.name, S.DONE)
         self.emit(ev.StepFinished(self.label(step.name), visit, round(seconds, 6)))
 
-    def drop_children(self, label: str) -> None:
-        """A step at ``label`` ended (not interrupted): the subgraph states and held threads it kept are no
-        longer needed (a later visit starts them afresh)."""
-        for kept in (self.st.children, self.st.held_threads):
-            for k in [k for k in kept if k == label or k.startswith((label + "/", label + "["))]:
-                del kept[k]
+    def drop_children(self, name: str) -> None:
+        """Step ``name`` ended (not interrupted): the subgraph states and held threads it kept are no longer
+        needed (a later visit starts them afresh)."""
+        for key in [k for k in self.st.children if step_of(k) == name]:
+            del self.st.children[key]
+        label, held = self.label(name), self.root.st.held_threads
+        for k in [k for k in held if k == label or k.startswith((label + "/", label + "["))]:
+            del held[k]
 
     # ------------------------------------------------------------------ the loop
     def start_ready(self, tg: Any) -> bool:
@@ -647,24 +616,25 @@ class WorkflowRun:
         halted). True when something was resolved (which may unblock others)."""
         progressed = False
         for name in self.order:
-            if self.st.status[name] != "pending" or name in self.running:
+            if self.st.status[name] != S.PENDING or name in self.running:
                 continue
             r = self.readiness(self.wf.steps[name])
             if r == "resolved":
                 progressed = True
             elif r == "run" and not self.halted:
-                self.st.status[name] = "running"
+                self.st.status[name] = S.RUNNING
                 self.running.add(name)
                 tg.start_soon(self.run_step, self.wf.steps[name], name=f"flowrt step {name}")
         return progressed
 
     async def run(self) -> None:
         """Run the steps until none can start and none is running (in the run's context variables)."""
-        tokens = [(current_tracer, current_tracer.set(self.tracer)),
-                  (current_run_threads, current_run_threads.set(self.threads)),
-                  (current_sink, current_sink.set(self.events)),
-                  (current_interrupts, current_interrupts.set(self.scope)),
-                  (current_run, current_run.set(self))]
+        tokens: list[tuple[ContextVar[Any], Token[Any]]] = [
+            (current_tracer, current_tracer.set(self.tracer)),
+            (current_run_threads, current_run_threads.set(self.threads)),
+            (current_sink, current_sink.set(self.events)),
+            (current_interrupts, current_interrupts.set(self.scope)),
+            (current_run, current_run.set(self))]
         try:
             async with anyio.create_task_group() as tg:
                 while True:
@@ -688,21 +658,20 @@ class WorkflowRun:
         """The run is stopped mid-step (a server's shutdown, Ctrl-C, SIGTERM) and saves KV checkpoints:
         checkpoint it with the KV of the threads it holds, so that a resume in a fresh process computes only
         what its steps add (without KV its last checkpoint stands, as after a crash)."""
-        if not getattr(self.checkpoint, "saves_kv", False):
+        if self.checkpoint is None or not self.checkpoint.saves_kv:
             return
         from ..checkpoint import CheckpointError
 
         try:
             self.checkpoint.save(self.st, None, self.threads)
         except CheckpointError as e:   # the lease was lost, the store is gone: the last checkpoint stands
-            logger.warning("run %s stopped: its checkpoint was not saved (%s)",
-                           getattr(self.checkpoint, "run_id", None), e)
+            logger.warning("run %s stopped: its checkpoint was not saved (%s)", self.checkpoint.run_id, e)
 
-    def status(self) -> str:
+    def status(self) -> RunStatus:
         st = self.st
         if st.interrupt is not None:
-            return "interrupted"
-        return "failed" if any(e.kind != "skipped" for e in st.errors.values()) else "done"
+            return RunStatus.INTERRUPTED
+        return RunStatus.FAILED if any(e.kind != "skipped" for e in st.errors.values()) else RunStatus.DONE
 
     def result(self, elapsed: float, stats_fn: Callable[[], dict[str, Any]] | None) -> RunResult:
         st, wf, order = self.st, self.wf, self.order
@@ -722,7 +691,7 @@ class WorkflowRun:
                          stats, dict(st.timings), wf.sinks(), self.tracer,
                          skipped={n: st.not_routed[n] for n in order if n in st.not_routed},
                          routes=list(st.route_log), visits={n: v for n, v in st.visits.items() if v > 1},
-                         status=self.status(), run_id=getattr(self.checkpoint, "run_id", None),
+                         status=self.status(), run_id=self.checkpoint.run_id if self.checkpoint is not None else None,
                          interrupt=st.interrupt, interrupts=list(st.interrupts))
 
 
@@ -749,7 +718,7 @@ async def load_resources(wf: Workflow, provider: ResourceProvider | None, observ
 
 async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvider | None = None, *,
                   tracer: Tracer | None = None, observer: RunObserver | None = None,
-                  stats_fn: Callable[[], dict[str, Any]] | None = None, checkpoint: Any = None,
+                  stats_fn: Callable[[], dict[str, Any]] | None = None, checkpoint: Checkpointer | None = None,
                   events: EventSink | None = None) -> RunResult:
     """Run ``wf`` once. Invalid inputs raise ``WorkflowError`` before any step starts; step failures are
     reported in the result, never raised.
@@ -762,27 +731,18 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
     if tracer.stats_fn is None:
         tracer.stats_fn = stats_fn
     t_start = time.perf_counter()
-    resources, resource_errors = await load_resources(wf, provider, observer, only=_upfront(wf, checkpoint))
+    upfront = checkpoint.resources_to_continue(wf) if checkpoint is not None else None
+    resources, resource_errors = await load_resources(wf, provider, observer, only=upfront)
     run = WorkflowRun(wf, inputs, resources=resources, resource_errors=resource_errors, tracer=tracer,
                       observer=observer, checkpoint=checkpoint, events=events, provider=provider)
     restored = run.restore()
-    run.emit(ev.RunStarted(wf.name, getattr(checkpoint, "run_id", None), list(wf.steps), resumed=restored))
+    run.emit(ev.RunStarted(wf.name, checkpoint.run_id if checkpoint is not None else None, list(wf.steps),
+                           resumed=restored))
     await run.run()
     result = run.result(time.perf_counter() - t_start, stats_fn)
     if checkpoint is not None:
         checkpoint.finish(run.st, result.status, run.threads)
     return result
-
-
-def _upfront(wf: Workflow, checkpoint: Any) -> list[str] | None:
-    """The resources to load before the run starts: all of the workflow's for a new run (None), for a resume
-    those its remaining steps need (flowrt.checkpoint.needs)."""
-    state = getattr(getattr(checkpoint, "record", None), "state", None)
-    if not state:
-        return None
-    from ..checkpoint.needs import resources_to_continue
-
-    return resources_to_continue(wf, state)
 
 
 def _stats(engine_fn: Callable[[], dict[str, Any]] | None, run: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from .state import PendingInterrupt
+
 __all__ = ["interrupt", "Interrupt", "InterruptScope", "current_interrupts"]
 
 
@@ -27,7 +29,7 @@ class Interrupt(Exception):
     """Raised by ``fr.interrupt`` to pause the run (the executor handles it; do not catch it)."""
 
     def __init__(self, payload: Any, step: str, index: int, *, threads: list[list[int]] | None = None,
-                 pending: list[dict[str, Any]] | None = None) -> None:
+                 pending: list[PendingInterrupt] | None = None) -> None:
         super().__init__(f"step {step!r} is waiting for an answer (interrupt {index})")
         self.payload = payload
         self.step = step

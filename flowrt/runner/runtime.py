@@ -17,6 +17,7 @@ import anyio
 
 from ..aio import _BaseExceptionGroup, _leaves
 from .executor import RunObserver, RunResult, execute
+from .state import RunStatus
 from ..llm.model import Model
 from ..graph.resources import resource_kinds
 from .trace import Tracer
@@ -259,7 +260,7 @@ class Runtime:
         if self.checkpointer is None:
             raise CheckpointError("resume needs a checkpointer: fr.Runtime(checkpoint=\"runs.db\")")
         record = self.checkpointer.get_run(run_id, with_state=False)
-        if record.status == "done":
+        if record.status == RunStatus.DONE:
             raise RunNotResumableError(f"run {run_id} already finished (status done); nothing to resume")
         wf = workflow
         if wf is None:

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..checkpoint.lease import live_holder
+from ..checkpoint.state_codec import load
 from .layout import layout
 
 if TYPE_CHECKING:
@@ -60,6 +61,16 @@ def _steps_of(wf: Workflow | None, state: dict[str, Any]) -> list[str]:
     return out
 
 
+def _subrun(state: dict[str, Any], path: str) -> dict[str, Any] | None:
+    """The state of the subgraph in flight at ``path``: the stored states nest (flowrt.checkpoint.state_codec),
+    each below the one whose path its own extends."""
+    subs = state.get("subruns") or {}
+    if path in subs:
+        return subs[path]
+    below = max((k for k in subs if path.startswith(k + "/")), key=len, default=None)
+    return None if below is None else _subrun(subs[below], path[len(below) + 1:])
+
+
 def _state_at(state: dict[str, Any], path: str,
               history: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], str]:
     """The (sub)run state holding step ``path`` and the step's name in it. A subgraph that is not in flight
@@ -67,7 +78,7 @@ def _state_at(state: dict[str, Any], path: str,
     head, _, name = path.rpartition("/")
     if not head:
         return state, name
-    kept = (state.get("subruns") or {}).get(head)
+    kept = _subrun(state, head)
     if kept is not None or not history:
         return kept or {}, name
     last = next((h for h in reversed(history) if h.get("step") == path), None)
@@ -82,7 +93,7 @@ def _state_at(state: dict[str, Any], path: str,
 def step_states(wf: Workflow | None, record: RunRecord, history: list[dict[str, Any]] | None = None) -> dict[str, str]:
     """Each step's state (one of ``STEP_STATES``) by path (``history``: the run's checkpoints, for the steps of
     a subgraph that has ended)."""
-    state = record.state or {}
+    state = load(record.state) or {}
     out: dict[str, str] = {}
     for path in _steps_of(wf, state):
         at, name = _state_at(state, path, history)
@@ -119,7 +130,7 @@ def _calls_by_step(state: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
 
 def detail(record: RunRecord, wf: Workflow | None, history: list[dict[str, Any]]) -> dict[str, Any]:
     """A run's page."""
-    state = record.state or {}
+    state = load(record.state) or {}
     states = step_states(wf, record, history)
     calls = _calls_by_step(state)
     steps = []

@@ -35,14 +35,16 @@ class FakeCheckpoint:
     def __init__(self) -> None:
         self.saved: list[tuple[str | None, dict[str, str]]] = []
         self.recorded: dict[str, Any] = {}
+        self.recorded_in: list[Any] = []   # the run states the results were recorded in
 
     def start(self, st: Any, scope: Any, model: Any) -> bool:
         st.outputs["a"] = 5
         st.status["a"] = "done"
         return True
 
-    def record_output(self, step: str, value: Any) -> None:
+    def record_output(self, st: Any, step: str, value: Any) -> None:
         self.recorded[step] = value
+        self.recorded_in.append(st)
 
     def save(self, st: Any, step: str | None, threads: Any, at: Any = None) -> None:
         self.saved.append((step, dict((at or st).status)))
@@ -301,7 +303,7 @@ def test_a_subgraph_run_labels_its_steps_with_its_path_and_shares_the_parents_ru
     child.st.status["a"] = "running"   # as start_ready leaves it
     anyio.run(child.run_step, wf.steps["a"])
     assert [(e.type, e.step) for e in seen] == [("step_started", "outer/inner/a"), ("step_finished", "outer/inner/a")]
-    assert cp.recorded == {"outer/inner/a": 2}
+    assert cp.recorded == {"a": 2} and cp.recorded_in == [child.st]   # in the subgraph's own state
     assert cp.saved == [("outer/inner/a", {"a": "done", "b": "pending"})]   # the subgraph's own state
 
 

@@ -241,8 +241,9 @@ LAYERS = {
     "base": 0,  # flowrt/*.py: the public package, context, events, aio, render, worker
     "llm": 1, "replicas": 1,  # handles on an engine
     "graph": 2,  # defining workflows (their resources name fr.Model)
-    "runner": 3, "checkpoint": 3,  # running them: builds Models, executes graphs, saves runs
-    "cli": 4, "server": 4, "ui": 4,  # front ends
+    "runner": 3,  # running them: builds Models, executes graphs (its RunState and Checkpointer protocol: the seam)
+    "checkpoint": 4,  # saves runs: the runner's RunState, behind the runner's Checkpointer protocol
+    "cli": 5, "server": 5, "ui": 5,  # front ends
 }
 
 
