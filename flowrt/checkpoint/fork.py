@@ -73,7 +73,7 @@ def _fork(state: StoredState, wf: Workflow, at: str, history: list[dict[str, Any
                         **(_inner_states(sub, at, inner, history or []) if sub is not None else {})},
             "held_threads": keep(state.get("held_threads", {})), "interrupt": None,
             "llm_calls": keep(state.get("llm_calls", {})), "llm_totals": None,   # the totals of the calls kept
-            "forks": [f for f in state.get("forks", []) if _top(f.get("step") or "") not in again]}
+            "forks": [f for f in state.get("forks", []) if step_of(f.get("step") or "") not in again]}
 
 
 def _subgraph(wf: Workflow, at: str) -> Workflow:
