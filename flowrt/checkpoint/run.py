@@ -61,6 +61,7 @@ class RunCheckpoint:
         self.kv = kv                          # KV saved with the checkpoints (flowrt.checkpoint.kv)
         self.kv_load: KVLoad | None = None    # what a resume loaded
         self.kv_save_failed = 0               # KV blocks that could not be written (a full disk, ...)
+        self.kv_save_blocked_s = 0.0          # time its saves kept the event loop on KV (flowrt.checkpoint.kv)
         self.kv_owner: str | None = None      # the run's KV reference file (flowrt.checkpoint.kv_refs)
         self._kv_kept: dict[str, Any] | None = None   # the KV reference of the state the store holds
         self._enc: dict[str, dict[str, Any]] = {}
@@ -258,9 +259,10 @@ class RunCheckpoint:
             self.kv_owner = self.kv_owner or new_owner()
             held = [ids for lists in getattr(st, "held_threads", {}).values() for ids in lists]
             saved = self.kv.save([t["token_ids"] for t in live] + held, owner=self.kv_owner, run_id=self.run_id,
-                                 kept=self._kv_kept)
+                                 kept=self._kv_kept, durable=step is None)   # the run's last: its blocks on disk
             state["kv"] = saved.ref
             self.kv_save_failed += saved.failed
+            self.kv_save_blocked_s += saved.blocked_s
         elif self.kv_owner is not None:   # its reference file names the owner: any collection can drop it
             state["kv"] = {"owner": self.kv_owner, "run": self.run_id}
         self.store.save(self.run_id, step=step, visit=own.visits.get(name, 0) if name else 0, step_status=status,
@@ -269,6 +271,14 @@ class RunCheckpoint:
                         run_status=run_status if step is None else "running", interrupt=st.interrupt,
                         holder=self.holder)
         self._kv_kept = state.get("kv")
+
+    async def kv_flushed(self) -> None:
+        """The KV blocks queued so far are on disk (waited for off the event loop): the run's last
+        checkpoint, saved next, then waits for only what it adds."""
+        if self.saves_kv:
+            import anyio
+
+            await anyio.to_thread.run_sync(self.kv.flush)
 
     def finish(self, st: Any, status: str, threads: Any) -> None:
         self.save(st, None, threads, run_status=status)

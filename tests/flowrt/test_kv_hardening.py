@@ -77,7 +77,8 @@ def content(h: bytes) -> bytes:
 
 
 def kv_checkpoint(root, grace_s: float = 0.0) -> KVCheckpoint:
-    kvc = KVCheckpoint(str(root), grace_s=grace_s)
+    """Blocks written on the caller (queue_bytes=0): these tests look at the files a save leaves."""
+    kvc = KVCheckpoint(str(root), grace_s=grace_s, queue_bytes=0)
     kvc.bind(FakeEngine())
     return kvc
 
