@@ -110,14 +110,22 @@ class KVCheckpoint:
 
     def save(self, threads: Iterable[list[int]], *, owner: str, run_id: str,
              kept: dict[str, Any] | None = None, durable: bool = False) -> KVSaved:
-        """Queue the new full blocks of each thread for writing, then write the run's reference file (these
-        blocks and ``kept``'s, the state its database holds until this checkpoint is saved). ``durable``:
-        wait until the blocks are on disk, and name only those that are."""
+        """Copy the new full blocks of each thread out of the engine, write the run's reference file (these
+        blocks and ``kept``'s, the state its database holds until this checkpoint is saved: so neither
+        collection nor the budget takes them while they are written), then queue the blocks for writing.
+        ``durable``: wait until they are on disk, and name only those that are."""
         t0 = time.perf_counter()
-        fp, chains, failed, deadline = self.fingerprint, [], set(), self.writer.deadline()
-        for token_ids in threads:
+        fp, deadline = self.fingerprint, self.writer.deadline()
+        exported = [self._engine.kv_export(ids, skip=lambda h: self._kept(fp, h)) for ids in threads]
+        named = {"fingerprint": fp, "threads": [[h.hex() for h, _ in blocks] for blocks in exported]}
+        try:
+            self.refs.write(RunRef(owner, run_id, blocks_of(named, kept)))
+        except OSError as e:
+            self._warn(e, "write the run's KV reference file")
+        chains, failed = [], set()
+        for blocks in exported:
             chain, broken = [], False
-            for h, data in self._engine.kv_export(token_ids, skip=lambda h: self._kept(fp, h)):
+            for h, data in blocks:
                 if not broken and (data is None or (h not in failed and self._submit(fp, h, data, deadline))):
                     chain.append(h.hex())
                     continue
@@ -127,10 +135,6 @@ class KVCheckpoint:
             if chain:
                 chains.append(chain)
         ref = {"fingerprint": fp, "threads": chains, "owner": owner, "run": run_id}
-        try:
-            self.refs.write(RunRef(owner, run_id, blocks_of(ref, kept)))
-        except OSError as e:
-            self._warn(e, "write the run's KV reference file")
         if durable:
             self.writer.flush()
             ref["threads"] = self._durable(chains, failed)
