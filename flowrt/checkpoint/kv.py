@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -93,6 +94,8 @@ class KVCheckpoint:
         self.fingerprint = ""
         self.block_bytes = 0
         self._warned: set[str] = set()   # reasons a write failed, each warned about once
+        self._queued: dict[str, set[tuple[str, bytes]]] = {}   # by run: blocks queued since its last settle
+        self._lock = threading.Lock()
 
     def bind(self, engine: Any) -> None:
         if self._engine is engine:
@@ -126,7 +129,7 @@ class KVCheckpoint:
         for blocks in exported:
             chain, broken = [], False
             for h, data in blocks:
-                if not broken and (data is None or (h not in failed and self._submit(fp, h, data, deadline))):
+                if not broken and (data is None or (h not in failed and self._submit(run_id, h, data, deadline))):
                     chain.append(h.hex())
                     continue
                 broken = True   # the chain's later blocks are unusable without this one
@@ -135,31 +138,43 @@ class KVCheckpoint:
             if chain:
                 chains.append(chain)
         ref = {"fingerprint": fp, "threads": chains, "owner": owner, "run": run_id}
+        written_failed = 0
         if durable:
-            self.writer.flush()
-            ref["threads"] = self._durable(chains, failed)
+            written_failed = self.settle(run_id)
+            ref["threads"] = self._durable(chains)
         else:
             queued = [x for x in dict.fromkeys(x for c in chains for x in c)
                       if self.writer.pending((fp, bytes.fromhex(x)))]
             if queued:
                 ref["queued"] = queued
-        return KVSaved(ref, len(failed), time.perf_counter() - t0)
+        return KVSaved(ref, len(failed) + written_failed, time.perf_counter() - t0)
 
-    def _submit(self, fp: str, h: bytes, data: bytes, deadline: float) -> bool:
-        return self.writer.submit((fp, h), data, deadline) is not Submitted.DROPPED
+    def _submit(self, run_id: str, h: bytes, data: bytes, deadline: float) -> bool:
+        key = (self.fingerprint, h)
+        got = self.writer.submit(key, data, deadline)
+        if got is Submitted.QUEUED:
+            with self._lock:
+                self._queued.setdefault(run_id, set()).add(key)
+        return got is not Submitted.DROPPED
+
+    def settle(self, run_id: str) -> int:
+        """Wait until the blocks queued so far are on disk; how many of those the run queued could not be
+        written (each counted once: the run's ``kv_blocks_save_failed``)."""
+        self.writer.flush()
+        with self._lock:
+            keys = self._queued.pop(run_id, set())
+        return len(keys & self.writer.failed)
 
     def _kept(self, fp: str, h: bytes) -> bool:
         """The block need not be copied out of the engine: queued already, or on disk (renewed there)."""
         return self.writer.pending((fp, h)) or self.blocks.fresh(fp, h)
 
-    def _durable(self, chains: list[list[str]], failed: set[bytes]) -> list[list[str]]:
-        """The chains up to their first block the writer could not write (counted into ``failed``)."""
+    def _durable(self, chains: list[list[str]]) -> list[list[str]]:
+        """The chains up to their first block the writer could not write."""
         out = []
         for chain in chains:
             for i, x in enumerate(chain):
-                h = bytes.fromhex(x)
-                if (self.fingerprint, h) in self.writer.failed:
-                    failed.add(h)
+                if (self.fingerprint, bytes.fromhex(x)) in self.writer.failed:
                     chain = chain[:i]
                     break
             if chain:
@@ -178,10 +193,6 @@ class KVCheckpoint:
 
     def _write_failed(self, e: OSError) -> None:
         self._warn(e, "write KV blocks")
-
-    def flush(self) -> None:
-        """Wait until every block queued is on disk (or failed)."""
-        self.writer.flush()
 
     def close(self) -> None:
         """Write what is queued and stop the writer thread."""

@@ -273,12 +273,12 @@ class RunCheckpoint:
         self._kv_kept = state.get("kv")
 
     async def kv_flushed(self) -> None:
-        """The KV blocks queued so far are on disk (waited for off the event loop): the run's last
-        checkpoint, saved next, then waits for only what it adds."""
+        """The KV blocks queued so far are on disk (waited for off the event loop; those of this run that
+        could not be written are counted): the run's last checkpoint, saved next, waits only for what it adds."""
         if self.saves_kv:
             import anyio
 
-            await anyio.to_thread.run_sync(self.kv.flush)
+            self.kv_save_failed += await anyio.to_thread.run_sync(self.kv.settle, self.run_id)
 
     def finish(self, st: Any, status: str, threads: Any) -> None:
         self.save(st, None, threads, run_status=status)

@@ -95,10 +95,10 @@ def test_a_save_waits_for_a_slow_disk_at_most_its_bound(tmp_path, monkeypatch):
     assert len(chain) == 4 and saved.failed == 4   # one being written + three queued; the chain stops there
     assert saved.ref["queued"] == chain
     disk.go.set()
-    kvc.flush()
+    kvc.writer.flush()
     assert block_count(tmp_path / "kv") == len(chain)
     again = kvc.save([thread(1, 8)], owner="0" * 32, run_id="r")   # room now: the rest is queued
-    kvc.flush()
+    kvc.writer.flush()
     assert len(again.ref["threads"][0]) == 8 and block_count(tmp_path / "kv") == 8
 
 
@@ -127,7 +127,7 @@ def test_blocks_queued_when_the_process_died_are_reported_unsaved(tmp_path, monk
     kvc = kv_checkpoint(tmp_path / "kv")
     first = kvc.save([thread(1, 2)], owner="0" * 32, run_id="r")
     disk.go.set()
-    kvc.flush()
+    kvc.writer.flush()
     disk.go.clear()
     ref = kvc.save([thread(1, 4), thread(2, 2)], owner="0" * 32, run_id="r").ref   # 4 new blocks, stuck
     assert first.ref["threads"][0] == ref["threads"][0][:2] and len(ref["queued"]) == 4
