@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -119,6 +119,7 @@ async def main():
                 r = await rt.run(wf, threads=int(threads), words=int(words))
                 tg.cancel_scope.cancel()
             print(json.dumps({"run_id": r.run_id, "status": r.status, "seconds": time.perf_counter() - t0,
+                              "errors": {k: e.message for k, e in r.errors.items()},
                               "prefill": rt.stats()["prefill_tokens_computed"],
                               "blocked": r.stats["kv_save_blocked_s"], "late": late[0]}))
             return
@@ -172,7 +173,8 @@ def main() -> None:
         for i in range(args.rounds):
             for name in (("with", "without") if i % 2 == 0 else ("without", "with")):
                 db = os.path.join(d, f"r{i}{name}.db")
-                shutil.copy(paused, db)
+                with sqlite3.connect(paused) as src, sqlite3.connect(db) as dst:
+                    src.backup(dst)   # with what is still in the write-ahead log
                 r = child("resume", wf_file, db, kv if name == "with" else "-", args.model, args.dtype,
                           str(args.threads), str(args.words), wf_name, last, info["run_id"])
                 assert r["status"] == "done", r
