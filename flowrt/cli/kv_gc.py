@@ -57,7 +57,7 @@ class KVUsage:
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def usage_and_prune(kvc: Any, store: Any, *, dry_run: bool) -> KVUsage:
