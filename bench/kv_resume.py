@@ -9,6 +9,12 @@ engine is started before the clock starts), and the greedy outputs must agree.
 interrupts uses them after. --case interrupt (issue 34): one step opens the threads, generates, waits in
 ``fr.interrupt`` (only its frame holds them) and generates again with the answer, the human-in-the-loop shape.
 
+The run is paused twice, each in a fresh process and its own block directory: with the blocks written on the
+event loop (``queue_bytes=0``: as before the writer thread) and by the writer thread (the default; its blocks
+are the ones resumed). For each: the run's ``kv_save_blocked_s`` (time its saves kept the event loop: copying
+blocks out of the engine, waiting for room in the queue, the last blocks' writes) and the longest the event
+loop was late for a 5 ms timer while the run paused.
+
     python bench/kv_resume.py [--model PATH] [--dtype auto] [--threads 4] [--rounds 3] [--case interrupt]
 
 Target (issue 24): at most one partial block per thread computed, at least 3x faster than without.
@@ -19,7 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -90,14 +96,32 @@ wf = load_workflow(wf_file, name)
 kw = {} if model == "-" else {"model": model}
 
 
+async def lateness(out: list) -> None:
+    """The longest the event loop was late for a 5 ms timer (a save holding the loop shows here)."""
+    while True:
+        t = time.perf_counter()
+        await anyio.sleep(0.005)
+        out[0] = max(out[0], time.perf_counter() - t - 0.005)
+
+
 async def main():
     async with fr.Runtime(kw.get("model"), checkpoint=db, checkpoint_kv=kv if kv != "-" else False,
                           dtype=dtype) as rt:
         await rt.model()   # the engine starts before the clock
-        if mode == "pause":
-            r = await rt.run(wf, threads=int(threads), words=int(words))
-            print(json.dumps({"run_id": r.run_id, "status": r.status,
-                              "prefill": rt.stats()["prefill_tokens_computed"]}))
+        if mode.startswith("pause"):
+            if mode == "pause-inline":   # blocks written on the event loop, as before the writer thread
+                from flowrt.checkpoint.kv import KVCheckpoint
+                rt.kv_checkpoint = KVCheckpoint(kv, queue_bytes=0)
+            late = [0.0]
+            t0 = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lateness, late)
+                r = await rt.run(wf, threads=int(threads), words=int(words))
+                tg.cancel_scope.cancel()
+            print(json.dumps({"run_id": r.run_id, "status": r.status, "seconds": time.perf_counter() - t0,
+                              "errors": {k: e.message for k, e in r.errors.items()},
+                              "prefill": rt.stats()["prefill_tokens_computed"],
+                              "blocked": r.stats["kv_save_blocked_s"], "late": late[0]}))
             return
         before = rt.stats()["prefill_tokens_computed"]
         t0 = time.perf_counter()
@@ -132,20 +156,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         wf_file = os.path.join(d, "long_threads.py")
         Path(wf_file).write_text(WORKFLOW)
-        paused, kv = os.path.join(d, "paused.db"), os.path.join(d, "blocks")
-        info = child("pause", wf_file, paused, kv, args.model, args.dtype, str(args.threads), str(args.words), wf_name,
-                     last)
-        assert info["status"] == "interrupted", info
-        blocks = sum(f.endswith(".kv") for _, _, fs in os.walk(kv) for f in fs)
-        size = sum(os.path.getsize(os.path.join(p, f)) for p, _, fs in os.walk(kv) for f in fs if f.endswith(".kv"))
-        print(f"paused run ({args.case}): {info['prefill']} prefill tokens; "
-              f"{blocks} KV blocks saved, {size / 2**20:.1f} MiB", flush=True)
+        for mode, how in (("pause-inline", "written on the event loop (before)"),
+                          ("pause", "written by the writer thread (after)")):
+            paused, kv = os.path.join(d, f"{mode}.db"), os.path.join(d, f"{mode}-blocks")
+            info = child(mode, wf_file, paused, kv, args.model, args.dtype, str(args.threads), str(args.words),
+                         wf_name, last)
+            assert info["status"] == "interrupted", info
+            blocks = sum(f.endswith(".kv") for _, _, fs in os.walk(kv) for f in fs)
+            size = sum(os.path.getsize(os.path.join(p, f)) for p, _, fs in os.walk(kv) for f in fs
+                       if f.endswith(".kv"))
+            print(f"paused run ({args.case}), KV blocks {how}: {info['prefill']} prefill tokens, {info['seconds']:.2f} s; "
+                  f"{blocks} KV blocks saved, {size / 2**20:.1f} MiB; kv_save_blocked_s {info['blocked']:.3f}, "
+                  f"event loop late by at most {info['late'] * 1000:.0f} ms", flush=True)
         res: dict[str, list[dict]] = {"with": [], "without": []}
         outputs = set()
         for i in range(args.rounds):
             for name in (("with", "without") if i % 2 == 0 else ("without", "with")):
                 db = os.path.join(d, f"r{i}{name}.db")
-                shutil.copy(paused, db)
+                with sqlite3.connect(paused) as src, sqlite3.connect(db) as dst:
+                    src.backup(dst)   # with what is still in the write-ahead log
                 r = child("resume", wf_file, db, kv if name == "with" else "-", args.model, args.dtype,
                           str(args.threads), str(args.words), wf_name, last, info["run_id"])
                 assert r["status"] == "done", r

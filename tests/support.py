@@ -182,12 +182,13 @@ def maybe_hang(name):
 '''
 
 
-def kill_at(step: str, ready: Path, *args: str, env: dict | None = None) -> None:
+def kill_at(step: str, ready: Path, *args: str, env: dict | None = None, until=None) -> None:
     """Runs ``flowrt ARGS`` (``flowrt_cli``) on a workflow file with ``MAYBE_HANG`` until it hangs in step
-    ``step`` (it writes the file ``ready`` there), then kills it with SIGKILL."""
+    ``step`` (it writes the file ``ready`` there) and ``until()`` (when given) is true, then kills it with
+    SIGKILL."""
     p = flowrt_cli(*args, env={**(env or {}), "FLOWRT_TEST_HANG": step, "FLOWRT_TEST_READY": str(ready)})
     deadline = time.time() + 300
-    while not ready.exists():
+    while not ready.exists() or (until is not None and not until()):
         assert p.poll() is None, p.communicate()
         assert time.time() < deadline
         time.sleep(0.1)

@@ -8,6 +8,7 @@ hash) is rejected, never used; the store remembers the rejected ones so that the
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -33,6 +34,7 @@ class Rejection(str, Enum):
     FOREIGN = "foreign"          # another model's block (fingerprint), or filed under another hash
     NOT_A_FILE = "not_a_file"    # a symlink, FIFO, device or directory at the block's path
     UNREADABLE = "unreadable"    # the file system refused (permissions, I/O error)
+    UNSAVED = "unsaved"          # still queued for writing when the checkpoint was saved, never written (a crash)
 
 
 def parse_header(raw: bytes) -> dict | None:
@@ -94,9 +96,9 @@ class KVBlockStore:
             return e.errno == errno.EROFS
         return True
 
-    def write(self, fingerprint: str, h: bytes, data: bytes) -> None:
-        """Atomically (a new temporary file renamed): a crash leaves the block whole or absent. ``OSError``
-        when the file system refuses (full, read-only)."""
+    def write(self, fingerprint: str, h: bytes, data: bytes) -> int:
+        """Atomically (a new temporary file, fsync'd, renamed): a crash leaves the block whole or absent;
+        returns the file's size. ``OSError`` when the file system refuses (full, read-only)."""
         x = h.hex()
         folder = os.path.join(self.root, fingerprint, x[:2])
         if folder not in self._dirs:
@@ -104,14 +106,20 @@ class KVBlockStore:
             self._dirs.add(folder)
         header = json.dumps({"fingerprint": fingerprint, "hash": x, "bytes": len(data),
                              "blake2b": hashlib.blake2b(data, digest_size=16).hexdigest()}).encode()
-        write_atomic(folder, x + ".kv", (MAGIC + header + b"\n", data))
+        head = MAGIC + header + b"\n"
+        write_atomic(folder, x + ".kv", (head, data), fsync=True)
         self._bad.discard((fingerprint, h))
+        return len(head) + len(data)
 
     def read(self, fingerprint: str, h: bytes, size: int) -> tuple[bytes | None, Rejection | None]:
         """The block's content (``size`` bytes, this engine's block), or None and why not. Reads at most
-        the header and ``size`` bytes, from a regular file only."""
+        the header and ``size`` bytes, from a regular file only. A block read is used: its mtime is renewed
+        (the disk budget evicts the least recently used)."""
         data, why = self._read(fingerprint, h, size)
-        if why not in (None, Rejection.MISSING):
+        if why is None:
+            with contextlib.suppress(OSError):
+                os.utime(self.path(fingerprint, h), follow_symlinks=False)
+        elif why is not Rejection.MISSING:
             self._bad.add((fingerprint, h))
         return data, why
 

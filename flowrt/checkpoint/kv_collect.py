@@ -11,6 +11,10 @@ candidate to a private ``.del`` name, then looks at its mtime again: renewed mea
 else deleted. So a block a save kept is either seen young (kept) or was gone before the save renewed it
 (written again by the save). The grace period covers the time from a save's renewal to its published
 references (milliseconds; 10 minutes by default).
+
+Eviction (the disk budget, flowrt.checkpoint.kv_budget) deletes the least recently used unreferenced blocks
+whatever their age, with the same rename-and-look-again: a block whose mtime changed since the scan (a save
+renewed it) is put back.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ import re
 import secrets
 import stat
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 from .kv_blocks import HEADER_MAX, MAGIC, is_own, parse_header
 from .kv_files import read_regular
 from .kv_layout import BLOCK_FILE, HEX128, REF_FILE, REFS_DIR
 
-__all__ = ["collect_blocks"]
+__all__ = ["collect_blocks", "BlockFile", "scan_blocks", "evict_lru"]
 
 _SHARD = re.compile(r"[0-9a-f]{2}")
 _REF_START = b'{"run": '
@@ -119,3 +124,56 @@ def _subdirs(folder: str, pattern: re.Pattern[str]) -> Iterator[str]:
         return
     for e in entries:
         yield e.name
+
+
+@dataclass
+class BlockFile:
+    """A block file of the layout, as a scan found it."""
+
+    fingerprint: str
+    hexhash: str
+    path: str
+    size: int
+    mtime: float
+
+
+def scan_blocks(root: str) -> list[BlockFile]:
+    """The block files under ``root`` (regular files of the layout's names; not temporary or collected ones)."""
+    out = []
+    for fp in _subdirs(root, HEX128):
+        for shard in _subdirs(os.path.join(root, fp), _SHARD):
+            folder = os.path.join(root, fp, shard)
+            for name in _names(folder):
+                m = BLOCK_FILE.fullmatch(name)
+                if m is None or m["kind"] or m["hash"][:2] != shard:
+                    continue
+                path = os.path.join(folder, name)
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    out.append(BlockFile(fp, m["hash"], path, st.st_size, st.st_mtime))
+    return out
+
+
+def evict_lru(files: list[BlockFile], referenced: dict[str, set[str]], need: int) -> tuple[int, int]:
+    """Delete the least recently used of ``files`` that ``referenced`` does not name (and that are the
+    store's), oldest first, until ``need`` bytes are freed; returns (blocks, bytes) deleted."""
+    blocks = freed = 0
+    for f in sorted(files, key=lambda f: f.mtime):
+        if freed >= need:
+            break
+        if f.hexhash in referenced.get(f.fingerprint, ()):
+            continue
+        with contextlib.suppress(OSError):
+            if not _own_block(f.path, f.fingerprint, f.hexhash):
+                continue
+            dead = f"{f.path}.{secrets.token_hex(8)}.del"
+            os.rename(f.path, dead)
+            if os.lstat(dead).st_mtime != f.mtime:   # a save renewed it since the scan: in use
+                os.replace(dead, f.path)
+                continue
+            os.unlink(dead)
+            blocks, freed = blocks + 1, freed + f.size
+    return blocks, freed

@@ -66,16 +66,20 @@ def read_regular(path: str, limit: int, *, head: bool = False) -> bytes:
         return b"".join(parts)
 
 
-def write_atomic(folder: str, name: str, parts: Iterable[bytes]) -> None:
+def write_atomic(folder: str, name: str, parts: Iterable[bytes], *, fsync: bool = False) -> None:
     """Write ``folder/name`` whole or not at all: a new temporary file of a random name beside it
-    (``O_EXCL | O_NOFOLLOW``), renamed over it. On any error the temporary file is removed and the error
-    raised (a full or read-only file system: ``OSError`` ENOSPC, EROFS)."""
+    (``O_EXCL | O_NOFOLLOW``), renamed over it; with ``fsync`` its content is on disk before the rename (a
+    power cut then leaves the old file or the whole new one, never an empty one). On any error the temporary
+    file is removed and the error raised (a full or read-only file system: ``OSError`` ENOSPC, EROFS)."""
     tmp = os.path.join(folder, f"{name}.{secrets.token_hex(8)}{TEMP_SUFFIX}")
     fd = os.open(tmp, _CREATE_FLAGS, 0o666)
     try:
         with open(fd, "wb", closefd=True) as f:
             for part in parts:
                 f.write(part)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, os.path.join(folder, name))
     except BaseException:
         with contextlib.suppress(OSError):

@@ -3,7 +3,9 @@
 
 A run's checkpoint state names its owner (a random 128-bit token, kept by its resumes; a fork gets its own).
 At every KV save the holder writes the blocks of this checkpoint and of the last one its database holds
-(a crash between the two writes leaves the database's state covered), before the database's save; a run
+(a crash between the two writes leaves the database's state covered), before it queues the blocks for
+writing (flowrt.checkpoint.kv_writer: neither collection nor the disk budget takes them meanwhile) and before
+the database's save; a run
 that finishes removes its file. A database's collection also removes the files of its own finished runs
 (a run finished without ``--checkpoint-kv``): a file whose owner and run a finished run of that database
 names. A reference file that cannot be read stops the collection (nothing is deleted).

@@ -69,6 +69,7 @@ class RunCheckpoint:
         self.kv = kv                          # KV saved with the checkpoints (flowrt.checkpoint.kv)
         self.kv_load: KVLoad | None = None    # what a resume loaded
         self.kv_save_failed = 0               # KV blocks that could not be written (a full disk, ...)
+        self.kv_save_blocked_s = 0.0          # time its saves kept the event loop on KV (flowrt.checkpoint.kv)
         self.kv_owner: str | None = None      # the run's KV reference file (flowrt.checkpoint.kv_refs)
         self._kv_kept: dict[str, Any] | None = None   # the KV reference of the state the store holds
         self._scope: InterruptScope | None = None
@@ -214,9 +215,10 @@ class RunCheckpoint:
             self.kv_owner = self.kv_owner or new_owner()
             held = [ids for lists in st.held_threads.values() for ids in lists]
             saved = self.kv.save([t["token_ids"] for t in live] + held, owner=self.kv_owner, run_id=self.run_id,
-                                 kept=self._kv_kept)
+                                 kept=self._kv_kept, durable=step is None)   # the run's last: its blocks on disk
             state["kv"] = saved.ref
             self.kv_save_failed += saved.failed
+            self.kv_save_blocked_s += saved.blocked_s
         elif self.kv_owner is not None:   # its reference file names the owner: any collection can drop it
             state["kv"] = {"owner": self.kv_owner, "run": self.run_id}
         self.store.save(self.run_id, step=step, visit=own.visits.get(name, 0) if name else 0, step_status=status,
@@ -225,6 +227,14 @@ class RunCheckpoint:
                         run_status=str(run_status) if step is None else str(RunStatus.RUNNING),
                         interrupt=cast("dict[str, Any] | None", st.interrupt), holder=self.holder)
         self._kv_kept = state.get("kv")
+
+    async def kv_flushed(self) -> None:
+        """The KV blocks queued so far are on disk (waited for off the event loop; those of this run that
+        could not be written are counted): the run's last checkpoint, saved next, waits only for what it adds."""
+        if self.saves_kv:
+            import anyio
+
+            self.kv_save_failed += await anyio.to_thread.run_sync(self.kv.settle, self.run_id)
 
     def finish(self, st: RunState, status: RunStatus, threads: RunThreads) -> None:
         self.save(st, None, threads, run_status=status)

@@ -5,6 +5,7 @@
     flowrt run FILE.py --checkpoint runs.db [--stream]   # saved after every step; prints the run id
     flowrt resume RUN_ID --checkpoint runs.db [--answer VALUE]
     flowrt runs list|show [RUN_ID] --checkpoint runs.db
+    flowrt runs gc --checkpoint runs.db [--dry-run]   # the KV blocks kept, and pruning them
     flowrt graph FILE.py [--format text|mermaid|dot]
     flowrt bench NAME [ARGS ...]          # runs bench/NAME.py (bench/ is in a source checkout only)
     flowrt serve ...                      # flowrt.server (when installed)
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..runner.options import add_engine_arguments, engine_kwargs_from_args, replica_kwargs_from_args
+from .kv_gc import add_kv_budget, cmd_gc
 
 __all__ = ["main", "build_parser", "add_engine_arguments", "engine_kwargs_from_args", "parse_inputs"]
 
@@ -254,6 +256,7 @@ def _make_runtime(args: argparse.Namespace, cmd: str, model: Any, engine_kwargs:
         return Runtime(model, index=index, checkpoint=getattr(args, "checkpoint", None),
                        checkpoint_kv=getattr(args, "checkpoint_kv", False),
                        cache=not getattr(args, "no_cache", False),
+                       checkpoint_kv_max_bytes=getattr(args, "checkpoint_kv_max_bytes", None),
                        **replica_kwargs_from_args(args), **engine_kwargs)
     except Exception as e:  # a checkpoint database that cannot be used: corrupt, newer format, ...
         from ..checkpoint import CheckpointError
@@ -402,6 +405,7 @@ def _add_checkpoint_kv(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-kv", nargs="?", const=True, default=False, metavar="DIR",
                    help="save the KV blocks of live threads with every checkpoint (in DIR; default: beside the "
                         "SQLite database, DB.kv), so that a resume in a fresh process does not compute them again")
+    add_kv_budget(p)
 
 
 def _parse_answers(raws: list[str], state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -507,6 +511,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
     if args.action == "fork":
         return cmd_fork(args)
+    if args.action == "gc":
+        return cmd_gc(args)
     try:
         store = open_store(args.checkpoint, readonly=True)   # reading: never creates or changes the file
         if args.action == "list":
@@ -736,12 +742,18 @@ def build_parser() -> argparse.ArgumentParser:
                                     "`flowrt runs history RUN_ID` lists its checkpoints (step, time, result); "
                                     "`flowrt runs fork RUN_ID --at STEP [--input NAME=VALUE ...]` starts a new run "
                                     "from the state just before STEP with those inputs changed (STEP and the steps "
-                                    "downstream of it run again, none upstream) and prints its run id.")
-    ru.add_argument("action", choices=["list", "show", "history", "fork"])
+                                    "downstream of it run again, none upstream) and prints its run id; "
+                                    "`flowrt runs gc [--dry-run]` shows the KV blocks kept (--checkpoint-kv) and "
+                                    "the runs referring to them, and prunes the others (and to the budget).")
+    ru.add_argument("action", choices=["list", "show", "history", "fork", "gc"])
     ru.add_argument("run_id", nargs="?", metavar="RUN_ID")
     ru.add_argument("--checkpoint", metavar="DB", required=True)
     ru.add_argument("--limit", type=int, default=50, help="list at most this many runs")
     ru.add_argument("--json", action="store_true", help="list as JSON (fork: print the result as JSON)")
+    _add_checkpoint_kv(ru)
+    ru.add_argument("--dry-run", action="store_true", help="gc: show what would be pruned, delete nothing")
+    ru.add_argument("--grace", type=float, default=600.0, metavar="SECONDS",
+                    help="gc: spare unreferenced blocks younger than this (a save in flight; default 600)")
     fk = ru.add_argument_group("fork")
     fk.add_argument("--at", metavar="STEP", help="fork: the step to run again (with everything downstream)")
     fk.add_argument("--input", "-i", action="append", metavar="NAME=VALUE", help="fork: an input to change")

@@ -45,6 +45,10 @@ class Checkpointer(Protocol):
         of the subgraph that holds ``step``, when it is not the run's own."""
         ...
 
+    async def kv_flushed(self) -> None:
+        """The KV blocks queued so far are on disk (awaited off the event loop), before the last checkpoint."""
+        ...
+
     def finish(self, st: RunState, status: RunStatus, threads: RunThreads) -> None:
         """The run ended as ``status``: its last checkpoint."""
         ...

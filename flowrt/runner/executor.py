@@ -741,6 +741,7 @@ async def execute(wf: Workflow, inputs: dict[str, Any], provider: ResourceProvid
     await run.run()
     result = run.result(time.perf_counter() - t_start, stats_fn)
     if checkpoint is not None:
+        await checkpoint.kv_flushed()
         checkpoint.finish(run.st, result.status, run.threads)
     return result
 

@@ -44,7 +44,9 @@ class Runtime:
     every run is saved after each step and can be resumed (``rt.resume``), and steps may ``fr.interrupt``.
     ``checkpoint_kv``: True (a directory beside the SQLite file, ``runs.db.kv``) or a directory: the KV blocks
     of live threads are saved with every checkpoint, so that a resume in a fresh process loads them instead of
-    computing them again (flowrt.checkpoint.kv).
+    computing them again (flowrt.checkpoint.kv); they are written by a thread off the event loop.
+    ``checkpoint_kv_max_bytes``: the disk budget of those blocks (default 20 GiB; 0: none): the least recently
+    used ones no unfinished run refers to are evicted to stay within it (flowrt.checkpoint.kv_budget).
     ``cache``: with a checkpoint store, ``fr.Cache`` steps keep their results in it, and a later run (of any
     process using the store) with the same inputs takes them (flowrt.runner.step_cache); ``cache=False``
     runs every step (``--no-cache``).
@@ -57,7 +59,8 @@ class Runtime:
                  resources: dict[str, Any] | None = None, share_kv: bool = True, replicas: int | None = None,
                  ray_address: str | None = None, routing: str = "prefix",
                  replica_options: dict[str, Any] | None = None, checkpoint: Any = None,
-                 checkpoint_kv: bool | str | os.PathLike[str] = False, cache: bool = True,
+                 checkpoint_kv: bool | str | os.PathLike[str] = False, checkpoint_kv_max_bytes: int | None = None,
+                 cache: bool = True,
                  **engine_kwargs: Any) -> None:
         from ..checkpoint import CheckpointError, open_store
 
@@ -71,9 +74,11 @@ class Runtime:
         if checkpoint_kv:
             if self.checkpointer is None:
                 raise CheckpointError("checkpoint_kv saves KV with checkpoints: it needs checkpoint=")
-            from ..checkpoint.kv import KVCheckpoint, kv_dir_for
+            from ..checkpoint.kv import DEFAULT_MAX_BYTES, KVCheckpoint, kv_dir_for
 
-            self.kv_checkpoint = KVCheckpoint(kv_dir_for(getattr(self.checkpointer, "path", checkpoint), checkpoint_kv))
+            self.kv_checkpoint = KVCheckpoint(
+                kv_dir_for(getattr(self.checkpointer, "path", checkpoint), checkpoint_kv),
+                max_bytes=DEFAULT_MAX_BYTES if checkpoint_kv_max_bytes is None else checkpoint_kv_max_bytes)
         self._replicas = replicas if (replicas or ray_address) else None
         if self._replicas is not None:
             if not isinstance(model, (str, bytes, os.PathLike, type(None))):
@@ -113,7 +118,10 @@ class Runtime:
         await anyio.to_thread.run_sync(self.close)
 
     def close(self) -> None:
-        """Shut down the engine this runtime created (not one passed in)."""
+        """Shut down the engine this runtime created (not one passed in), after the KV blocks queued for
+        writing are on disk."""
+        if self.kv_checkpoint is not None:
+            self.kv_checkpoint.close()
         eng, self._owned_engine = self._owned_engine, None
         if eng is not None:
             self._resources.pop("llm", None)
@@ -359,11 +367,14 @@ class Runtime:
 
 
 def _kv_stats(result: RunResult, run: Any) -> RunResult:
-    """With KV checkpoints: how many KV blocks could not be saved (a full or read-only file system), and for
+    """With KV checkpoints: how many KV blocks could not be saved (a full or read-only file system, the disk
+    budget), how long its saves kept the event loop (``kv_save_blocked_s``: copying blocks out of the engine,
+    waiting for room in the writer's queue, and at the run's end the last blocks' writes), and for
     a resume how many saved blocks it loaded and how many it could not use (by reason: missing, corrupt,
     foreign, not_a_file, unreadable), in ``result.stats``."""
     if getattr(run, "kv", None) is not None and run.kv.bound:
         result.stats["kv_blocks_save_failed"] = run.kv_save_failed
+        result.stats["kv_save_blocked_s"] = round(run.kv_save_blocked_s, 6)
     if getattr(run, "kv_load", None) is not None:
         result.stats["kv_blocks_loaded"] = run.kv_load.loaded
         result.stats["kv_blocks_rejected"] = dict(run.kv_load.rejected)

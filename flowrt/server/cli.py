@@ -25,6 +25,7 @@ import os
 import sys
 from typing import Any
 
+from ..cli.kv_gc import add_kv_budget
 from .defaults import (DEFAULT_CHAT_TEMPLATE_TIMEOUT, DEFAULT_GRACEFUL_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
                        DEFAULT_RESPONSES_MAX, DEFAULT_RESPONSES_MAX_BYTES)
 
@@ -55,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--checkpoint SQLite database), so that a resumed run does not compute them again")
     p.add_argument("--no-cache", action="store_true",
                    help="run every step of served workflows: fr.Cache steps neither take nor keep results")
+    add_kv_budget(p)
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body accepted; larger ones get 413 (default 16 MiB)")
     p.add_argument("--responses-max", type=int, default=DEFAULT_RESPONSES_MAX, metavar="N",
@@ -126,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
 
             try:
                 runtime = Runtime(model=engine, index=args.index, checkpoint=args.checkpoint or ":memory:",
-                                  checkpoint_kv=args.checkpoint_kv, cache=not args.no_cache)
+                                  checkpoint_kv=args.checkpoint_kv, cache=not args.no_cache,
+                                  checkpoint_kv_max_bytes=args.checkpoint_kv_max_bytes)
             except CheckpointError as e:   # a corrupt database, --checkpoint-kv without a place for blocks
                 print(f"flowrt serve: error: {e}", file=sys.stderr)
                 return 2
@@ -142,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         if not server.started or server.forced:
             return 1
     finally:
+        if runtime is not None:
+            runtime.close()   # the KV blocks still queued for writing go to disk first
         engine.shutdown()
     return 0
 

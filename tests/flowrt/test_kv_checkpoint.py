@@ -171,6 +171,16 @@ def _finish(p: subprocess.Popen) -> dict:
     return json.loads(out)
 
 
+def _written(db: str) -> bool:
+    """The blocks the run's last checkpoint names are on disk (the writer thread writes them after the save)."""
+    store = open_store(db, readonly=True)
+    kv = (store.get_run(store.list_runs()[0].run_id).state or {}).get("kv") or {}
+    store.close()
+    root = os.path.join(db + ".kv", kv.get("fingerprint", "-"))
+    return bool(kv.get("threads")) and all(os.path.exists(os.path.join(root, x[:2], x + ".kv"))
+                                           for chain in kv["threads"] for x in chain)
+
+
 @pytest.mark.slow
 def test_sigkill_then_cold_resume_with_kv_computes_one_block_per_thread(tmp_path, wf_file, stories_path):
     common = ["--model", stories_path, "--dtype", "float32", "--input", "start=Once upon a time", "--no-progress"]
@@ -179,8 +189,9 @@ def test_sigkill_then_cold_resume_with_kv_computes_one_block_per_thread(tmp_path
     run_dir, ready = tmp_path / "a", tmp_path / "ready"
     run_dir.mkdir()
     db = str(run_dir / "runs.db")
-    # killed with s1 finished (two threads of ~65 and ~60 tokens) and s2 running
-    kill_at("s2", ready, "run", str(wf_file), "--checkpoint", db, "--checkpoint-kv", *common)
+    # killed with s1 finished (two threads of ~65 and ~60 tokens), its KV blocks written, and s2 running
+    kill_at("s2", ready, "run", str(wf_file), "--checkpoint", db, "--checkpoint-kv", *common,
+            until=lambda: _written(db))
     run_id = open_store(db).list_runs()[0].run_id
     blocks = sorted(os.path.join(d, f) for d, _, fs in os.walk(db + ".kv") for f in fs if f.endswith(".kv"))
     assert len(blocks) >= 6
