@@ -12,15 +12,17 @@ is scanned again at most once a second (other processes may have freed room).
 
 from __future__ import annotations
 
+import argparse
 import errno
 import re
 import time
+from typing import Any
 
 from .kv_collect import evict_lru, scan_blocks
 from .kv_refs import RunRefs
 from .store import CheckpointError
 
-__all__ = ["KVBudget", "OverBudget", "DEFAULT_MAX_BYTES", "parse_size"]
+__all__ = ["KVBudget", "OverBudget", "DEFAULT_MAX_BYTES", "parse_size", "add_kv_budget"]
 
 DEFAULT_MAX_BYTES = 20 << 30
 _LOW_WATER = 0.9
@@ -86,3 +88,17 @@ def referenced_by_refs(refs: RunRefs) -> dict[str, set[str]]:
         for fp, hashes in ref.blocks.items():
             out.setdefault(fp, set()).update(hashes)
     return out
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_kv_budget(p: Any) -> None:
+    """``--checkpoint-kv-max-bytes`` on a parser (flowrt run / resume / runs and flowrt serve)."""
+    p.add_argument("--checkpoint-kv-max-bytes", type=_size, default=None, metavar="BYTES",
+                   help="disk budget of the KV blocks (20G, 512M, bytes; default 20G; 0: none): the least recently "
+                        "used blocks no unfinished run refers to are evicted to stay within it")

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..runner.options import add_engine_arguments, engine_kwargs_from_args, replica_kwargs_from_args
-from .kv_gc import add_kv_budget, cmd_gc
+from ..checkpoint.kv_budget import add_kv_budget
+from .kv_gc import cmd_gc
 
 __all__ = ["main", "build_parser", "add_engine_arguments", "engine_kwargs_from_args", "parse_inputs"]
 

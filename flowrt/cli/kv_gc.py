@@ -12,24 +12,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["add_kv_budget", "cmd_gc", "KVUsage", "RunUsage"]
+__all__ = ["cmd_gc", "KVUsage", "RunUsage"]
 
 EXIT_OK, EXIT_USAGE = 0, 2
-
-
-def _size(text: str) -> int:
-    from ..checkpoint.kv_budget import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def add_kv_budget(p: Any) -> None:
-    p.add_argument("--checkpoint-kv-max-bytes", type=_size, default=None, metavar="BYTES",
-                   help="disk budget of the KV blocks (20G, 512M, bytes; default 20G; 0: none): the least recently "
-                        "used blocks no unfinished run refers to are evicted to stay within it")
 
 
 @dataclass

@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Any
 
-from ..cli.kv_gc import add_kv_budget
+from ..checkpoint.kv_budget import add_kv_budget
 from .defaults import (DEFAULT_CHAT_TEMPLATE_TIMEOUT, DEFAULT_GRACEFUL_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
                        DEFAULT_RESPONSES_MAX, DEFAULT_RESPONSES_MAX_BYTES)
 
