@@ -105,17 +105,17 @@ def test_one_call_pointers_follow_the_projections(tmp_path):
     llm = LLM(make_tiny_model(tmp_path / "llama"), dtype="float32")
     runner = llm.engine.runner
     model = runner.model
-    first = model._layer_ptrs(runner.kv_caches, 1)
+    first = model._layer_table(runner.kv_caches, 1)
     if first is None:
         pytest.skip("no packed float32 kernel here (needs AVX2 + FMA)")
-    assert model._layer_ptrs(runner.kv_caches, 1) is first  # cached
+    assert model._layer_table(runner.kv_caches, 1) is first  # cached
     layer = model.layers[0]
     packed = layer.mm["o"]
     layer.mm["o"] = lambda x: packed(x)  # the same result, but not marked as the packed kernel
-    assert model._layer_ptrs(runner.kv_caches, 1) is None
+    assert model._layer_table(runner.kv_caches, 1) is None
     layer.mm["o"] = packed
-    again = model._layer_ptrs(runner.kv_caches, 1)
-    assert again is not None and torch.equal(again, first)
+    again = model._layer_table(runner.kv_caches, 1)
+    assert again is not None and again is not first and bytes(again) == bytes(first)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -150,7 +150,7 @@ def test_glued_cascade_decode_matches_layer_by_layer(tmp_path, monkeypatch, dtyp
     if packed is not None:
         assert len(one_call) == len(cascade)
         # flash over the prefixes: a flash call with groups; below the threshold: none
-        assert all((int(p.flash[3]) > 0) == (min_shared == 0) for p in one_call)
+        assert all((p.struct.flash.n_groups > 0) == (min_shared == 0) for p in one_call)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -173,7 +173,7 @@ def test_glued_quantized_decode_matches_layer_by_layer(tmp_path, dtype, arch):
             data = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(int(qtype)))
             bias = layer.qkv_bias if name == "qkv" else None
             layer.mm[name] = QuantLinear(qtype, torch.from_numpy(data), *w.shape, bias)
-    model._ptrs_cache = None
+    model._table_cache = None
     if not model.layers[0].mm["qkv"].runs_kernels:
         pytest.skip("the quantized kernels are unavailable")
     one_call = []
@@ -184,7 +184,9 @@ def test_glued_quantized_decode_matches_layer_by_layer(tmp_path, dtype, arch):
     finally:
         cpu_ops.StepGlue.decode_layers = orig
     assert one_call  # the decode steps ran as one call
-    assert model._layer_ptrs(runner.kv_caches, 1)[:, 9:].tolist() == [[8, 3, 6, 2]] * len(model.layers)
+    table = model._layer_table(runner.kv_caches, 1)
+    assert [[getattr(layer, n).parts[0].ggml_type for n in formats] for layer in table] == \
+        [[8, 3, 6, 2]] * len(model.layers)
     for inp in steps:
         with torch.inference_mode():
             args = (runner.kv_caches, inp.meta, runner.backend)
