@@ -105,9 +105,10 @@ extern "C" {
 void flowrt_set_num_threads(int n);
 int flowrt_get_num_threads();
 const char* flowrt_cpu_isa();
-// struct `name`'s size, then each field's offset in declaration order, into out; returns how many (-1: no such struct,
-// -2: cap too small). Generated from this header by engine/cpu_build.py at build time.
-int flowrt_struct_layout(const char* name, int64_t* out, int cap);
+// The layout of the struct `name` of this header as compiled: index -1 its size, index i >= 0 the offset of its i-th
+// field (in declaration order) with *field set to the field's name; -1 past its last field or for an unknown name.
+// Generated from this header by engine/cpu_build.py at build time.
+int64_t flowrt_struct_layout(const char* name, int index, const char** field);
 
 // ---- projections (gemm.cpp)
 int gemm_packed_available();
