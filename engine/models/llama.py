@@ -274,10 +274,9 @@ class LlamaModel(nn.Module):
 
     def _layer_table(self, kv_caches, T: int) -> ctypes.Array | None:
         """The layers as StepGlue.decode_layers reads them (a ctypes array of cpu_ops.FrLayer: norm weights,
-        projections, pools), or None where a projection would not run a kernel decode_layers calls at T rows: packed
-        float (cpu_ops.PackedLinear / PackedLinearBF16) or quantized (a QuantLinear on the kernels, one part of its
-        ggml type; mixed-format ConcatLinear parts are not one call). Cached while the projections are the same
-        objects (the cache holds them, so their ids stay theirs) and the pools the same memory."""
+        projections, pools), or None where a projection would not run kernels decode_layers calls at T rows (see
+        _decode_projection). Cached while the projections are the same objects (the cache holds them, so their ids
+        stay theirs) and the pools the same memory."""
         fns = [f for layer in self.layers for f in layer.mm.values()]
         key = (*map(id, fns), *(c.data_ptr() for pair in kv_caches for c in pair),
                *(w.data_ptr() for layer in self.layers for w in (layer.input_norm, layer.post_norm)))
@@ -286,13 +285,13 @@ class LlamaModel(nn.Module):
             rows, limit = [], None
             for layer, (kc, vc) in zip(self.layers, kv_caches):
                 mms = [layer.mm[n] for n in ("qkv", "o", "gate_up", "down")]
-                kernels = [f if isinstance(f, QuantLinear) else getattr(f, "kernel", None) for f in mms]
-                if not all(type(k) is kind or (isinstance(k, QuantLinear) and k.runs_kernels) for k in kernels):
+                projections = [_decode_projection(f, kind) for f in mms]
+                if None in projections:
                     rows = None
                     break
-                limit = min([f.rows for f in mms if not isinstance(f, QuantLinear) and f.rows is not None]
+                limit = min([f.rows for f in mms if not isinstance(f, Quantized) and f.rows is not None]
                             + ([limit] if limit else []), default=None)
-                qkv, o, gate_up, down = (cpu_ops.projection([_weight_part(k)], k.k) for k in kernels)
+                qkv, o, gate_up, down = projections
                 rows.append(cpu_ops.FrLayer(input_norm=layer.input_norm.data_ptr(),
                                             post_norm=layer.post_norm.data_ptr(), qkv=qkv, o=o, gate_up=gate_up,
                                             down=down, k_cache=kc.data_ptr(), v_cache=vc.data_ptr()))
@@ -560,12 +559,19 @@ def _packed_bf16(weight, bias, batch_hint: int):
     return _with_kernel(lambda x: kernel(x) if cpu_ops.enabled() else off(x), kernel, None)
 
 
-def _weight_part(kernel) -> ctypes.Structure:
-    """A projection's kernel (a packed float one or a QuantLinear) as the cpu_ops.FrWeightPart decode_layers calls."""
-    if isinstance(kernel, QuantLinear):
-        return cpu_ops.FrWeightPart(w=kernel.data.data_ptr(), bias=None if kernel.bias is None else
-                                    kernel.bias.data_ptr(), ggml_type=int(kernel.qtype), rows=kernel.n)
-    return kernel.part()
+def _decode_projection(f, kind: type) -> ctypes.Structure | None:
+    """A projection as the cpu_ops.FrProjection decode_layers calls, or None where it would not run one of the kernels
+    that calls: packed float (a `kind` kernel: cpu_ops.PackedLinear / PackedLinearBF16, one part) or quantized (a
+    QuantLinear on the kernels, one part of its ggml type; a ConcatLinear of them, a part each)."""
+    if not isinstance(f, Quantized):
+        kernel = getattr(f, "kernel", None)
+        return cpu_ops.projection([kernel.part()], kernel.k) if type(kernel) is kind else None
+    parts = f.parts if isinstance(f, ConcatLinear) else [f]
+    if len(parts) > cpu_ops.MAX_PARTS or not all(p.runs_kernels for p in parts):
+        return None
+    return cpu_ops.projection([cpu_ops.FrWeightPart(w=p.data.data_ptr(), bias=None if p.bias is None else
+                                                    p.bias.data_ptr(), ggml_type=int(p.qtype), rows=p.n)
+                               for p in parts], f.k)
 
 
 def _unless_disabled(kernel, plain):
