@@ -87,15 +87,15 @@ def replay_attention(engine, libs, rounds):
     from flowrt.engine.models import llama
 
     calls = []
-    orig_decode, orig_ptrs = cpu_ops.paged_decode, llama.LlamaModel._layer_ptrs
+    orig_decode, orig_table = cpu_ops.paged_decode, llama.LlamaModel._layer_table
     cpu_ops.paged_decode = lambda q, kc, vc, tables, lens, out, scale, **kw: (
         calls.append((q.contiguous(), kc, vc, tables.clone(), lens.clone(), scale, kw)),
         orig_decode(q, kc, vc, tables, lens, out, scale, **kw))
-    llama.LlamaModel._layer_ptrs = lambda self, *args: None
+    llama.LlamaModel._layer_table = lambda self, *args: None
     try:
         engine.step()
     finally:
-        cpu_ops.paged_decode, llama.LlamaModel._layer_ptrs = orig_decode, orig_ptrs
+        cpu_ops.paged_decode, llama.LlamaModel._layer_table = orig_decode, orig_table
     if not calls or any(c[6] for c in calls):
         raise SystemExit(f"expected plain paged_decode calls, got {len(calls)} ({[c[6] for c in calls][:2]})")
     fns = {name: [caller(lib, q, tables, lens, torch.empty_like(q), scale) for q, _, _, tables, lens, scale, _ in calls]

@@ -7,6 +7,7 @@ reuses it. The Triton backend (flowrt.kernels) takes the same metadata.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
@@ -115,18 +116,17 @@ class FlashPlan:
 @dataclass(frozen=True)
 class DecodeProgram:
     """A step whose every row is a decode row, as the kernel calls that attend it in TorchAttentionBackend.forward's
-    order (so the same bits), for the one-call decode step (cpu_ops.StepGlue.decode_layers): paged decode calls, each
-    [rows (0: rows 0..B-1), tables, their row stride, seq_lens, B, first key, lse (0: none), heads_outer], then at most
-    one paged flash call over the shared prefixes, merged into their rows by log-sum-exp [rows, ends, group_start, NG
-    (0: no call), tables, their row stride, key_start, lse_in]. Holds the tensors the pointers refer to."""
+    order (so the same bits), for the one-call decode step (cpu_ops.StepGlue.decode_layers): paged decode calls, then
+    at most one paged flash call over the shared prefixes, merged into their rows by log-sum-exp. `struct` is the
+    cpu_ops.FrDecodeProgram the kernel reads (its calls an array of FrDecodeCall); `keep` holds what its pointers
+    refer to."""
 
-    calls: torch.Tensor  # int64 [n, 8]
-    flash: torch.Tensor  # int64 [8]
+    struct: ctypes.Structure  # cpu_ops.FrDecodeProgram
     keep: tuple
 
 
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _decode_program(p: dict, heads: int, head_dim: int) -> DecodeProgram:
@@ -135,14 +135,15 @@ def _decode_program(p: dict, heads: int, head_dim: int) -> DecodeProgram:
 
     def call(rows, tables, lens, start=0, lse=None, heads_outer=0):
         keep.extend(t for t in (rows, tables, lens, lse) if t is not None)
-        calls.append([_ptr(rows), tables.data_ptr(), tables.stride(0), lens.data_ptr(), lens.shape[0], start, _ptr(lse),
-                      heads_outer])
+        calls.append(cpu_ops.FrDecodeCall(rows=_ptr(rows), tables=tables.data_ptr(), table_stride=tables.stride(0),
+                                          seq_lens=lens.data_ptr(), lse=_ptr(lse), n_rows=lens.shape[0],
+                                          first_key=start, heads_outer=heads_outer))
 
     dp = p.get("decode")
     if dp is not None:
         call(dp.rows, dp.tables, dp.seq_lens)
     fp = p["cascade_prefixes"] if cpu_ops.flash_supported(head_dim) else None
-    flash = [0] * 8
+    flash = cpu_ops.FrFlashCall()  # n_groups 0: no call
     if fp is not None:  # each member's own suffix with its log-sum-exp, then every shared prefix at once (flash)
         lse = torch.empty(fp.rows.shape[0], heads)
         r0 = 0
@@ -151,13 +152,15 @@ def _decode_program(p: dict, heads: int, head_dim: int) -> DecodeProgram:
             call(cp.rows, cp.tables, cp.seq_lens, cp.n_prefix, lse[r0 : r0 + n])
             r0 += n
         keep.extend((fp.rows, fp.ends, fp.group_start, fp.tables, lse))
-        flash = [fp.rows.data_ptr(), fp.ends.data_ptr(), fp.group_start.data_ptr(), fp.group_start.shape[0] - 1,
-                 fp.tables.data_ptr(), fp.tables.stride(0), fp.key_start, lse.data_ptr()]
+        flash = cpu_ops.FrFlashCall(rows=fp.rows.data_ptr(), ends=fp.ends.data_ptr(),
+                                    group_start=fp.group_start.data_ptr(), tables=fp.tables.data_ptr(),
+                                    table_stride=fp.tables.stride(0), lse_in=lse.data_ptr(),
+                                    n_groups=fp.group_start.shape[0] - 1, key_start=fp.key_start)
     else:  # each member's whole context, ordered so the shared prefix stays in the CPU caches
         for cp in p["cascade"]:
             call(cp.rows, cp.tables, cp.seq_lens, heads_outer=1)
-    return DecodeProgram(torch.tensor(calls, dtype=torch.int64).reshape(-1, 8), torch.tensor(flash, dtype=torch.int64),
-                         tuple(keep))
+    array = (cpu_ops.FrDecodeCall * len(calls))(*calls)
+    return DecodeProgram(cpu_ops.FrDecodeProgram(calls=array, n_calls=len(calls), flash=flash), (array, *keep))
 
 
 # Decode rows of sequences sharing a prefix take the flash kernel (own suffix, then each shared prefix once for all its

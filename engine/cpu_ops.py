@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -37,6 +38,18 @@ _error: str | None = None
 _disabled = False
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _profiling = torch._C._autograd._profiler_enabled
+
+# The ctypes mirrors of the structs in kernels/cpu/flowrt_cpu.h (generated from it; see there for each field), the
+# one-call decode step's arguments. The library is checked to lay them out the same when it loads.
+_structs = cpu_build.structures()
+FrWeightPart = _structs["FrWeightPart"]
+FrProjection = _structs["FrProjection"]
+FrLayer = _structs["FrLayer"]
+FrDecodeCall = _structs["FrDecodeCall"]
+FrFlashCall = _structs["FrFlashCall"]
+FrDecodeProgram = _structs["FrDecodeProgram"]
+FrDecodeStep = _structs["FrDecodeStep"]
+MAX_PARTS = cpu_build.constants()["FR_MAX_PARTS"]  # weight parts of one FrProjection
 
 
 def cache_dir() -> Path:
@@ -152,6 +165,14 @@ def profiling() -> bool:
 
 def _p(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
+
+
+def projection(parts: Sequence[ctypes.Structure], cols: int) -> ctypes.Structure:
+    """An FrProjection for StepGlue.decode_layers over `cols` input features: the FrWeightParts stacked by rows (each
+    writes its slice of the output; at most MAX_PARTS). The tensors the parts point to must outlive its use."""
+    if not 1 <= len(parts) <= MAX_PARTS or not all(isinstance(p, FrWeightPart) for p in parts):
+        raise ValueError(f"projection: 1 to {MAX_PARTS} FrWeightPart, got {[type(p).__name__ for p in parts]}")
+    return FrProjection(parts=(FrWeightPart * MAX_PARTS)(*parts), n_parts=len(parts), cols=cols)
 
 
 def _kernel(base: str, dtype: torch.dtype):
@@ -423,24 +444,22 @@ class StepGlue:
         if rc != 0:
             raise IndexError(f"glue: a slot is outside the KV pool of {n_slots} token slots")
 
-    def decode_layers(self, layer_ptrs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, program,
-                      heads: int, scale: float) -> None:
+    def decode_layers(self, layers: ctypes.Array, k_cache: torch.Tensor, v_cache: torch.Tensor, program, heads: int,
+                      scale: float) -> None:
         """A decode step's layers in one call (decode_layers.cpp): h becomes the stream after the last layer.
-        layer_ptrs: int64 [L, 13] (see there), built by the model from its packed or quantized projections and pools;
-        k_cache / v_cache: one layer's pools (every layer's has their shape); program: the step's attention as kernel
-        calls (engine.attention.DecodeProgram: .calls int64 [n, 8], .flash int64 [8], built by the backend from its
-        checked plans, every row a decode row); heads: the query heads."""
+        layers: a ctypes array of FrLayer (norm weights, projections, pools), built by the model from its packed or
+        quantized projections and pools; k_cache / v_cache: one layer's pools (every layer's has their shape);
+        program: the step's attention (engine.attention.DecodeProgram: .struct an FrDecodeProgram, built by the
+        backend from its checked plans, every row a decode row); heads: the query heads."""
         T, E, inter = self.T, self.E, self.inter
         _, nh, D, cos, sin, pos = self._rope_args
         Hkv = nh - heads
-        _check("decode_layers", "layer_ptrs", layer_ptrs, torch.int64, 2, contiguous=True)
-        calls, flash = program.calls, program.flash
-        _check("decode_layers", "program calls", calls, torch.int64, 2, contiguous=True)
-        _check("decode_layers", "program flash", flash, torch.int64, 1, contiguous=True)
-        if self._slots is None or layer_ptrs.shape[1] != 13 or calls.shape[1] != 8 or flash.shape != (8,):
-            raise ValueError(f"decode_layers: {T} rows, slots {'set' if self._slots else 'missing'}, layer_ptrs "
-                             f"{tuple(layer_ptrs.shape)}, program calls {tuple(calls.shape)}, flash "
-                             f"{tuple(flash.shape)} do not fit together")
+        prog = program.struct
+        if (self._slots is None or not isinstance(layers, ctypes.Array) or layers._type_ is not FrLayer
+                or not isinstance(prog, FrDecodeProgram)):
+            raise ValueError(f"decode_layers: {T} rows, slots {'set' if self._slots else 'missing'}, layers "
+                             f"{type(layers).__name__}, program {type(prog).__name__}: needs the step's slots, an "
+                             f"array of FrLayer and an FrDecodeProgram")
         for c in (k_cache, v_cache):
             _check("decode_layers", "kv pool", c, self.dtype, 4, contiguous=True)
             if c.shape[2:] != (Hkv, D):
@@ -448,15 +467,16 @@ class StepGlue:
         n_slots = k_cache.numel() // (Hkv * D)
         qkv_w = (heads + 2 * Hkv) * D
         work = torch.empty(T * (2 * E + qkv_w + heads * D + 3 * inter), dtype=self.dtype)
-        fn = getattr(_lib, f"decode_layers_{_SUFFIX[self.dtype]}")
-        rc = fn(layer_ptrs.shape[0], T, E, inter, heads, Hkv, D, self.eps, scale, self.h.data_ptr(), work.data_ptr(),
-                layer_ptrs.data_ptr(), cos, sin, pos, self._slots, n_slots, calls.shape[0], calls.data_ptr(),
-                flash.data_ptr(), k_cache.shape[1])
+        step = FrDecodeStep(layers=layers, program=ctypes.pointer(prog), h=self.h.data_ptr(), work=work.data_ptr(),
+                            cos_t=cos, sin_t=sin, positions=pos, slots=self._slots, rows=T, n_slots=n_slots,
+                            n_layers=len(layers), hidden=E, inter=inter, heads=heads, kv_heads=Hkv, head_dim=D,
+                            block_size=k_cache.shape[1], eps=self.eps, scale=scale)
+        rc = getattr(_lib, f"decode_layers_{_SUFFIX[self.dtype]}")(step)
         if rc == -2:
             raise IndexError(f"decode_layers: a slot is outside the KV pool of {n_slots} token slots")
         if rc != 0:
-            raise ValueError(f"decode_layers: a kernel failed ({rc}: -3 attention head size {D} not supported, "
-                             f"else the projection kernel)")
+            raise ValueError(f"decode_layers: a kernel failed ({rc}: -3 attention head size {D} not supported, -4 a "
+                             f"projection that does not fit the step, -5 a projection kernel)")
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """Returns self.act = silu(gate) * up of the gate+up projection's output."""
@@ -505,6 +525,10 @@ class _PackedPanels:
                 or not getattr(_lib, cls.fns[2])()):
             return None
         return cls(weight, bias)
+
+    def part(self) -> ctypes.Structure:
+        """The projection as an FrWeightPart (packed float, ggml type 0) for StepGlue.decode_layers."""
+        return FrWeightPart(w=self.wp.data_ptr(), bias=_p(self.bias), ggml_type=0, rows=self.n)
 
     def weight(self) -> torch.Tensor:
         """W [N, K] unpacked from the panels (a new tensor: for the paths that run while the kernels are off)."""

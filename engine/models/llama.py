@@ -10,6 +10,7 @@ ConcatLinear where the fused parts differ in format), as the checkpoint hands th
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from dataclasses import dataclass
@@ -190,7 +191,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("cos_table", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin_table", emb.sin().to(dtype), persistent=False)
         self._norms_checked = False
-        self._ptrs_cache = None
+        self._table_cache = None
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
@@ -254,9 +255,9 @@ class LlamaModel(nn.Module):
         heads, scale = [H, Hkv, Hkv], D**-0.5
         program = backend.decode_program(meta, H, D) if write_kv and hasattr(backend, "decode_program") else None
         if program is not None and D <= 256 and not cpu_ops.profiling():  # profiled: per kernel, so it sees each
-            ptrs = self._layer_ptrs(kv_caches, T)
-            if ptrs is not None:
-                glue.decode_layers(ptrs, kc0, kv_caches[0][1], program, H, scale)
+            table = self._layer_table(kv_caches, T)
+            if table is not None:
+                glue.decode_layers(table, kc0, kv_caches[0][1], program, H, scale)
                 return h
         delta = None
         for layer, (kc, vc) in zip(self.layers, kv_caches):
@@ -271,37 +272,33 @@ class LlamaModel(nn.Module):
             delta = mm["down"](silu_mul_(mm["gate_up"](x)))
         return h if delta is None else h.add_(delta)
 
-    def _layer_ptrs(self, kv_caches, T: int) -> torch.Tensor | None:
-        """int64 [L, 13] for StepGlue.decode_layers (norm weights, projections, qkv bias, pools, each projection's
-        kind), or None where a projection would not run a kernel decode_layers calls at T rows: packed float
-        (cpu_ops.PackedLinear / PackedLinearBF16, kind 0) or quantized (a QuantLinear on the kernels, kind = its ggml
-        type; mixed-format ConcatLinear parts are not one call). Cached while the projections are the same objects
-        (the cache holds them, so their ids stay theirs) and the pools the same memory."""
+    def _layer_table(self, kv_caches, T: int) -> ctypes.Array | None:
+        """The layers as StepGlue.decode_layers reads them (a ctypes array of cpu_ops.FrLayer: norm weights,
+        projections, pools), or None where a projection would not run kernels decode_layers calls at T rows (see
+        _decode_projection). Cached while the projections are the same objects (the cache holds them, so their ids
+        stay theirs) and the pools the same memory."""
         fns = [f for layer in self.layers for f in layer.mm.values()]
         key = (*map(id, fns), *(c.data_ptr() for pair in kv_caches for c in pair),
                *(w.data_ptr() for layer in self.layers for w in (layer.input_norm, layer.post_norm)))
-        if self._ptrs_cache is None or self._ptrs_cache[0] != key:
+        if self._table_cache is None or self._table_cache[0] != key:
             kind = cpu_ops.PackedLinearBF16 if self.dtype == torch.bfloat16 else cpu_ops.PackedLinear
             rows, limit = [], None
             for layer, (kc, vc) in zip(self.layers, kv_caches):
                 mms = [layer.mm[n] for n in ("qkv", "o", "gate_up", "down")]
-                kernels = [f if isinstance(f, QuantLinear) else getattr(f, "kernel", None) for f in mms]
-                if not all(type(k) is kind or (isinstance(k, QuantLinear) and k.runs_kernels and
-                                               (i == 0 or k.bias is None)) for i, k in enumerate(kernels)):
+                projections = [_decode_projection(f, kind) for f in mms]
+                if None in projections:
                     rows = None
                     break
-                limit = min([f.rows for f in mms if not isinstance(f, QuantLinear) and f.rows is not None]
+                limit = min([f.rows for f in mms if not isinstance(f, Quantized) and f.rows is not None]
                             + ([limit] if limit else []), default=None)
-                ptrs = [k.data.data_ptr() if isinstance(k, QuantLinear) else k.wp.data_ptr() for k in kernels]
-                qtypes = [int(k.qtype) if isinstance(k, QuantLinear) else 0 for k in kernels]
-                qkv_bias = kernels[0].bias
-                rows.append([layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), ptrs[0],
-                             0 if qkv_bias is None else qkv_bias.data_ptr(), *ptrs[1:], kc.data_ptr(),
-                             vc.data_ptr(), *qtypes])
-            ptrs = None if rows is None else torch.tensor(rows, dtype=torch.int64)
-            self._ptrs_cache = (key, ptrs, limit, fns)
-        _, ptrs, limit = self._ptrs_cache[:3]
-        return None if ptrs is None or (limit is not None and T > limit) else ptrs
+                qkv, o, gate_up, down = projections
+                rows.append(cpu_ops.FrLayer(input_norm=layer.input_norm.data_ptr(),
+                                            post_norm=layer.post_norm.data_ptr(), qkv=qkv, o=o, gate_up=gate_up,
+                                            down=down, k_cache=kc.data_ptr(), v_cache=vc.data_ptr()))
+            table = None if rows is None else (cpu_ops.FrLayer * len(rows))(*rows)
+            self._table_cache = (key, table, limit, fns)
+        _, table, limit = self._table_cache[:3]
+        return None if table is None or (limit is not None and T > limit) else table
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -560,6 +557,21 @@ def _packed_bf16(weight, bias, batch_hint: int):
         return plain(x)
 
     return _with_kernel(lambda x: kernel(x) if cpu_ops.enabled() else off(x), kernel, None)
+
+
+def _decode_projection(f, kind: type) -> ctypes.Structure | None:
+    """A projection as the cpu_ops.FrProjection decode_layers calls, or None where it would not run one of the kernels
+    that calls: packed float (a `kind` kernel: cpu_ops.PackedLinear / PackedLinearBF16, one part) or quantized (a
+    QuantLinear on the kernels, one part of its ggml type; a ConcatLinear of them, a part each)."""
+    if not isinstance(f, Quantized):
+        kernel = getattr(f, "kernel", None)
+        return cpu_ops.projection([kernel.part()], kernel.k) if type(kernel) is kind else None
+    parts = f.parts if isinstance(f, ConcatLinear) else [f]
+    if len(parts) > cpu_ops.MAX_PARTS or not all(p.runs_kernels for p in parts):
+        return None
+    return cpu_ops.projection([cpu_ops.FrWeightPart(w=p.data.data_ptr(), bias=None if p.bias is None else
+                                                    p.bias.data_ptr(), ggml_type=int(p.qtype), rows=p.n)
+                               for p in parts], f.k)
 
 
 def _unless_disabled(kernel, plain):

@@ -5,7 +5,7 @@
 // backend's decode program (engine/attention.py DecodeProgram): one paged decode over every row for a step of
 // independent sequences; for rows that share prefixes (forks, prefix-cache hits: the cascade), each group's own keys
 // with their log-sum-exp, then every shared prefix once for all its members (paged flash, merged), in the backend's
-// order.
+// order. Its arguments are the structs of flowrt_cpu.h (FrDecodeStep: the layers' FrLayer, the FrDecodeProgram).
 #include "flowrt_cpu.h"
 #include "common.h"
 
@@ -31,57 +31,68 @@ template <> struct K<bf16_t> {
     static constexpr auto silu = silu_mul_bf16;
 };
 
-// One projection y[T, N] = x[T, K] @ W^T (+ bias): W packed for the float kernel (qtype 0) or GGUF block rows of
-// ggml type qtype for quant_gemm (quant_gemm.cpp).
+// One projection y[T, N] = x[T, cols] @ W^T (+ bias), N = the parts' rows: each part writes its columns of y, from
+// weights packed for the float kernel (ggml_type 0) or GGUF block rows for quant_gemm (quant_gemm.cpp). 0, -4 the
+// projection does not map cols -> N, -5 a kernel failed.
 template <typename T>
-static inline int project(const T* x, int64_t Tn, int64_t Kd, int64_t w, int64_t qtype, int64_t N, const float* bias,
-                          T* y) {
-    if (qtype) return K<T>::qgemm(x, Kd, Tn, Kd, (const uint8_t*)w, (int)qtype, N, bias, y, N);
-    return K<T>::gemm(x, Kd, Tn, Kd, (const T*)w, N, bias, y, N);
+static inline int project(const T* x, int64_t Tn, const FrProjection& p, int64_t cols, int64_t N, T* y) {
+    if (p.cols != cols || p.n_parts < 1 || p.n_parts > FR_MAX_PARTS) return -4;
+    int64_t off = 0;
+    for (int i = 0; i < p.n_parts; ++i) off += p.parts[i].rows;
+    if (off != N) return -4;
+    off = 0;
+    for (int i = 0; i < p.n_parts; ++i) {
+        const FrWeightPart& w = p.parts[i];
+        const int rc = w.ggml_type
+            ? K<T>::qgemm(x, cols, Tn, cols, (const uint8_t*)w.w, w.ggml_type, w.rows, w.bias, y + off, N)
+            : K<T>::gemm(x, cols, Tn, cols, (const T*)w.w, w.rows, w.bias, y + off, N);
+        if (rc) return -5;
+        off += w.rows;
+    }
+    return 0;
 }
 
-// The buffers of `work`, in order: x [T, E], qkv [T, (H + 2 Hkv) D], attn [T, H D], d [T, E], gu [T, 2 I], act [T, I].
-// layer_ptrs [L, 13]: each layer's input norm, post norm, qkv, qkv bias (float32, padded to whole panels for the
-// float kernel; or 0), o, gate_up, down, k pool, v pool, then the qtype of qkv, o, gate_up, down (0: packed float). calls [n_calls, 8]: the paged decode calls of the attention, each rows (0: rows
-// 0..B-1), block tables, their row stride, seq_lens, B, the first key, lse (0: none), heads_outer; flash [8]: then one
-// paged flash call over shared prefixes, merged into those rows (rows, ends, group_start, NG (0: no call), tables,
-// their row stride, key_start, lse_in).
+// The buffers of s.work, in order: x [T, E], qkv [T, (H + 2 Hkv) D], attn [T, H D], d [T, E], gu [T, 2 I], act [T, I].
+// The attention of each layer is s.program's decode calls, then its flash call (if it has groups).
 template <typename T>
-int decode_layers(int L, int64_t Tn, int E, int I, int H, int Hkv, int D, float eps, float scale, T* h, T* work,
-                  const int64_t* lp, const T* cos_t, const T* sin_t, const int64_t* pos, const int64_t* slots,
-                  int64_t n_slots, int n_calls, const int64_t* calls, const int64_t* flash, int bs) {
+int decode_layers(const FrDecodeStep& s) {
+    const int64_t Tn = s.rows, E = s.hidden, I = s.inter;
+    const int H = s.heads, Hkv = s.kv_heads, D = s.head_dim, bs = s.block_size;
     const int64_t Nqkv = (int64_t)(H + 2 * Hkv) * D, HD = (int64_t)H * D;
-    T* x = work;
+    const T *cos_t = (const T*)s.cos_t, *sin_t = (const T*)s.sin_t;
+    const FrDecodeProgram& prog = *s.program;
+    const FrFlashCall& f = prog.flash;
+    T* h = (T*)s.h;
+    T* x = (T*)s.work;
     T* qkv = x + Tn * E;
     T* attn = qkv + Tn * Nqkv;
     T* d = attn + Tn * HD;
     T* gu = d + Tn * E;
-    T* act = gu + Tn * 2 * (int64_t)I;
-    for (int l = 0; l < L; ++l) {
-        const int64_t* p = lp + 13 * (int64_t)l;
-        T *kc = (T*)p[7], *vc = (T*)p[8];
+    T* act = gu + Tn * 2 * I;
+    for (int l = 0; l < s.n_layers; ++l) {
+        const FrLayer& p = s.layers[l];
+        T *kc = (T*)p.k_cache, *vc = (T*)p.v_cache;
         int rc;
-        K<T>::norm(h, l ? d : nullptr, (const T*)p[0], x, Tn, E, eps);
-        if ((rc = project(x, Tn, E, p[2], p[9], Nqkv, (const float*)p[3], qkv))) return rc;
-        if (K<T>::rope_kv(qkv, Nqkv, Tn, H, Hkv, D, cos_t, sin_t, pos, kc, vc, slots, n_slots)) return -2;
-        for (int c = 0; c < n_calls; ++c) {
-            const int64_t* a = calls + 8 * (int64_t)c;
-            if (K<T>::attend(qkv, Nqkv, kc, vc, (const int32_t*)a[1], a[2], (const int32_t*)a[3], (const int64_t*)a[0],
-                             (int32_t)a[5], attn, HD, (float*)a[6], (int)a[4], H, Hkv, D, bs, scale, (int)a[7]))
+        K<T>::norm(h, l ? d : nullptr, (const T*)p.input_norm, x, Tn, E, s.eps);
+        if ((rc = project(x, Tn, p.qkv, E, Nqkv, qkv))) return rc;
+        if (K<T>::rope_kv(qkv, Nqkv, Tn, H, Hkv, D, cos_t, sin_t, s.positions, kc, vc, s.slots, s.n_slots)) return -2;
+        for (int c = 0; c < prog.n_calls; ++c) {
+            const FrDecodeCall& a = prog.calls[c];
+            if (K<T>::attend(qkv, Nqkv, kc, vc, a.tables, a.table_stride, a.seq_lens, a.rows, a.first_key, attn, HD,
+                             a.lse, a.n_rows, H, Hkv, D, bs, s.scale, a.heads_outer))
                 return -3;
         }
-        if (flash[3] > 0 && K<T>::flash(qkv, Nqkv, (const int64_t*)flash[0], (const int32_t*)flash[1],
-                                        (const int32_t*)flash[2], (int)flash[3], (const int32_t*)flash[4], flash[5],
-                                        (int)flash[6], kc, vc, attn, HD, (const float*)flash[7], nullptr, H, Hkv, D,
-                                        bs, scale))
+        if (f.n_groups > 0 && K<T>::flash(qkv, Nqkv, f.rows, f.ends, f.group_start, f.n_groups, f.tables,
+                                          f.table_stride, f.key_start, kc, vc, attn, HD, f.lse_in, nullptr, H, Hkv,
+                                          D, bs, s.scale))
             return -3;
-        if ((rc = project(attn, Tn, HD, p[4], p[10], E, nullptr, d))) return rc;
-        K<T>::norm(h, d, (const T*)p[1], x, Tn, E, eps);
-        if ((rc = project(x, Tn, E, p[5], p[11], 2 * (int64_t)I, nullptr, gu))) return rc;
-        K<T>::silu(gu, 2 * (int64_t)I, act, Tn, I);
-        if ((rc = project(act, Tn, I, p[6], p[12], E, nullptr, d))) return rc;
+        if ((rc = project(attn, Tn, p.o, HD, E, d))) return rc;
+        K<T>::norm(h, d, (const T*)p.post_norm, x, Tn, E, s.eps);
+        if ((rc = project(x, Tn, p.gate_up, E, 2 * I, gu))) return rc;
+        K<T>::silu(gu, 2 * I, act, Tn, I);
+        if ((rc = project(act, Tn, p.down, I, E, d))) return rc;
     }
-    if (L)  // the last layer's output joins the stream (rounded as torch's add)
+    if (s.n_layers)  // the last layer's output joins the stream (rounded as torch's add)
         for (int64_t i = 0; i < Tn * E; ++i) h[i] = from_f32<T>(to_f32(h[i]) + to_f32(d[i]));
     return 0;
 }
@@ -90,20 +101,8 @@ int decode_layers(int L, int64_t Tn, int E, int I, int H, int Hkv, int D, float 
 
 extern "C" {
 
-int decode_layers_f32(int L, int64_t T, int E, int I, int H, int Hkv, int D, float eps, float scale, float* h,
-                      float* work, const int64_t* layer_ptrs, const float* cos_t, const float* sin_t,
-                      const int64_t* pos, const int64_t* slots, int64_t n_slots, int n_calls, const int64_t* calls,
-                      const int64_t* flash, int bs) {
-    return decode_layers<float>(L, T, E, I, H, Hkv, D, eps, scale, h, work, layer_ptrs, cos_t, sin_t, pos, slots,
-                                n_slots, n_calls, calls, flash, bs);
-}
+int decode_layers_f32(const FrDecodeStep* step) { return decode_layers<float>(*step); }
 
-int decode_layers_bf16(int L, int64_t T, int E, int I, int H, int Hkv, int D, float eps, float scale, bf16_t* h,
-                       bf16_t* work, const int64_t* layer_ptrs, const bf16_t* cos_t, const bf16_t* sin_t,
-                       const int64_t* pos, const int64_t* slots, int64_t n_slots, int n_calls, const int64_t* calls,
-                       const int64_t* flash, int bs) {
-    return decode_layers<bf16_t>(L, T, E, I, H, Hkv, D, eps, scale, h, work, layer_ptrs, cos_t, sin_t, pos, slots,
-                                 n_slots, n_calls, calls, flash, bs);
-}
+int decode_layers_bf16(const FrDecodeStep* step) { return decode_layers<bf16_t>(*step); }
 
 }  // extern "C"

@@ -4,8 +4,9 @@ computes LlamaLayer.forward's arithmetic bit for bit, and StepGlue rejects tenso
 import pytest
 import torch
 
+from cpu_variants import cpu_variant
 from support import make_tiny_model
-from flowrt.engine import LLM, SamplingParams, cpu_ops
+from flowrt.engine import LLM, SamplingParams, cpu_build, cpu_ops
 from flowrt.engine.models.llama import _Rope
 
 pytestmark = pytest.mark.skipif(cpu_ops.lib() is None, reason=f"CPU kernels unavailable: {cpu_ops._error}")
@@ -105,17 +106,17 @@ def test_one_call_pointers_follow_the_projections(tmp_path):
     llm = LLM(make_tiny_model(tmp_path / "llama"), dtype="float32")
     runner = llm.engine.runner
     model = runner.model
-    first = model._layer_ptrs(runner.kv_caches, 1)
+    first = model._layer_table(runner.kv_caches, 1)
     if first is None:
         pytest.skip("no packed float32 kernel here (needs AVX2 + FMA)")
-    assert model._layer_ptrs(runner.kv_caches, 1) is first  # cached
+    assert model._layer_table(runner.kv_caches, 1) is first  # cached
     layer = model.layers[0]
     packed = layer.mm["o"]
     layer.mm["o"] = lambda x: packed(x)  # the same result, but not marked as the packed kernel
-    assert model._layer_ptrs(runner.kv_caches, 1) is None
+    assert model._layer_table(runner.kv_caches, 1) is None
     layer.mm["o"] = packed
-    again = model._layer_ptrs(runner.kv_caches, 1)
-    assert again is not None and torch.equal(again, first)
+    again = model._layer_table(runner.kv_caches, 1)
+    assert again is not None and again is not first and bytes(again) == bytes(first)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -150,31 +151,48 @@ def test_glued_cascade_decode_matches_layer_by_layer(tmp_path, monkeypatch, dtyp
     if packed is not None:
         assert len(one_call) == len(cascade)
         # flash over the prefixes: a flash call with groups; below the threshold: none
-        assert all((int(p.flash[3]) > 0) == (min_shared == 0) for p in one_call)
+        assert all((p.struct.flash.n_groups > 0) == (min_shared == 0) for p in one_call)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a qkv bias
-def test_glued_quantized_decode_matches_layer_by_layer(tmp_path, dtype, arch):
-    """Projections kept quantized (engine.quant.QuantLinear, a different GGUF format per projection) run inside the
-    one-call decode step, with the bits of the per-layer forward that calls each QuantLinear."""
+FORMATS = {"qkv": "Q8_0", "o": "Q4_1", "gate_up": "Q5_0", "down": "Q4_0"}
+# mixed: q/k/v and gate/up as parts of different formats (one ConcatLinear each), as Q4_K_M stores q/k/v
+MIXED = {"qkv": ("Q8_0", "Q4_0", "Q5_1"), "gate_up": ("Q4_1", "Q8_0")}
+
+
+def _quantize(model, mixed: bool) -> dict[str, list[int]]:
+    """Every layer's projections kept quantized (engine.quant.QuantLinear), a different GGUF format per projection;
+    mixed: qkv and gate_up of parts in different formats. Returns each projection's ggml types."""
     import gguf
 
-    from flowrt.engine.quant import QuantLinear, QuantType
+    from flowrt.engine.quant import QuantLinear, QuantType, concat
 
+    cfg = model.cfg
+    splits = {"qkv": [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2,
+              "gate_up": [cfg.intermediate_size] * 2}
+    for layer in model.layers:
+        for name, fmt in FORMATS.items():
+            w = getattr(layer, name, None)
+            w = (w if w is not None else layer.mm[name].kernel.weight()).float()
+            bias = layer.qkv_bias if name == "qkv" else None
+            formats = MIXED[name] if mixed and name in MIXED else (fmt,)
+            ws = w.split(splits[name]) if len(formats) > 1 else [w]
+            bs = [None] * len(ws) if bias is None else list(bias.split([x.shape[0] for x in ws]))
+            parts = []
+            for wp, bp, f in zip(ws, bs, formats):
+                qtype = QuantType[f]
+                data = gguf.quants.quantize(wp.numpy(), gguf.GGMLQuantizationType(int(qtype)))
+                parts.append(QuantLinear(qtype, torch.from_numpy(data), *wp.shape, bp))
+            layer.mm[name] = concat(parts)
+    model._table_cache = None
+    return {n: [int(QuantType[f]) for f in (MIXED[n] if mixed and n in MIXED else (f0,))] for n, f0 in FORMATS.items()}
+
+
+def _glued_quantized_matches(tmp_path, dtype, arch, mixed):
     llm = LLM(make_tiny_model(tmp_path / arch, arch=arch), dtype=dtype)
     runner = llm.engine.runner
     model = runner.model
-    formats = {"qkv": QuantType.Q8_0, "o": QuantType.Q4_1, "gate_up": QuantType.Q5_0, "down": QuantType.Q4_0}
-    for layer in model.layers:
-        for name, qtype in formats.items():
-            w = getattr(layer, name, None)
-            w = (w if w is not None else layer.mm[name].kernel.weight()).float()
-            data = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(int(qtype)))
-            bias = layer.qkv_bias if name == "qkv" else None
-            layer.mm[name] = QuantLinear(qtype, torch.from_numpy(data), *w.shape, bias)
-    model._ptrs_cache = None
-    if not model.layers[0].mm["qkv"].runs_kernels:
+    types = _quantize(model, mixed)
+    if not model.layers[0].mm["o"].runs_kernels:
         pytest.skip("the quantized kernels are unavailable")
     one_call = []
     orig = cpu_ops.StepGlue.decode_layers
@@ -184,7 +202,9 @@ def test_glued_quantized_decode_matches_layer_by_layer(tmp_path, dtype, arch):
     finally:
         cpu_ops.StepGlue.decode_layers = orig
     assert one_call  # the decode steps ran as one call
-    assert model._layer_ptrs(runner.kv_caches, 1)[:, 9:].tolist() == [[8, 3, 6, 2]] * len(model.layers)
+    table = model._layer_table(runner.kv_caches, 1)
+    assert [[[getattr(layer, n).parts[i].ggml_type for i in range(getattr(layer, n).n_parts)] for n in FORMATS]
+            for layer in table] == [list(types.values())] * len(model.layers)
     for inp in steps:
         with torch.inference_mode():
             args = (runner.kv_caches, inp.meta, runner.backend)
@@ -194,3 +214,24 @@ def test_glued_quantized_decode_matches_layer_by_layer(tmp_path, dtype, arch):
             for layer, (kc, vc) in zip(model.layers, runner.kv_caches):
                 h, delta = layer(h, delta, rope, kc, vc, inp.meta, runner.backend)
             assert torch.equal(glued, h + delta)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-format", "mixed-parts"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a qkv bias
+def test_glued_quantized_decode_matches_layer_by_layer(tmp_path, dtype, arch, mixed):
+    """Projections kept quantized (engine.quant.QuantLinear, a different GGUF format per projection; mixed: qkv and
+    gate_up of parts in different formats, a ConcatLinear) run inside the one-call decode step, with the bits of the
+    per-layer forward that calls each QuantLinear."""
+    _glued_quantized_matches(tmp_path, dtype, arch, mixed)
+
+
+@pytest.mark.slow  # a build per variant on a first run, and a model per variant
+@pytest.mark.parametrize("name", cpu_build.ISA_NAMES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_glued_decode_every_variant(tmp_path, name, dtype):
+    """The one-call decode step (float projections where the variant packs them, and quantized ones of mixed parts
+    in every variant) has the per-layer forward's bits in each instruction-set variant the CPU runs."""
+    with cpu_variant(name):
+        test_glued_forward_matches_layer_by_layer(tmp_path / "float", dtype, "auto", "qwen2")
+        _glued_quantized_matches(tmp_path / "quant", dtype, "qwen2", mixed=True)
