@@ -98,6 +98,8 @@ class ConcatLinear:
     """Parts of different formats stacked by rows: one output [M, sum(n)], each part writing its slice."""
 
     parts: list[QuantLinear]
+    _bias: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _parts: kernels.Parts | None = field(default=None, init=False, repr=False)
 
     @property
     def n(self) -> int:
@@ -114,7 +116,29 @@ class ConcatLinear:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.cat([p.dequantize(dtype) for p in self.parts])
 
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The parts' biases as one [n] (zeros for a part without), or None when none has one."""
+        if all(p.bias is None for p in self.parts):
+            return None
+        if self._bias is None:
+            self._bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.n) for p in self.parts])
+        return self._bias
+
+    @property
+    def runs_kernels(self) -> bool:
+        return all(p.runs_kernels for p in self.parts)
+
+    @property
+    def kernel_parts(self) -> kernels.Parts:
+        """The parts as the C kernel takes them (built once)."""
+        if self._parts is None:
+            self._parts = kernels.Parts.of([(p.data, p.qtype, p.n) for p in self.parts], self.k)
+        return self._parts
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.runs_kernels:  # one call: x quantized once for every part
+            return kernels.gemm_parts(x, self.kernel_parts, self.bias)
         out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
         start = 0
         for p in self.parts:

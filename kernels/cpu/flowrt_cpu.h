@@ -154,6 +154,11 @@ int quant_act_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, int16_t*
 int quant_gemm_supported(int qtype);
 int quant_gemm_f32(const float* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w, int qtype, int64_t N, const float* bias, float* y, int64_t y_st);
 int quant_gemm_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w, int qtype, int64_t N, const float* bias, bf16_t* y, int64_t y_st);
+// the same over nparts row-stacked parts (formats qtypes, ns rows each, W w[p]) into y's columns, x quantized once
+int quant_gemm_parts_f32(const float* x, int64_t x_st, int64_t M, int64_t K, int nparts, const uint8_t* const* w, const int32_t* qtypes, const int64_t* ns, const float* bias, float* y, int64_t y_st);
+int quant_gemm_parts_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, int nparts, const uint8_t* const* w, const int32_t* qtypes, const int64_t* ns, const float* bias, bf16_t* y, int64_t y_st);
+// from this many rows the products run in float32 on the dequantized operands (below: int16 madd)
+int quant_gemm_float_rows();
 // rows ids[0..n) (null: rows 0..n-1) of W (n_rows rows) -> out; 0, -1, -2 as above, -3 an id out of range (quant_dequant.cpp)
 int quant_dequant_f32(const uint8_t* w, int qtype, int64_t K, const int64_t* ids, int64_t n, int64_t n_rows, float* out, int64_t out_st);
 int quant_dequant_bf16(const uint8_t* w, int qtype, int64_t K, const int64_t* ids, int64_t n, int64_t n_rows, bf16_t* out, int64_t out_st);

@@ -184,7 +184,7 @@ static void block(const Act& a, int64_t r0, int64_t r1, const uint8_t* w, int64_
 
 constexpr int64_t COLS = 16;  // columns per work item
 
-// A buffer per thread, grown as needed, 32-byte aligned; slots: 0 the activations, 1 x', 2 a weight panel.
+// A buffer per thread, grown as needed, 32-byte aligned; slots: 0 the activations, 1 x' (packed), 2 rows of W.
 static uint8_t* scratch(size_t bytes, int slot = 0) {
     static thread_local std::vector<uint8_t> buf[3];
     if (buf[slot].size() < bytes + 32) buf[slot].resize(bytes + 32);
@@ -192,65 +192,85 @@ static uint8_t* scratch(size_t bytes, int slot = 0) {
 }
 
 #ifdef FLOWRT_AVX2
-// From PANEL_ROWS rows (batched decode, prefill) the integer pairs above cost more than float32 FMAs on AVX2 (a pair's
-// block takes ~7 operations for 32 products against 4 FMAs; at 16 rows 0.35-0.68x PackedLinear, the panels 0.55-0.88x;
-// at 32 rows the panels 0.7-1.04x, Zen3, 1 thread, cold weights), so each panel of 16 columns is dequantized once (exact values,
-// k-major in L2) and multiplied by x' = q_x * d_x, the dequantized activations, with gemm.h's 6 x 16 float32 tile:
-// the same numbers (reference.linear's operands), summed in another order, at PackedLinear's speed. Each regime is
-// batch invariant on its own; a row's bits differ between them only by float32 summation order.
-constexpr int64_t PANEL_ROWS = 16;
+// From FLOAT_ROWS rows (batched decode, prefill) the integer pairs above cost more than float32 FMAs on AVX2 (a pair's
+// block takes ~7 operations for 32 products against 4 FMAs; the crossover measured at 10 rows, Zen3, 1 thread, cold
+// weights, SmolLM2 and 1B shapes, Q8_0 / Q4_K / Q4_1: 0.8-1.1x at 8 rows, 0.95-1.55x at 10, 1.4-2.2x at 16), so the products run in float32 on the same numbers
+// (reference.linear's operands: the exact weight values and x' = q_x * d_x), summed in another order, with gemm.h's
+// 6 x 16 tile in swapped roles: the tile's six broadcast rows are six rows of W, dequantized row-major into L1/L2
+// (no transpose: a block's 32 values are contiguous in both), and its 16-wide panel is 16 rows of x' packed
+// k-major once per call. y^T's 6 x 16 tile is then stored transposed. Each regime is batch invariant on its own; a
+// row's bits differ between them only by float32 summation order.
+constexpr int64_t FLOAT_ROWS = 10;
 
-// Columns c0 .. c0+nvalid-1 of W dequantized into wp[k * 16 + j] (zeros past nvalid).
+// Row n of W (nb blocks of 32) as float32: the K-quants decode a super-block's scales once for its eight blocks.
 template <typename F>
-static void dequant_panel(const uint8_t* w, int64_t rb, int64_t c0, int nvalid, int64_t nb, float* wp) {
-    alignas(32) float t[16][32];
-    for (int j = nvalid; j < 16; ++j) std::fill(t[j], t[j] + 32, 0.f);
-    for (int64_t b = 0; b < nb; ++b) {
-        for (int j = 0; j < nvalid; ++j) qfmt::block_values<F>(w + (c0 + j) * rb, (int)b, t[j]);
-        for (int g = 0; g < 4; ++g)
-            for (int h = 0; h < 2; ++h) {
-                __m256 r[8];
-                for (int i = 0; i < 8; ++i) r[i] = _mm256_load_ps(&t[8 * h + i][8 * g]);
-                transpose8(r);
-                for (int i = 0; i < 8; ++i) _mm256_store_ps(wp + (32 * b + 8 * g + i) * 16 + 8 * h, r[i]);
+static inline void row_values(const uint8_t* row, int64_t nb, float* out) {
+    constexpr int G = F::QK / 32;
+    for (int64_t sb = 0; sb < nb / G; ++sb) {
+        float Ds[2 * G], Ms[2 * G] = {};
+        if constexpr (G == 8) F::scales8(row + sb * F::BYTES, Ds, Ms);
+        for (int j = 0; j < G; ++j) {
+            const int b = (int)(sb * G + j);
+            float D[2], Mn[2] = {0.f, 0.f};
+            if constexpr (G == 8) {
+                constexpr int H = F::HALVES ? 2 : 1;
+                D[0] = Ds[H * j], D[1] = Ds[H * j + H - 1], Mn[0] = Ms[H * j], Mn[1] = Ms[H * j + H - 1];
+            } else {
+                F::scales(row, b, D, Mn);
             }
+            const __m256i q = F::qv(row, b);
+            const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) {
+                __m256 v = _mm256_mul_ps(_mm256_set1_ps(D[i >> 1]), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])));
+                if constexpr (F::MIN) v = _mm256_add_ps(v, _mm256_set1_ps(Mn[i >> 1]));
+                _mm256_store_ps(out + 32 * b + 8 * i, v);
+            }
+        }
     }
 }
 
 template <typename F, typename T>
-static void gemm_panels(const Act& a, int64_t M, const uint8_t* w, int64_t N, const float* bias, T* y, int64_t ys) {
-    const int64_t K = a.K, rb = K / F::QK * F::BYTES, P = (N + 15) / 16;
-    float* xf = reinterpret_cast<float*>(scratch((size_t)(M * K * 4), 1));
+static void gemm_float(const Act& a, int64_t M, const uint8_t* w, int64_t N, const float* bias, T* y, int64_t ys) {
+    const int64_t K = a.K, rb = K / F::QK * F::BYTES, XP = (M + 15) / 16, S = (N + 5) / 6;
+    // x' in panels of 16 rows, k-major: xp[(p * K + k) * 16 + i] = x'[16p + i, k] (zeros past M)
+    float* xp = reinterpret_cast<float*>(scratch((size_t)(XP * K * 16 * 4), 1));
     #pragma omp parallel num_threads(flowrt_threads)
     {
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; ++r)
-            for (int64_t b = 0; b < a.nb; ++b) {
-                const __m256 d = _mm256_set1_ps(a.d[r * a.nb + b]);
-                const int16_t* q = a.q + r * K + 32 * b;
-                for (int i = 0; i < 4; ++i) {
-                    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 8 * i));
-                    _mm256_storeu_ps(xf + r * K + 32 * b + 8 * i,
-                                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(v)), d));
+        for (int64_t it = 0; it < XP * a.nb; ++it) {
+            const int64_t p = it / a.nb, b = it % a.nb;
+            for (int h = 0; h < 2; ++h) {
+                __m256 r[4][8];
+                for (int i = 0; i < 8; ++i) {
+                    const int64_t m = 16 * p + 8 * h + i;
+                    for (int g = 0; g < 4; ++g) {
+                        if (m >= M) { r[g][i] = _mm256_setzero_ps(); continue; }
+                        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.q + m * K + 32 * b + 8 * g));
+                        r[g][i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(v)),
+                                                _mm256_set1_ps(a.d[m * a.nb + b]));
+                    }
+                }
+                for (int g = 0; g < 4; ++g) {
+                    transpose8(r[g]);
+                    for (int i = 0; i < 8; ++i) _mm256_store_ps(xp + (p * K + 32 * b + 8 * g + i) * 16 + 8 * h, r[g][i]);
                 }
             }
-        float* wp = reinterpret_cast<float*>(scratch((size_t)(K * 16 * 4), 2));
+        }
+        float* wr = reinterpret_cast<float*>(scratch((size_t)(6 * K * 4), 2));
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t p = 0; p < P; ++p) {
-            const int nvalid = (int)std::min<int64_t>(16, N - 16 * p);
-            dequant_panel<F>(w, rb, 16 * p, nvalid, a.nb, wp);
-            alignas(32) float bp[16] = {};
-            if (bias) std::copy(bias + 16 * p, bias + 16 * p + nvalid, bp);
-            for (int64_t r = 0; r < M; r += 6) {
-                const int rows = (int)std::min<int64_t>(6, M - r);
-                if constexpr (std::is_same_v<T, float>) {
-                    gemm_rows<false>(rows, xf + r * K, K, (int)K, wp, bias ? bp : nullptr, y + r * ys + 16 * p, ys,
-                                     nvalid, nullptr, 0);
-                } else {
-                    alignas(32) float t[6 * 16];
-                    gemm_rows<false>(rows, xf + r * K, K, (int)K, wp, bias ? bp : nullptr, t, 16, 16, nullptr, 0);
-                    for (int i = 0; i < rows; ++i)
-                        for (int j = 0; j < nvalid; ++j) y[(r + i) * ys + 16 * p + j] = f32_to_bf16(t[i * 16 + j]);
+        for (int64_t s = 0; s < S; ++s) {
+            const int64_t n0 = 6 * s;
+            const int nr = (int)std::min<int64_t>(6, N - n0);
+            for (int j = 0; j < nr; ++j) row_values<F>(w + (n0 + j) * rb, a.nb, wr + j * K);
+            for (int64_t p = 0; p < XP; ++p) {
+                const int mv = (int)std::min<int64_t>(16, M - 16 * p);
+                alignas(32) float t[6 * 16];
+                gemm_rows<false>(nr, wr, K, (int)K, xp + p * K * 16, nullptr, t, 16, 16, nullptr, 0);
+                for (int j = 0; j < nr; ++j) {
+                    const float bj = bias ? bias[n0 + j] : 0.f;
+                    for (int i = 0; i < mv; ++i) put(y + (16 * p + i) * ys + n0 + j, t[j * 16 + i] + bj);
                 }
             }
         }
@@ -272,13 +292,16 @@ static void gemm(const Act& a, int64_t M, const uint8_t* w, int64_t N, const flo
     }
 }
 
+// y[:, parts] = x @ W_p^T for parts p of formats qtypes[p] and ns[p] rows each, stacked by columns (a projection fused
+// from tensors the file stores in different formats: Q4_K_M's q/k and v): x is quantized once for all of them.
 template <typename T>
-int quant_gemm(const T* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w, int qtype, int64_t N,
-               const float* bias, T* y, int64_t y_st) {
-    if (qfmt::dispatch(qtype, [](auto) {}) != 0) return -1;
-    int qk = 0;
-    qfmt::dispatch(qtype, [&](auto tag) { qk = decltype(tag)::type::QK; });
-    if (K % qk) return -2;
+int quant_gemm(const T* x, int64_t x_st, int64_t M, int64_t K, int nparts, const uint8_t* const* w,
+               const int32_t* qtypes, const int64_t* ns, const float* bias, T* y, int64_t y_st) {
+    for (int p = 0; p < nparts; ++p) {
+        int qk = 0;
+        if (qfmt::dispatch(qtypes[p], [&](auto tag) { qk = decltype(tag)::type::QK; }) != 0) return -1;
+        if (K % qk) return -2;
+    }
     const int64_t nb = K / 32;
     uint8_t* buf = scratch((size_t)(2 * M * K + M * nb * 36 + 64));
     float* d = reinterpret_cast<float*>(buf + ((2 * M * K + 31) & ~(int64_t)31));
@@ -286,13 +309,16 @@ int quant_gemm(const T* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w,
     if constexpr (std::is_same_v<T, float>) quant_act_f32(x, x_st, M, K, (int16_t*)buf, d, sx);
     else quant_act_bf16(x, x_st, M, K, (int16_t*)buf, d, sx);
     const Act a{(const int16_t*)buf, d, sx, K, nb};
-    qfmt::dispatch(qtype, [&](auto tag) {
-        using F = typename decltype(tag)::type;
+    int64_t off = 0;
+    for (int p = 0; p < nparts; off += ns[p++])
+        qfmt::dispatch(qtypes[p], [&](auto tag) {
+            using F = typename decltype(tag)::type;
+            const float* b = bias ? bias + off : nullptr;
 #ifdef FLOWRT_AVX2
-        if (M >= PANEL_ROWS) return gemm_panels<F>(a, M, w, N, bias, y, y_st);
+            if (M >= FLOAT_ROWS) return gemm_float<F>(a, M, w[p], ns[p], b, y + off, y_st);
 #endif
-        gemm<F>(a, M, w, N, bias, y, y_st);
-    });
+            gemm<F>(a, M, w[p], ns[p], b, y + off, y_st);
+        });
     return 0;
 }
 
@@ -304,12 +330,33 @@ int quant_gemm_supported(int qtype) { return qfmt::dispatch(qtype, [](auto) {}) 
 
 int quant_gemm_f32(const float* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w, int qtype, int64_t N,
                    const float* bias, float* y, int64_t y_st) {
-    return quant_gemm(x, x_st, M, K, w, qtype, N, bias, y, y_st);
+    const int32_t t = qtype;
+    return quant_gemm(x, x_st, M, K, 1, &w, &t, &N, bias, y, y_st);
 }
 
 int quant_gemm_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w, int qtype, int64_t N,
                     const float* bias, bf16_t* y, int64_t y_st) {
-    return quant_gemm(x, x_st, M, K, w, qtype, N, bias, y, y_st);
+    const int32_t t = qtype;
+    return quant_gemm(x, x_st, M, K, 1, &w, &t, &N, bias, y, y_st);
+}
+
+int quant_gemm_parts_f32(const float* x, int64_t x_st, int64_t M, int64_t K, int nparts, const uint8_t* const* w,
+                         const int32_t* qtypes, const int64_t* ns, const float* bias, float* y, int64_t y_st) {
+    return quant_gemm(x, x_st, M, K, nparts, w, qtypes, ns, bias, y, y_st);
+}
+
+int quant_gemm_parts_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, int nparts, const uint8_t* const* w,
+                          const int32_t* qtypes, const int64_t* ns, const float* bias, bf16_t* y, int64_t y_st) {
+    return quant_gemm(x, x_st, M, K, nparts, w, qtypes, ns, bias, y, y_st);
+}
+
+// The row count from which the products run in float32 (gemm_float), for the tests of both regimes.
+int quant_gemm_float_rows() {
+#ifdef FLOWRT_AVX2
+    return (int)FLOAT_ROWS;
+#else
+    return 1 << 30;
+#endif
 }
 
 }  // extern "C"

@@ -11,7 +11,7 @@ import torch
 
 from cpu_variants import cpu_variant
 from flowrt.engine import cpu_build, cpu_ops
-from flowrt.engine.quant import NATIVE_TYPES, QuantLinear, QuantType, block_shape, concat, dequant, kernels, reference
+from flowrt.engine.quant import NATIVE_TYPES, ConcatLinear, QuantLinear, QuantType, block_shape, concat, dequant, kernels, reference
 
 TYPES = sorted(NATIVE_TYPES, key=int)
 # byte offsets of each block's float16 fields (scales, minimums)
@@ -85,8 +85,8 @@ def test_products_match_reference(name, qtype):
 @pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_threads_and_batches_give_the_same_bits(name, qtype):
-    """1 thread vs 2 bit-equal; a row alone (decode) equals it inside a batch of 9 (both integer regime), and inside
-    a batch of 17 equals it inside one of 70 and 130 (all panel regime, from 16 rows)."""
+    """1 thread vs 2 bit-equal; a row alone (decode) equals it inside a batch below the float rows (both integer
+    regime), and inside a batch of float rows + 11 equals it inside one of 70 and 130 (all float regime)."""
     k = _k(qtype)
     lin = QuantLinear(qtype, _blocks(qtype, N, k, seed=7), N, k, torch.randn(N))
     x = torch.randn(130, k)
@@ -94,18 +94,19 @@ def test_threads_and_batches_give_the_same_bits(name, qtype):
     out = {}
     try:
         with _variant(name):
+            small, big = min(9, max(2, kernels.float_rows() - 1)), min(17, kernels.float_rows() + 11)
             for threads in (1, 2):
                 torch.set_num_threads(threads)
-                out[threads] = {M: lin(x[:M]) for M in (1, 9, 17, 70, 130)}
-            alone = torch.cat([lin(x[i:i + 1]) for i in range(9)])
+                out[threads] = {M: lin(x[:M]) for M in (1, small, big, 70, 130)}
+            alone = torch.cat([lin(x[i:i + 1]) for i in range(small)])
     finally:
         torch.set_num_threads(n)
         cpu_ops.lib()
     for M in out[1]:
         assert torch.equal(out[1][M], out[2][M]), M
-    assert torch.equal(alone, out[1][9])
+    assert torch.equal(alone, out[1][small])
     assert torch.equal(out[1][130][:70], out[1][70])
-    assert torch.equal(out[1][70][:17], out[1][17])
+    assert torch.equal(out[1][70][:big], out[1][big])
 
 
 @pytest.mark.parametrize("name", cpu_build.ISA_NAMES)
@@ -169,15 +170,21 @@ def test_float_types_dequantize():
 
 @pytest.mark.skipif(cpu_ops.lib() is None, reason="CPU kernels unavailable")
 def test_mixed_formats_concat():
-    """q/k/v of different formats: one output, each part written into its slice."""
-    parts = [QuantLinear(t, _blocks(t, n, 512, seed=n), n, 512) for t, n in
-             ((QuantType.Q4_K, 20), (QuantType.Q6_K, 9), (QuantType.Q4_K, 9))]
-    fused = concat(parts)
-    x = torch.randn(3, 512)
-    y = fused(x)
-    assert y.shape == (3, 38)
-    assert torch.equal(y, torch.cat([p(x) for p in parts], dim=1))
-    assert torch.equal(concat([parts[0], parts[2]])(x), torch.cat([parts[0](x), parts[2](x)], dim=1))
+    """q/k/v of different formats: one call (x quantized once) gives each part's own bits in its slice, in both
+    regimes (integer and float rows), with and without biases, float32 and bfloat16."""
+    fr = kernels.float_rows()
+    for biased in (False, True):
+        parts = [QuantLinear(t, _blocks(t, n, 512, seed=n), n, 512, torch.randn(n) if biased and n != 9 else None)
+                 for t, n in ((QuantType.Q4_K, 20), (QuantType.Q6_K, 9), (QuantType.Q4_K, 11))]
+        fused = concat(parts)
+        assert isinstance(fused, ConcatLinear) and fused.runs_kernels
+        for dtype in (torch.float32, torch.bfloat16):
+            for M in sorted({1, 3, max(1, fr - 1), fr, 40}):
+                x = torch.randn(M, 512).to(dtype)
+                y = fused(x)
+                assert y.shape == (M, 40) and y.dtype == dtype
+                assert torch.equal(y, torch.cat([p(x) for p in parts], dim=1)), (biased, dtype, M)
+        assert torch.equal(concat([parts[0], parts[2]])(x), torch.cat([parts[0](x), parts[2](x)], dim=1))
 
 
 @pytest.mark.skipif(cpu_ops.lib() is None, reason="CPU kernels unavailable")
