@@ -569,9 +569,7 @@ def _decode_projection(f, kind: type) -> ctypes.Structure | None:
     parts = f.parts if isinstance(f, ConcatLinear) else [f]
     if len(parts) > cpu_ops.MAX_PARTS or not all(p.runs_kernels for p in parts):
         return None
-    return cpu_ops.projection([cpu_ops.FrWeightPart(w=p.data.data_ptr(), bias=None if p.bias is None else
-                                                    p.bias.data_ptr(), ggml_type=int(p.qtype), rows=p.n)
-                               for p in parts], f.k)
+    return cpu_ops.projection([p.part() for p in parts], f.k)
 
 
 def _unless_disabled(kernel, plain):

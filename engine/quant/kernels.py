@@ -8,7 +8,7 @@ library has no kernel for; then they keep their plain-torch path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
 
 import torch
 
@@ -76,42 +76,24 @@ def gemm(x: torch.Tensor, data: torch.Tensor, qtype: QuantType, n: int, k: int, 
     return out
 
 
-@dataclass(frozen=True, eq=False)
-class Parts:
-    """Row-stacked weights of different formats over one input, as the C kernel takes them: the parts' row
-    pointers, ggml types and row counts (kept alive with the tensors they point into)."""
-
-    data: tuple[torch.Tensor, ...]
-    ptrs: torch.Tensor    # int64 [P]: data[p].data_ptr()
-    qtypes: torch.Tensor  # int32 [P]
-    ns: torch.Tensor      # int64 [P]
-    k: int
-
-    @classmethod
-    def of(cls, parts: list[tuple[torch.Tensor, QuantType, int]], k: int) -> Parts:
-        for data, qtype, n in parts:
-            if data.dtype != torch.uint8 or not data.is_contiguous() or data.numel() != n * row_bytes(qtype, k):
-                raise ValueError(f"quant_gemm_parts: a {QuantType(qtype).name} part [{n}, {k}] needs {n} contiguous "
-                                 f"uint8 rows of {row_bytes(qtype, k)} bytes, got {data.dtype} {tuple(data.shape)}")
-        return cls(tuple(d for d, _, _ in parts), torch.tensor([d.data_ptr() for d, _, _ in parts]),
-                   torch.tensor([int(q) for _, q, _ in parts], dtype=torch.int32),
-                   torch.tensor([n for _, _, n in parts], dtype=torch.int64), k)
-
-    @property
-    def n(self) -> int:
-        return int(self.ns.sum())
+def part(data: torch.Tensor, qtype: QuantType, n: int, k: int, bias: torch.Tensor | None) -> ctypes.Structure:
+    """Quantized rows as a cpu_ops.FrWeightPart (the caller keeps ``data`` and ``bias`` alive)."""
+    if data.dtype != torch.uint8 or not data.is_contiguous() or data.numel() != n * row_bytes(qtype, k):
+        raise ValueError(f"quant part: {QuantType(qtype).name} [{n}, {k}] needs {n} contiguous uint8 rows of "
+                         f"{row_bytes(qtype, k)} bytes, got {data.dtype} {tuple(data.shape)}")
+    return cpu_ops.FrWeightPart(w=data.data_ptr(), bias=None if bias is None else bias.data_ptr(),
+                                ggml_type=int(qtype), rows=n)
 
 
 @cpu_ops._profiled("quant_gemm")
-def gemm_parts(x: torch.Tensor, parts: Parts, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y [M, sum(n)] = x @ [W_0; W_1; ...]^T (+ bias [sum(n)]): x quantized once for every part."""
-    x = _check_x("quant_gemm_parts", x, parts.k)
-    M = x.shape[0]
-    out = torch.empty(M, parts.n, dtype=x.dtype)
-    rc = _fn("quant_gemm_parts", x.dtype)(x.data_ptr(), x.stride(0), M, parts.k, len(parts.data),
-                                          parts.ptrs.data_ptr(), parts.qtypes.data_ptr(), parts.ns.data_ptr(),
-                                          0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0))
-    _raise("quant_gemm_parts", rc, QuantType(int(parts.qtypes[0])))
+def gemm_projection(x: torch.Tensor, proj: ctypes.Structure, n: int) -> torch.Tensor:
+    """y [M, n] = x @ W^T (+ biases), W a cpu_ops.FrProjection of quantized parts stacked by rows (``n`` in all):
+    x is quantized once for every part."""
+    x = _check_x("quant_gemm_proj", x, proj.cols)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    rc = _fn("quant_gemm_proj", x.dtype)(x.data_ptr(), x.stride(0), x.shape[0], ctypes.byref(proj), out.data_ptr(),
+                                         out.stride(0))
+    _raise("quant_gemm_proj", rc, QuantType(proj.parts[0].ggml_type))
     return out
 
 

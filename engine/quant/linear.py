@@ -10,9 +10,11 @@ Fused projections (q/k/v, gate/up) are one QuantLinear when their parts share a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from .. import cpu_ops
 from . import dequant, kernels, reference
 from .formats import QuantType, block_shape, row_bytes
 
@@ -53,6 +55,10 @@ class QuantLinear:
     def runs_kernels(self) -> bool:
         """Whether calls run the CPU kernels now (else the plain-torch reference path)."""
         return kernels.usable(self.qtype)
+
+    def part(self):
+        """These rows as a cpu_ops.FrWeightPart, for the kernels that take projections (decode_layers)."""
+        return kernels.part(self.data, self.qtype, self.n, self.k, self.bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [n, k] as ``dtype`` (a new tensor)."""
@@ -98,8 +104,7 @@ class ConcatLinear:
     """Parts of different formats stacked by rows: one output [M, sum(n)], each part writing its slice."""
 
     parts: list[QuantLinear]
-    _bias: torch.Tensor | None = field(default=None, init=False, repr=False)
-    _parts: kernels.Parts | None = field(default=None, init=False, repr=False)
+    _projection: Any = field(default=None, init=False, repr=False)
 
     @property
     def n(self) -> int:
@@ -117,28 +122,19 @@ class ConcatLinear:
         return torch.cat([p.dequantize(dtype) for p in self.parts])
 
     @property
-    def bias(self) -> torch.Tensor | None:
-        """The parts' biases as one [n] (zeros for a part without), or None when none has one."""
-        if all(p.bias is None for p in self.parts):
-            return None
-        if self._bias is None:
-            self._bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.n) for p in self.parts])
-        return self._bias
-
-    @property
     def runs_kernels(self) -> bool:
         return all(p.runs_kernels for p in self.parts)
 
     @property
-    def kernel_parts(self) -> kernels.Parts:
-        """The parts as the C kernel takes them (built once)."""
-        if self._parts is None:
-            self._parts = kernels.Parts.of([(p.data, p.qtype, p.n) for p in self.parts], self.k)
-        return self._parts
+    def projection(self):
+        """The parts as one cpu_ops.FrProjection (built once; the parts keep what it points into)."""
+        if self._projection is None:
+            self._projection = cpu_ops.projection([p.part() for p in self.parts], self.k)
+        return self._projection
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.runs_kernels:  # one call: x quantized once for every part
-            return kernels.gemm_parts(x, self.kernel_parts, self.bias)
+        if self.runs_kernels and len(self.parts) <= cpu_ops.MAX_PARTS:  # one call: x quantized once for every part
+            return kernels.gemm_projection(x, self.projection, self.n)
         out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
         start = 0
         for p in self.parts:

@@ -16,6 +16,7 @@ template <> struct K<float> {
     static constexpr auto norm = add_rmsnorm_f32;
     static constexpr auto gemm = gemm_packed_f32;
     static constexpr auto qgemm = quant_gemm_f32;
+    static constexpr auto qproj = quant_gemm_proj_f32;
     static constexpr auto rope_kv = rope_kv_write_f32;
     static constexpr auto attend = paged_decode_f32;
     static constexpr auto flash = paged_flash_f32;
@@ -25,6 +26,7 @@ template <> struct K<bf16_t> {
     static constexpr auto norm = add_rmsnorm_bf16;
     static constexpr auto gemm = gemm_packed_bf16;
     static constexpr auto qgemm = quant_gemm_bf16;
+    static constexpr auto qproj = quant_gemm_proj_bf16;
     static constexpr auto rope_kv = rope_kv_write_bf16;
     static constexpr auto attend = paged_decode_bf16;
     static constexpr auto flash = paged_flash_bf16;
@@ -40,6 +42,9 @@ static inline int project(const T* x, int64_t Tn, const FrProjection& p, int64_t
     int64_t off = 0;
     for (int i = 0; i < p.n_parts; ++i) off += p.parts[i].rows;
     if (off != N) return -4;
+    bool quantized = true;
+    for (int i = 0; i < p.n_parts; ++i) quantized = quantized && p.parts[i].ggml_type;
+    if (quantized) return K<T>::qproj(x, cols, Tn, &p, y, N) ? -5 : 0;  // x quantized once for all the parts
     off = 0;
     for (int i = 0; i < p.n_parts; ++i) {
         const FrWeightPart& w = p.parts[i];

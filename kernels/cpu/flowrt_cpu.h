@@ -154,9 +154,9 @@ int quant_act_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, int16_t*
 int quant_gemm_supported(int qtype);
 int quant_gemm_f32(const float* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w, int qtype, int64_t N, const float* bias, float* y, int64_t y_st);
 int quant_gemm_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w, int qtype, int64_t N, const float* bias, bf16_t* y, int64_t y_st);
-// the same over nparts row-stacked parts (formats qtypes, ns rows each, W w[p]) into y's columns, x quantized once
-int quant_gemm_parts_f32(const float* x, int64_t x_st, int64_t M, int64_t K, int nparts, const uint8_t* const* w, const int32_t* qtypes, const int64_t* ns, const float* bias, float* y, int64_t y_st);
-int quant_gemm_parts_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, int nparts, const uint8_t* const* w, const int32_t* qtypes, const int64_t* ns, const float* bias, bf16_t* y, int64_t y_st);
+// y = x @ W^T (+ biases) for a projection of quantized parts (every ggml_type a block format; -1 else), x quantized once
+int quant_gemm_proj_f32(const float* x, int64_t x_st, int64_t M, const FrProjection* p, float* y, int64_t y_st);
+int quant_gemm_proj_bf16(const bf16_t* x, int64_t x_st, int64_t M, const FrProjection* p, bf16_t* y, int64_t y_st);
 // from this many rows the products run in float32 on the dequantized operands (below: int16 madd)
 int quant_gemm_float_rows();
 // rows ids[0..n) (null: rows 0..n-1) of W (n_rows rows) -> out; 0, -1, -2 as above, -3 an id out of range (quant_dequant.cpp)

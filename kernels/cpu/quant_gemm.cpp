@@ -292,14 +292,14 @@ static void gemm(const Act& a, int64_t M, const uint8_t* w, int64_t N, const flo
     }
 }
 
-// y[:, parts] = x @ W_p^T for parts p of formats qtypes[p] and ns[p] rows each, stacked by columns (a projection fused
-// from tensors the file stores in different formats: Q4_K_M's q/k and v): x is quantized once for all of them.
+// y[:, part p's columns] = x @ W_p^T (+ its bias) for the parts (GGUF block rows, each its own format) stacked by rows:
+// a projection fused from tensors the file stores in different formats (Q4_K_M's q/k and v); x quantized once.
 template <typename T>
-int quant_gemm(const T* x, int64_t x_st, int64_t M, int64_t K, int nparts, const uint8_t* const* w,
-               const int32_t* qtypes, const int64_t* ns, const float* bias, T* y, int64_t y_st) {
+int quant_gemm(const T* x, int64_t x_st, int64_t M, int64_t K, const FrWeightPart* parts, int nparts, T* y,
+               int64_t y_st) {
     for (int p = 0; p < nparts; ++p) {
         int qk = 0;
-        if (qfmt::dispatch(qtypes[p], [&](auto tag) { qk = decltype(tag)::type::QK; }) != 0) return -1;
+        if (qfmt::dispatch(parts[p].ggml_type, [&](auto tag) { qk = decltype(tag)::type::QK; }) != 0) return -1;
         if (K % qk) return -2;
     }
     const int64_t nb = K / 32;
@@ -310,14 +310,15 @@ int quant_gemm(const T* x, int64_t x_st, int64_t M, int64_t K, int nparts, const
     else quant_act_bf16(x, x_st, M, K, (int16_t*)buf, d, sx);
     const Act a{(const int16_t*)buf, d, sx, K, nb};
     int64_t off = 0;
-    for (int p = 0; p < nparts; off += ns[p++])
-        qfmt::dispatch(qtypes[p], [&](auto tag) {
+    for (int p = 0; p < nparts; off += parts[p++].rows)
+        qfmt::dispatch(parts[p].ggml_type, [&](auto tag) {
             using F = typename decltype(tag)::type;
-            const float* b = bias ? bias + off : nullptr;
+            const FrWeightPart& q = parts[p];
+            const uint8_t* w = static_cast<const uint8_t*>(q.w);
 #ifdef FLOWRT_AVX2
-            if (M >= FLOAT_ROWS) return gemm_float<F>(a, M, w[p], ns[p], b, y + off, y_st);
+            if (M >= FLOAT_ROWS) return gemm_float<F>(a, M, w, q.rows, q.bias, y + off, y_st);
 #endif
-            gemm<F>(a, M, w[p], ns[p], b, y + off, y_st);
+            gemm<F>(a, M, w, q.rows, q.bias, y + off, y_st);
         });
     return 0;
 }
@@ -330,24 +331,26 @@ int quant_gemm_supported(int qtype) { return qfmt::dispatch(qtype, [](auto) {}) 
 
 int quant_gemm_f32(const float* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w, int qtype, int64_t N,
                    const float* bias, float* y, int64_t y_st) {
-    const int32_t t = qtype;
-    return quant_gemm(x, x_st, M, K, 1, &w, &t, &N, bias, y, y_st);
+    const FrWeightPart part{w, bias, qtype, (int32_t)N};
+    return quant_gemm(x, x_st, M, K, &part, 1, y, y_st);
 }
 
 int quant_gemm_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w, int qtype, int64_t N,
                     const float* bias, bf16_t* y, int64_t y_st) {
-    const int32_t t = qtype;
-    return quant_gemm(x, x_st, M, K, 1, &w, &t, &N, bias, y, y_st);
+    const FrWeightPart part{w, bias, qtype, (int32_t)N};
+    return quant_gemm(x, x_st, M, K, &part, 1, y, y_st);
 }
 
-int quant_gemm_parts_f32(const float* x, int64_t x_st, int64_t M, int64_t K, int nparts, const uint8_t* const* w,
-                         const int32_t* qtypes, const int64_t* ns, const float* bias, float* y, int64_t y_st) {
-    return quant_gemm(x, x_st, M, K, nparts, w, qtypes, ns, bias, y, y_st);
+int quant_gemm_proj_f32(const float* x, int64_t x_st, int64_t M, const FrProjection* p, float* y, int64_t y_st) {
+    for (int i = 0; i < p->n_parts; ++i)
+        if (!p->parts[i].ggml_type) return -1;
+    return quant_gemm(x, x_st, M, p->cols, p->parts, p->n_parts, y, y_st);
 }
 
-int quant_gemm_parts_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, int nparts, const uint8_t* const* w,
-                          const int32_t* qtypes, const int64_t* ns, const float* bias, bf16_t* y, int64_t y_st) {
-    return quant_gemm(x, x_st, M, K, nparts, w, qtypes, ns, bias, y, y_st);
+int quant_gemm_proj_bf16(const bf16_t* x, int64_t x_st, int64_t M, const FrProjection* p, bf16_t* y, int64_t y_st) {
+    for (int i = 0; i < p->n_parts; ++i)
+        if (!p->parts[i].ggml_type) return -1;
+    return quant_gemm(x, x_st, M, p->cols, p->parts, p->n_parts, y, y_st);
 }
 
 // The row count from which the products run in float32 (gemm_float), for the tests of both regimes.
