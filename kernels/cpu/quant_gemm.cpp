@@ -259,7 +259,9 @@ static void gemm_float(const Act& a, int64_t M, const uint8_t* w, int64_t N, con
             }
         }
         float* wr = reinterpret_cast<float*>(scratch((size_t)(6 * K * 4), 2));
-        #pragma omp for schedule(dynamic, 1)
+        // chunks of 8 strips: a thread writes 48 adjacent columns (3 cache lines of each row of y) while they stay in
+        // L1, instead of every line of y being fetched again by the strips of other threads (12% of a call at 64 rows)
+        #pragma omp for schedule(dynamic, 8)
         for (int64_t s = 0; s < S; ++s) {
             const int64_t n0 = 6 * s;
             const int nr = (int)std::min<int64_t>(6, N - n0);
@@ -268,9 +270,11 @@ static void gemm_float(const Act& a, int64_t M, const uint8_t* w, int64_t N, con
                 const int mv = (int)std::min<int64_t>(16, M - 16 * p);
                 alignas(32) float t[6 * 16];
                 gemm_rows<false>(nr, wr, K, (int)K, xp + p * K * 16, nullptr, t, 16, 16, nullptr, 0);
-                for (int j = 0; j < nr; ++j) {
-                    const float bj = bias ? bias[n0 + j] : 0.f;
-                    for (int i = 0; i < mv; ++i) put(y + (16 * p + i) * ys + n0 + j, t[j * 16 + i] + bj);
+                float bj[6] = {};
+                if (bias) std::copy(bias + n0, bias + n0 + nr, bj);
+                for (int i = 0; i < mv; ++i) {  // y^T's tile, each row of y's six columns in turn
+                    T* yr = y + (16 * p + i) * ys + n0;
+                    for (int j = 0; j < nr; ++j) put(yr + j, t[j * 16 + i] + bj[j]);
                 }
             }
         }
