@@ -39,7 +39,7 @@ class EngineSequence:
 
     @property
     def num_computed_tokens(self) -> int:
-        return self._seq.num_computed_tokens
+        return self._seq.kv.num_computed_tokens
 
     @property
     def closed(self) -> bool:
@@ -61,12 +61,12 @@ class EngineSequence:
     @property
     def program(self):
         """The ProgramContext (run, step, thread, state) the engine has for this sequence, or None."""
-        return self._seq.program
+        return self._seq.sched.program
 
     def set_state(self, state: str, **context) -> None:
         """A scheduling hint: "generating", "waiting" (idle, used again soon: on a tool, a sibling, a
         gather) or "finished" (its step is done); keywords (run_id, step, thread_id) update the context."""
-        ctx = (self._seq.program or ProgramContext())
+        ctx = (self._seq.sched.program or ProgramContext())
         if context:
             ctx = replace(ctx, **context)
         self._engine.set_program(self._seq, ctx, state)

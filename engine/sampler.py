@@ -131,12 +131,12 @@ def sample(
         # Inverse-CDF sampling: one uniform per row; the first token whose cumulative mass exceeds it.
         cdf = probs.cumsum(dim=-1)
         u = torch.empty(len(rand), 1)
-        shared = [i for i, r in enumerate(rand) if seqs[r].generator is None]
+        shared = [i for i, r in enumerate(rand) if seqs[r].sample.generator is None]
         if shared:
             u[shared] = torch.rand(len(shared), 1, generator=generator)
-        own = [i for i, r in enumerate(rand) if seqs[r].generator is not None]
+        own = [i for i, r in enumerate(rand) if seqs[r].sample.generator is not None]
         if own:  # each seeded row from its own generator, in row order; written with one assignment
-            u[own] = torch.cat([torch.rand(1, generator=seqs[rand[i]].generator) for i in own])[:, None]
+            u[own] = torch.cat([torch.rand(1, generator=seqs[rand[i]].sample.generator) for i in own])[:, None]
         picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)
         tokens[rand] = picked.squeeze(1)
     return SampleResult(tokens.tolist(), logprobs)

@@ -61,7 +61,7 @@ class KVMachine(RuleBasedStateMachine):
         s = data.draw(st.sampled_from(self._live()))
         if s.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
             return
-        s.token_ids.extend(tokens)
+        s.extend(tokens)
         self.expected[s.seq_id].extend(tokens)
 
     @precondition(lambda self: self._live())
@@ -85,7 +85,7 @@ class KVMachine(RuleBasedStateMachine):
             return
         if s.num_tokens + k + 1 > (NUM_BLOCKS - 1) * BS:
             return  # would not fit alone
-        if s.num_computed_tokens >= s.num_tokens:
+        if s.kv.num_computed_tokens >= s.num_tokens:
             self.kv.truncate_computed(s, s.num_tokens - 1)
         self.gen_left[s.seq_id] = k
         self.sched.add(s)
@@ -108,9 +108,7 @@ class KVMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def close(self, data):
         s = data.draw(st.sampled_from(self._live()))
-        self.sched.remove(s)
-        self.kv.free(s)
-        s.status = SeqStatus.CLOSED
+        self.sched.close(s)
 
     @rule()
     def evict_cache(self):
@@ -124,15 +122,14 @@ class KVMachine(RuleBasedStateMachine):
         for src, dst in batch.plan.copies:  # noqa: B007 - renaming it reseeds the derandomized machine
             assert self.pool.blocks[dst].ref_count == 1
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-                blk = seq.block_table[pos // BS]
+            for pos in range(seq.kv.num_computed_tokens, seq.kv.num_computed_tokens + n):
+                blk = seq.kv.block_table[pos // BS]
                 assert self.pool.blocks[blk].ref_count == 1, "write into a shared block"
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.kv.register_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
+            self.kv.mark_computed(seq, n)
+            if seq.kv.num_computed_tokens == seq.num_tokens:
                 tok = self.rng.randrange(6)
-                seq.token_ids.append(tok)
+                seq.append(tok)
                 self.expected[seq.seq_id].append(tok)
                 self.gen_left[seq.seq_id] -= 1
                 if self.gen_left[seq.seq_id] == 0:
@@ -145,8 +142,8 @@ class KVMachine(RuleBasedStateMachine):
             return
         holders = [0] * NUM_BLOCKS
         for s in self._live():
-            assert len(s.block_table) * BS >= s.num_computed_tokens
-            for b in s.block_table:
+            assert len(s.kv.block_table) * BS >= s.kv.num_computed_tokens
+            for b in s.kv.block_table:
                 holders[b] += 1
         assert [b.ref_count for b in self.pool.blocks] == holders
         self.pool.check_invariants()
