@@ -43,7 +43,7 @@ class EngineSequence:
 
     @property
     def closed(self) -> bool:
-        return self._seq.status is SeqStatus.CLOSED
+        return self._seq.sched.status is SeqStatus.CLOSED
 
     def __len__(self) -> int:
         return self._seq.num_tokens
@@ -72,7 +72,8 @@ class EngineSequence:
         self._engine.set_program(self._seq, ctx, state)
 
     def __repr__(self) -> str:
-        return f"EngineSequence(id={self._seq.seq_id}, tokens={self._seq.num_tokens}, status={self._seq.status.value})"
+        seq = self._seq
+        return f"EngineSequence(id={seq.seq_id}, tokens={seq.num_tokens}, status={seq.sched.status.value})"
 
 
 class AsyncLLM:

@@ -40,7 +40,7 @@ from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .spec_decode import NgramSpeculator, SpeculativeConfig, Verified
-from .sequence import Request, Sequence, SeqStatus
+from .sequence import Matcher, Request, Sequence, SeqStatus
 from .structured_output import StructuredOutputManager
 
 logger = logging.getLogger("flowrt.engine")
@@ -141,7 +141,7 @@ class LLMEngine:
         _resolved: tuple[str | None, list[int]] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
         program: ProgramContext | dict | str | None = None,
-        _matcher=None,
+        _matcher: Matcher | None = None,
     ) -> Request:
         """Queues a request. `prompt` may be an open Sequence: it generates onto it (its KV is kept).
         `program`: the workflow run / step / thread it belongs to (engine/program.py); a sequence keeps it.

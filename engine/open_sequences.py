@@ -39,7 +39,7 @@ class OpenSequences:
 
     def check_can_generate(self, seq: Sequence, params: SamplingParams) -> None:
         """Every check for a request that generates onto seq (raises ValueError / RuntimeError)."""
-        if seq.status is SeqStatus.CLOSED:
+        if seq.sched.status is SeqStatus.CLOSED:
             raise ValueError("the sequence is closed")
         self.check_owned(seq)
         req = seq.sample.request
@@ -60,9 +60,9 @@ class OpenSequences:
         return seq
 
     def _check_idle(self, seq: Sequence, op: str) -> None:
-        if seq.status is SeqStatus.CLOSED:
+        if seq.sched.status is SeqStatus.CLOSED:
             raise RuntimeError(f"cannot {op} a closed sequence")
-        if seq.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
+        if seq.sched.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
             raise RuntimeError(f"cannot {op} a sequence while it is generating")
         self.check_owned(seq, f"cannot {op} it: ")
 
@@ -101,7 +101,7 @@ class OpenSequences:
 
     def close(self, seq: Sequence) -> None:
         with self.lock:
-            if seq.status is SeqStatus.CLOSED or self.seqs.get(seq.seq_id) is not seq:
+            if seq.sched.status is SeqStatus.CLOSED or self.seqs.get(seq.seq_id) is not seq:
                 return
             self.outputs.detach(seq)
             self.scheduler.close(seq)

@@ -130,14 +130,6 @@ class Sequence:
     grammar: GrammarState | None = None
 
     @property
-    def status(self) -> SeqStatus:
-        return self.sched.status
-
-    @property
-    def request(self) -> "Request | None":
-        return self.sample.request
-
-    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

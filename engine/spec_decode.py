@@ -143,7 +143,7 @@ class NgramSpeculator:
 
     # ---- before the step ---------------------------------------------------------------------------
     def eligible(self, seq: Sequence) -> bool:
-        req = seq.request
+        req = seq.sample.request
         if req is None or not _decoding(seq):
             return False
         p = req.params
@@ -195,7 +195,7 @@ class NgramSpeculator:
         `fallback`) of its last token alone, at most fallback_tokens. A sampled request with its own seed drafts from
         its own tokens by prompt_lookup_min..max only: its random draws (consumed per draft) must not depend on other
         requests' outputs or on measured times. Returns the draft and its source."""
-        cfg, p = self.cfg, seq.request.params
+        cfg, p = self.cfg, seq.sample.request.params
         room = min(cfg.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1)
         if room <= 0:
@@ -239,8 +239,8 @@ class NgramSpeculator:
         ids = {s.seq_id for s in running}
         for acc in self._acceptance.values():
             acc.keep_only(ids)
-        fixed = [f for f in found if f[0].sample.generator is not None and not f[0].request.params.greedy]
-        rest = [f for f in found if f[0].sample.generator is None or f[0].request.params.greedy]
+        fixed = [f for f in found if f[0].sample.generator is not None and not f[0].sample.request.params.greedy]
+        rest = [f for f in found if f[0].sample.generator is None or f[0].sample.request.params.greedy]
         extra = sum(len(d) for _, d, _ in fixed)
         rows, tokens = base[0] + extra, base[1] + extra
         keep = self.budget.plan([(len(d), self._acceptance[src].rate(seq.seq_id)) for seq, d, src in rest],
@@ -268,7 +268,7 @@ class NgramSpeculator:
         KV rolled back to the pending token and the accepted drafts."""
         m = seq.spec.num_draft_tokens
         drafts = seq.token_ids[seq.num_tokens - m:]
-        p = seq.request.params
+        p = seq.sample.request.params
         accepted: list[int] = []
         final = sampled
         if p.greedy:

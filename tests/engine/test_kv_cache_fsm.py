@@ -47,7 +47,7 @@ class KVMachine(RuleBasedStateMachine):
         self.rng = random.Random(0)
 
     def _live(self):
-        return [s for s in self.seqs if s.status is not SeqStatus.CLOSED]
+        return [s for s in self.seqs if s.sched.status is not SeqStatus.CLOSED]
 
     @rule(tokens=st.lists(st.integers(0, 5), min_size=1, max_size=14))
     def open(self, tokens):
@@ -59,7 +59,7 @@ class KVMachine(RuleBasedStateMachine):
     @rule(data=st.data(), tokens=st.lists(st.integers(0, 5), min_size=1, max_size=6))
     def append(self, data, tokens):
         s = data.draw(st.sampled_from(self._live()))
-        if s.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
+        if s.sched.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
             return
         s.extend(tokens)
         self.expected[s.seq_id].extend(tokens)
@@ -68,7 +68,7 @@ class KVMachine(RuleBasedStateMachine):
     @rule(data=st.data(), n=st.integers(1, 3))
     def fork(self, data, n):
         s = data.draw(st.sampled_from(self._live()))
-        if s.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
+        if s.sched.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
             return
         for _ in range(n):
             c = Sequence(list(s.token_ids), persistent=True)
@@ -81,7 +81,7 @@ class KVMachine(RuleBasedStateMachine):
     @rule(data=st.data(), k=st.integers(1, 5))
     def generate(self, data, k):
         s = data.draw(st.sampled_from(self._live()))
-        if s.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
+        if s.sched.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
             return
         if s.num_tokens + k + 1 > (NUM_BLOCKS - 1) * BS:
             return  # would not fit alone
@@ -95,14 +95,14 @@ class KVMachine(RuleBasedStateMachine):
     def generate_to_end(self, data, k):
         """Generate and step until that request ends (others in flight progress alongside)."""
         s = data.draw(st.sampled_from(self._live()))
-        if s.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
+        if s.sched.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
             return
         self.generate(data=_Fixed(s), k=k)
         for _ in range(100):
-            if s.status not in (SeqStatus.WAITING, SeqStatus.RUNNING):
+            if s.sched.status not in (SeqStatus.WAITING, SeqStatus.RUNNING):
                 break
             self.step()
-        assert s.status not in (SeqStatus.WAITING, SeqStatus.RUNNING)
+        assert s.sched.status not in (SeqStatus.WAITING, SeqStatus.RUNNING)
 
     @precondition(lambda self: self._live())
     @rule(data=st.data())
@@ -208,5 +208,5 @@ def test_preemption_through_the_machine(policy):
         m.refcounts_equal_holders()
         m.no_token_lost()
     assert m.sched.preemptions > 0
-    assert all(s.status is SeqStatus.IDLE for s in m._live())
+    assert all(s.sched.status is SeqStatus.IDLE for s in m._live())
     m.teardown()

@@ -99,7 +99,7 @@ def test_drafts_come_from_the_context_then_the_suffix_cache_then_one_token():
     assert spec._draft(alone, fallback=True) == ([1, 2], "fallback")  # "9" alone, at most fallback_tokens
     assert spec._draft(alone, fallback=False)[0] == []
     seeded = _seq([9, 1, 9, 3, 4], 2)
-    seeded.request.params = SamplingParams(max_tokens=50, temperature=1.0, seed=1)
+    seeded.sample.request.params = SamplingParams(max_tokens=50, temperature=1.0, seed=1)
     seeded.sample.generator = torch.Generator().manual_seed(1)
     assert spec._draft(seeded, fallback=True)[0] == []  # its own tokens only: draws reproducible by seed
     off = NgramSpeculator(SpeculativeConfig(suffix_cache_tokens=0, fallback_tokens=0), kv, 1000)
