@@ -14,6 +14,8 @@ A sequence's state is split into parts, each written by one module only (others 
 - `detok` (`DetokState`): engine/detokenizer.py (the text so far);
 - `spec` (`SpecState`): engine/spec_decode.py (the unverified drafts at the end of the tokens);
 - `grammar` (`GrammarState`, None when unconstrained): engine/structured_output.py.
+
+tests/engine/test_sequence_owners.py checks, statically, that no other engine module writes a part.
 """
 
 from __future__ import annotations
