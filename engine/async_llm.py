@@ -39,11 +39,11 @@ class EngineSequence:
 
     @property
     def num_computed_tokens(self) -> int:
-        return self._seq.num_computed_tokens
+        return self._seq.kv.num_computed_tokens
 
     @property
     def closed(self) -> bool:
-        return self._seq.status is SeqStatus.CLOSED
+        return self._seq.sched.status is SeqStatus.CLOSED
 
     def __len__(self) -> int:
         return self._seq.num_tokens
@@ -61,18 +61,19 @@ class EngineSequence:
     @property
     def program(self):
         """The ProgramContext (run, step, thread, state) the engine has for this sequence, or None."""
-        return self._seq.program
+        return self._seq.sched.program
 
     def set_state(self, state: str, **context) -> None:
         """A scheduling hint: "generating", "waiting" (idle, used again soon: on a tool, a sibling, a
         gather) or "finished" (its step is done); keywords (run_id, step, thread_id) update the context."""
-        ctx = (self._seq.program or ProgramContext())
+        ctx = (self._seq.sched.program or ProgramContext())
         if context:
             ctx = replace(ctx, **context)
         self._engine.set_program(self._seq, ctx, state)
 
     def __repr__(self) -> str:
-        return f"EngineSequence(id={self._seq.seq_id}, tokens={self._seq.num_tokens}, status={self._seq.status.value})"
+        seq = self._seq
+        return f"EngineSequence(id={seq.seq_id}, tokens={seq.num_tokens}, status={seq.sched.status.value})"
 
 
 class AsyncLLM:

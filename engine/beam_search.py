@@ -169,9 +169,9 @@ class BeamSearch:
 
     def _set_last_token(self, seq: Sequence, tok: int) -> None:
         """The request appended its greedy token, not yet computed: the beam's own token replaces it."""
-        assert seq.num_computed_tokens < seq.num_tokens
-        seq.token_ids[-1] = tok
-        del seq.block_hashes[(seq.num_tokens - 1) // self.engine.block_size:]
+        assert seq.kv.num_computed_tokens < seq.num_tokens
+        seq.replace_last(tok)
+        self.engine.kv_manager.forget_hashes(seq, seq.num_tokens - 1)
 
     def _finish_eos(self, parent: _Beam, tok: int, score: np.float32, lp: Logprob) -> None:
         seq = None
@@ -223,7 +223,7 @@ class BeamSearch:
         held = set()
         for b in self.beams + self.finished:
             if b.seq is not None:
-                held.update(b.seq.block_table)
+                held.update(b.seq.kv.block_table)
         self.peak_blocks = max(self.peak_blocks, len(held))
         self.engine.note_beam_peak(self.peak_blocks)
 

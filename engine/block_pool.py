@@ -58,7 +58,7 @@ class BlockPool:
         self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._free_cold: OrderedDict[int, None] = OrderedDict()  # low priority: evicted before _free_cached
-        self.protected: set[BlockHash] = set()  # set by the scheduler: evict these last
+        self.protected: set[BlockHash] = set()  # evicted last (set_protected)
         self.evicted_hashes: OrderedDict[BlockHash, None] = OrderedDict()  # recent evictions (bounded)
         self.max_evicted_hashes = max(4096, 8 * num_blocks)
         self.cached: dict[BlockHash, int] = {}
@@ -80,6 +80,11 @@ class BlockPool:
             if len(ev) == ev.maxlen:
                 self.events_dropped += 1
             ev.append((stored, block_hash))
+
+    def set_protected(self, hashes: set[BlockHash]) -> None:
+        """Cached blocks with these hashes are evicted only when no other is left (the prefixes queued work
+        needs now: the scheduler applies its policy's ranking)."""
+        self.protected = hashes
 
     # ---- queries -------------------------------------------------------------------------------
     @property

@@ -126,7 +126,7 @@ class DecodeGraphs:
         if any(n != 1 for n in batch.num_new_tokens):
             return None
         b = bucket_for(len(batch.seqs), self.buckets)
-        if b is None or any(len(seq.block_table) > self.width for seq in batch.seqs):
+        if b is None or any(len(seq.kv.block_table) > self.width for seq in batch.seqs):
             return None
         return b
 
@@ -137,8 +137,9 @@ class DecodeGraphs:
         ids, pos, slots, lens, tables = self._ids, self._pos, self._slots, self._lens, self._tables
         n = len(batch.seqs)
         for b, seq in enumerate(batch.seqs):
-            s = seq.num_computed_tokens
-            table = seq.block_table
+            kv = seq.kv
+            s = kv.num_computed_tokens
+            table = kv.block_table
             ids[b] = seq.token_ids[s]
             pos[b] = s
             slots[b] = table[s // bs] * bs + s % bs

@@ -11,6 +11,7 @@ import numbers
 import numpy as np
 
 from .sampling_params import SamplingParams
+from .sequence import Matcher
 from .tokenizer import check_text
 
 
@@ -102,7 +103,7 @@ class InputProcessor:
                              f"{what} has {num_tokens} tokens and max_tokens={params.max_tokens}: "
                              f"up to {max(num_tokens, final - 1)} tokens of KV")
 
-    def constraint_matcher(self, params: SamplingParams):
+    def constraint_matcher(self, params: SamplingParams) -> Matcher | None:
         """A fresh llguidance matcher for params.structured_outputs (None when unconstrained). Raises ValueError
         "structured_outputs.KIND: ..." for a bad, too large or too slow to compile constraint."""
         so = params.structured_outputs

@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import kv_transfer
+from . import kv_transfer, structured_output
 from .block_pool import BlockPool
 from .cpu_threads import StepClock, ThreadGovernor
 from .config import EngineArgs
@@ -40,7 +40,7 @@ from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .spec_decode import NgramSpeculator, SpeculativeConfig, Verified
-from .sequence import Request, Sequence, SeqStatus
+from .sequence import Matcher, Request, Sequence, SeqStatus
 from .structured_output import StructuredOutputManager
 
 logger = logging.getLogger("flowrt.engine")
@@ -102,7 +102,7 @@ class LLMEngine:
         self.generator = torch.Generator().manual_seed(args.seed)
         self.lock = threading.RLock()
         self._step_lock = threading.Lock()  # one step at a time, whoever calls it
-        self.open_seqs = OpenSequences(self.lock, self.kv_manager, self.scheduler, self.inputs, self.abort)
+        self.open_seqs = OpenSequences(self.lock, self.kv_manager, self.scheduler, self.inputs, self.outputs)
         self._req_ids = itertools.count()
         self._kv_fingerprint: str | None = None
         self.beam_peak_blocks = 0  # the most KV blocks one beam search has held at once (engine/beam_search.py)
@@ -141,7 +141,7 @@ class LLMEngine:
         _resolved: tuple[str | None, list[int]] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
         program: ProgramContext | dict | str | None = None,
-        _matcher=None,
+        _matcher: Matcher | None = None,
     ) -> Request:
         """Queues a request. `prompt` may be an open Sequence: it generates onto it (its KV is kept).
         `program`: the workflow run / step / thread it belongs to (engine/program.py); a sequence keeps it.
@@ -167,9 +167,9 @@ class LLMEngine:
             req = Request(rid, params, text, ids, [seq], on_output=on_output, on_error=on_error,
                           needs_text_each_step=stream or bool(params.stop))
             self.kv_manager.truncate_computed(seq, self.outputs.add(req))
-            seq.matcher = matcher
-            if program is not None or seq.program is not None:
-                seq.program = (program or seq.program).with_state("generating")
+            structured_output.constrain(seq, matcher)
+            if program is not None or seq.sched.program is not None:
+                self.scheduler.set_program(seq, (program or seq.sched.program).with_state("generating"))
             self.scheduler.add(seq)
             return req
 
@@ -190,7 +190,7 @@ class LLMEngine:
     # ---- open sequences (KV that outlives a call; see open_sequences.py) ----------------------------------
     def open(self, token_ids, program: ProgramContext | dict | str | None = None) -> Sequence:
         seq = self.open_seqs.open(token_ids)
-        seq.program = as_program_context(program)
+        self.scheduler.set_program(seq, as_program_context(program))
         return seq
 
     def set_program(self, seq: Sequence, program: ProgramContext | dict | str | None = None,
@@ -199,8 +199,8 @@ class LLMEngine:
         "finished"): a scheduling hint, never an error for a closed or foreign sequence's sake."""
         ctx = as_program_context(program)
         with self.lock:
-            ctx = ctx or seq.program or ProgramContext()
-            seq.program = ctx.with_state(state) if state is not None else ctx
+            ctx = ctx or seq.sched.program or ProgramContext()
+            self.scheduler.set_program(seq, ctx.with_state(state) if state is not None else ctx)
 
     def run_stats(self, run_id: str | None = None) -> dict | None:
         """What a workflow run got (service_tokens, queue_time_s, requests, prefill_tokens_recomputed,
@@ -253,7 +253,7 @@ class LLMEngine:
                 result = None
                 if live:
                     lg = mo.logits[torch.tensor(rows)] if rows != list(range(len(mo.logits))) else mo.logits
-                    if any(s.matcher is not None for s in live):
+                    if any(s.grammar is not None for s in live):
                         self.structured.apply(lg, live)  # grammar masks, before penalties and sampling
                     result = sample(lg, live, self.eos_ids, self.generator)
                 verified = self._verify_drafts(so, mo, live, result) if so.spec_rows else None
@@ -276,9 +276,9 @@ class LLMEngine:
         out = {}
         for seq, first, m in so.spec_rows:
             i = index.get(seq.seq_id)
-            if i is None or seq.num_draft_tokens != m:  # aborted while the model ran (finishing stripped it)
+            if i is None or seq.spec.num_draft_tokens != m:  # aborted while the model ran (finishing stripped it)
                 continue
-            want = seq.request.params.logprobs is not None
+            want = seq.sample.request.params.logprobs is not None
             out[i] = self.spec.verify(seq, mo.logits[first:first + m + 1], result.token_ids[i], want, self.generator)
         return out
 
@@ -287,17 +287,16 @@ class LLMEngine:
         the prompt is computed (each child samples from the parent's row)."""
         live, rows = [], []
         for seq, r in so.sample_rows:
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.sched.status is not SeqStatus.RUNNING:
                 continue
-            req = seq.request
+            req = seq.sample.request
             if req.params.n > 1 and not req.forked:
                 req.forked = True
                 for i in range(1, req.params.n):
                     child = Sequence(list(seq.token_ids))
                     self.kv_manager.fork(seq, child)
                     self.outputs.attach(req, child, i)
-                    if seq.matcher is not None:  # each sample continues the grammar from the shared state
-                        child.matcher, child.grammar_mask = seq.matcher.deep_copy(), seq.grammar_mask
+                    structured_output.fork(seq, child)  # each sample continues the grammar from the shared state
                     self.scheduler.add_running(child, after=req.seqs[-1])
                     req.seqs.append(child)
                     live.append(child)

@@ -97,8 +97,9 @@ class ModelRunner:
         slots: list[int] = []
         qlens, slens = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            s = seq.num_computed_tokens
-            table = seq.block_table
+            kv = seq.kv
+            s = kv.num_computed_tokens
+            table = kv.block_table
             qlens.append(n)
             slens.append(s + n)
             if n == 1:
@@ -117,8 +118,8 @@ class ModelRunner:
         if pos:
             pos_parts.append(np.array(pos, dtype=np.int64))
             slot_parts.append(np.array(slots, dtype=np.int64))
-        width = max(len(seq.block_table) for seq in batch.seqs)
-        tables = np.array([seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs],
+        width = max(len(seq.kv.block_table) for seq in batch.seqs)
+        tables = np.array([seq.kv.block_table + [0] * (width - len(seq.kv.block_table)) for seq in batch.seqs],
                           dtype=np.int32).reshape(len(batch.seqs), width)
         qsl = np.zeros(len(qlens) + 1, dtype=np.int32)
         np.cumsum(qlens, out=qsl[1:])

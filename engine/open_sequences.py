@@ -9,10 +9,10 @@ called from any thread at any time (finalizers); such closes are applied by `dra
 from __future__ import annotations
 
 import collections
-from typing import Callable
 
 from .input_processor import InputProcessor
 from .kv_cache_manager import KVCacheManager
+from .output_processor import OutputProcessor
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, SeqStatus
@@ -20,12 +20,12 @@ from .sequence import Sequence, SeqStatus
 
 class OpenSequences:
     def __init__(self, lock, kv: KVCacheManager, scheduler: Scheduler, inputs: InputProcessor,
-                 abort: Callable[[str], bool]):
+                 outputs: OutputProcessor):
         self.lock = lock
         self.kv = kv
         self.scheduler = scheduler
         self.inputs = inputs
-        self.abort = abort
+        self.outputs = outputs
         self.seqs: dict[int, Sequence] = {}
         self._pending_closes: collections.deque[Sequence] = collections.deque()
 
@@ -39,10 +39,11 @@ class OpenSequences:
 
     def check_can_generate(self, seq: Sequence, params: SamplingParams) -> None:
         """Every check for a request that generates onto seq (raises ValueError / RuntimeError)."""
-        if seq.status is SeqStatus.CLOSED:
+        if seq.sched.status is SeqStatus.CLOSED:
             raise ValueError("the sequence is closed")
         self.check_owned(seq)
-        if seq.request is not None and not seq.request.finished:
+        req = seq.sample.request
+        if req is not None and not req.finished:
             raise RuntimeError("the sequence is already generating (one request at a time)")
         if params.n != 1:
             raise ValueError("n must be 1 when generating onto a sequence (fork it for several samples)")
@@ -59,9 +60,9 @@ class OpenSequences:
         return seq
 
     def _check_idle(self, seq: Sequence, op: str) -> None:
-        if seq.status is SeqStatus.CLOSED:
+        if seq.sched.status is SeqStatus.CLOSED:
             raise RuntimeError(f"cannot {op} a closed sequence")
-        if seq.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
+        if seq.sched.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
             raise RuntimeError(f"cannot {op} a sequence while it is generating")
         self.check_owned(seq, f"cannot {op} it: ")
 
@@ -73,7 +74,7 @@ class OpenSequences:
             if seq.num_tokens + len(ids) > limit:
                 raise ValueError(f"sequence would have {seq.num_tokens + len(ids)} tokens, "
                                  f"more than max_model_len={limit}")
-            seq.token_ids.extend(ids)
+            seq.extend(ids)
 
     def fork(self, seq: Sequence, n: int = 1) -> list[Sequence]:
         if n < 1:
@@ -84,7 +85,8 @@ class OpenSequences:
             for _ in range(n):
                 child = Sequence(list(seq.token_ids), persistent=True)
                 self.kv.fork(seq, child)
-                child.program = seq.program  # same run, step and thread state (a hint; set_program changes it)
+                # same run, step and thread state (a hint; set_program changes it)
+                self.scheduler.set_program(child, seq.sched.program)
                 self.seqs[child.seq_id] = child
                 self.scheduler.park(child)
                 children.append(child)
@@ -99,15 +101,8 @@ class OpenSequences:
 
     def close(self, seq: Sequence) -> None:
         with self.lock:
-            if seq.status is SeqStatus.CLOSED or self.seqs.get(seq.seq_id) is not seq:
+            if seq.sched.status is SeqStatus.CLOSED or self.seqs.get(seq.seq_id) is not seq:
                 return
-            if seq.request is not None and not seq.request.finished:
-                self.abort(seq.request.request_id)
-            self.scheduler.remove(seq)
-            if seq.program is not None and seq.max_computed_tokens:
-                self.scheduler.tracker.observe_final(seq.program.step, seq.num_tokens)
-            # program policy: a closed thread's blocks are the first cached ones to go
-            self.kv.free(seq, low_priority=self.scheduler.program)
-            seq.status = SeqStatus.CLOSED
-            seq.request = None
+            self.outputs.detach(seq)
+            self.scheduler.close(seq)
             self.seqs.pop(seq.seq_id, None)

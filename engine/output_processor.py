@@ -6,8 +6,10 @@ sampled token, applies stop conditions (stop strings, stop token ids, EOS, max_t
 of the first three before min_tokens), detokenizes incrementally, records logprobs, finishes samples and
 requests, and notifies each request's listener. `make_output` builds the user-facing RequestOutput.
 
-It owns the registry of live requests and the token counters. Sequences it finishes go back to the
-scheduler (`Scheduler.finish`), which releases or parks their KV.
+It owns the registry of live requests and the token counters, and is the only writer of a sequence's `sample`
+part (engine/sequence.py's SampleState: a fresh one per request). Sequences it finishes go back to the
+scheduler (`Scheduler.finish`), which releases or parks their KV; their tokens, text and grammar change through
+their owners (Sequence's methods, engine/detokenizer.py, engine/structured_output.py).
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ import time
 
 import torch
 
-from . import detokenizer
+from . import detokenizer, structured_output
 from .model_runner import ModelRunnerOutput
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampler import SampleResult
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Request, Sequence, SeqStatus
+from .sequence import Request, SampleState, Sequence, SeqStatus
 from .spec_decode import Verified, strip_drafts
 
 logger = logging.getLogger("flowrt.engine")
@@ -49,7 +51,7 @@ class OutputProcessor:
         open sequence)."""
         seq = req.seqs[0]
         self.attach(req, seq, 0)
-        keep = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        keep = min(seq.kv.num_computed_tokens, seq.num_tokens - 1)
         if req.params.prompt_logprobs is not None:
             start = max(1, keep) if seq.persistent else 1
             req.prompt_logprob_start = start
@@ -60,30 +62,36 @@ class OutputProcessor:
         return keep
 
     def attach(self, req: Request, seq: Sequence, index: int) -> None:
-        """seq samples for req as its sample `index`: fresh per-request output state."""
+        """seq samples for req as its sample `index`: fresh per-request output state (its grammar is set by
+        whoever attaches it: engine/structured_output.py's constrain or fork)."""
         p = req.params
-        seq.request = req
-        seq.sample_index = index
-        seq.prompt_len = seq.num_tokens
-        seq.generator = torch.Generator().manual_seed(p.seed + index) if p.seed is not None else None
-        seq.output_logprobs = [] if p.logprobs is not None else None
-        seq.cumulative_logprob = 0.0
-        seq.finish_reason = seq.stop_reason = None
-        seq.matcher = seq.grammar_mask = None
+        seq.sample = SampleState(
+            request=req, index=index, prompt_len=seq.num_tokens,
+            generator=torch.Generator().manual_seed(p.seed + index) if p.seed is not None else None,
+            output_logprobs=[] if p.logprobs is not None else None)
         detokenizer.start(seq)
+
+    def detach(self, seq: Sequence) -> None:
+        """An open sequence is closed: its request, if still generating, is aborted, and it forgets it."""
+        req = seq.sample.request
+        if req is not None and not req.finished:
+            self.abort(req)
+        seq.sample.request = None
 
     def finish_seq(self, seq: Sequence, reason: str | None = None) -> None:
         """A sample is done (its finish_reason set, or `reason`): final text, and it leaves the batch."""
+        sample = seq.sample
         if reason is not None:
-            seq.finish_reason = reason
-        if seq.num_draft_tokens:  # aborted with speculative drafts in flight: they were never its tokens
-            strip_drafts(seq, 0, self.scheduler.kv.block_size)
-            if seq.num_computed_tokens > seq.num_tokens - 1:
-                self.scheduler.kv.truncate_computed(seq, max(0, seq.num_tokens - 1))
-        req = seq.request
-        if not req.needs_text_each_step and seq.finish_reason != "abort":
+            sample.finish_reason = reason
+        if seq.spec.num_draft_tokens:  # aborted with speculative drafts in flight: they were never its tokens
+            kv = self.scheduler.kv
+            strip_drafts(seq, 0, kv)
+            if seq.kv.num_computed_tokens > seq.num_tokens - 1:
+                kv.truncate_computed(seq, max(0, seq.num_tokens - 1))
+        req = sample.request
+        if not req.needs_text_each_step and sample.finish_reason != "abort":
             detokenizer.update(self.tokenizer, seq, req.params.skip_special_tokens)
-        seq.matcher = seq.grammar_mask = None
+        structured_output.release(seq)
         self.scheduler.finish(seq)
 
     def finish_request(self, req: Request) -> None:
@@ -94,7 +102,7 @@ class OutputProcessor:
 
     def abort(self, req: Request) -> None:
         for seq in req.seqs:
-            if seq.finish_reason is None:
+            if seq.sample.finish_reason is None:
                 self.finish_seq(seq, "abort")
         self.finish_request(req)
 
@@ -109,9 +117,9 @@ class OutputProcessor:
         """A sequence that outgrew the whole KV pool ends like one that reached max_model_len. (Submission
         refuses requests that could; this is the safety net.)"""
         logger.warning("sequence %d (%d tokens) no longer fits in the KV cache; ending it", seq.seq_id, seq.num_tokens)
-        req = seq.request
+        req = seq.sample.request
         self.finish_seq(seq, "length")
-        if req is not None and all(s.finish_reason is not None for s in req.seqs):
+        if req is not None and all(s.sample.finish_reason is not None for s in req.seqs):
             self.finish_request(req)
 
     # ---- one step's results ------------------------------------------------------------------------
@@ -126,16 +134,17 @@ class OutputProcessor:
         for seq, n in computed:
             # A decode computes one just-sampled token (and its drafts); everything else (prompts, appended
             # text, recomputation after preemption) is prefill.
-            decode = (n == 1 and seq.num_computed_tokens - 1 >= seq.prompt_len) or seq.seq_id in drafting
+            decode = (n == 1 and seq.kv.num_computed_tokens - 1 >= seq.sample.prompt_len) or seq.seq_id in drafting
             self.counters["decode_tokens_computed" if decode else "prefill_tokens_computed"] += n
-            touched[seq.request.request_id] = seq.request
+            req = seq.sample.request
+            touched[req.request_id] = req
         for seq, first_row, pos in so.prompt_logprob_rows:
-            if seq.status is SeqStatus.RUNNING:
+            if seq.sched.status is SeqStatus.RUNNING:
                 self._record_prompt_logprobs(seq, mo.logits, first_row, pos)
         if result is not None:
             now = time.monotonic()
             for i, (seq, tok) in enumerate(zip(sampled, result.token_ids)):
-                req = seq.request
+                req = seq.sample.request
                 if req.first_token_time is None:
                     req.first_token_time = now
                 v = verified.get(i) if verified else None
@@ -145,18 +154,18 @@ class OutputProcessor:
                 rows = v.logprob_rows
                 for j, t in enumerate([*v.accepted, v.final]):
                     self._emit(seq, t, rows[j] if rows is not None else None)
-                    if seq.finish_reason is not None:
+                    if seq.sample.finish_reason is not None:
                         break
-                if seq.block_table and seq.num_computed_tokens > seq.num_tokens - 1:  # stopped on a draft
+                if seq.kv.block_table and seq.kv.num_computed_tokens > seq.num_tokens - 1:  # stopped on a draft
                     self.scheduler.kv.truncate_computed(seq, seq.num_tokens - 1)
             if self.structured is not None:
-                self._next_masks([s for s in sampled if s.matcher is not None and s.finish_reason is None])
+                self._next_masks([s for s in sampled if s.grammar is not None and s.sample.finish_reason is None])
         for req in touched.values():
             for seq in req.seqs:
-                if (seq.status is SeqStatus.RUNNING and seq.finish_reason is None
-                        and req.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens):
+                if (seq.sched.status is SeqStatus.RUNNING and seq.sample.finish_reason is None
+                        and req.params.max_tokens == 0 and seq.kv.num_computed_tokens == seq.num_tokens):
                     self.finish_seq(seq, "length")  # max_tokens=0: done once its tokens are computed
-            if all(s.finish_reason is not None for s in req.seqs) and req.forked == (req.params.n > 1):
+            if all(s.sample.finish_reason is not None for s in req.seqs) and req.forked == (req.params.n > 1):
                 self.finish_request(req)
             elif req.on_output is not None:
                 req.on_output(req)
@@ -164,21 +173,21 @@ class OutputProcessor:
 
     def _emit(self, seq: Sequence, tok: int, logprobs: torch.Tensor | None) -> None:
         """One generated token: appended, its logprobs recorded, its grammar advanced, stops checked."""
-        seq.token_ids.append(tok)
+        seq.append(tok)
         self.counters["generated_tokens"] += 1
-        if seq.output_logprobs is not None:
-            seq.output_logprobs.append(self._logprob_entry(logprobs, tok, seq.request.params.logprobs))
-            seq.cumulative_logprob += float(logprobs[tok])
-        if seq.matcher is not None:
+        sample = seq.sample
+        if sample.output_logprobs is not None:
+            sample.output_logprobs.append(self._logprob_entry(logprobs, tok, sample.request.params.logprobs))
+            sample.cumulative_logprob += float(logprobs[tok])
+        if seq.grammar is not None:
             self._consume(seq, tok)
         self._check_stop(seq, tok)
 
     # ---- structured outputs ------------------------------------------------------------------------
     def _consume(self, seq: Sequence, tok: int) -> None:
-        seq.grammar_mask = None
-        if not seq.matcher.consume_token(tok):
+        if not structured_output.consume(seq, tok):
             logger.warning("structured output: sequence %d: token %d rejected by its grammar: %s", seq.seq_id, tok,
-                           seq.matcher.get_error())
+                           seq.grammar.matcher.get_error())
 
     def _next_masks(self, seqs: list[Sequence]) -> None:
         """The next-step masks of constrained sequences that go on, in one batch; with forcing on, a sequence
@@ -191,52 +200,53 @@ class OutputProcessor:
             for seq, tok in zip(seqs, self.structured.single_tokens(seqs)):
                 if tok is None:
                     continue
-                seq.token_ids.append(tok)
+                seq.append(tok)
                 self.counters["generated_tokens"] += 1
                 self.counters["forced_tokens"] += 1
-                if seq.output_logprobs is not None:  # the only token the mask allows: probability 1
-                    seq.output_logprobs.append({tok: Logprob(0.0, 1, self.tokenizer.decode([tok]))})
+                if seq.sample.output_logprobs is not None:  # the only token the mask allows: probability 1
+                    seq.sample.output_logprobs.append({tok: Logprob(0.0, 1, self.tokenizer.decode([tok]))})
                 self._consume(seq, tok)
                 self._check_stop(seq, tok)
-                if seq.finish_reason is None:
+                if seq.sample.finish_reason is None:
                     forced.append(seq)
             seqs = forced
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
-        req = seq.request
+        sample = seq.sample
+        req = sample.request
         p = req.params
         n_out = seq.num_output_tokens
         may_stop = n_out >= p.min_tokens  # no stop of any kind before min_tokens
         if req.needs_text_each_step:
             delta = detokenizer.update(self.tokenizer, seq, p.skip_special_tokens)
             if p.stop and delta and may_stop:
-                text = seq.text
+                text = seq.detok.text
                 window = max(map(len, p.stop)) + len(delta)
                 lo = max(0, len(text) - window)
                 hits = [(text.find(s, lo), s) for s in p.stop]
                 hits = [(i, s) for i, s in hits if i >= 0]
                 if hits:
                     i, s = min(hits)
-                    seq.text = text[: i + len(s) if p.include_stop_str_in_output else i]
-                    seq.finish_reason, seq.stop_reason = "stop", s
-        m = seq.matcher
-        if seq.finish_reason is None and m is not None and m.is_stopped():
+                    detokenizer.cut(seq, i + len(s) if p.include_stop_str_in_output else i)
+                    sample.finish_reason, sample.stop_reason = "stop", s
+        g = seq.grammar
+        if sample.finish_reason is None and g is not None and g.matcher.is_stopped():
             # The grammar is complete (nothing but EOS may follow): a finished, valid output. A matcher in an
             # error state (a bug: a token outside its mask) ends the sample as aborted, never as "stop".
-            if m.is_error():
-                seq.finish_reason, seq.stop_reason = "abort", "structured output error"
+            if g.matcher.is_error():
+                sample.finish_reason, sample.stop_reason = "abort", "structured output error"
             else:
-                seq.finish_reason = "stop"
+                sample.finish_reason = "stop"
                 if tok in self.eos_ids or tok in p.stop_token_ids:
-                    seq.stop_reason = tok if tok in p.stop_token_ids else None
-        if seq.finish_reason is None and may_stop:
+                    sample.stop_reason = tok if tok in p.stop_token_ids else None
+        if sample.finish_reason is None and may_stop:
             if tok in p.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", tok
+                sample.finish_reason, sample.stop_reason = "stop", tok
             elif not p.ignore_eos and tok in self.eos_ids:
-                seq.finish_reason = "stop"
-        if seq.finish_reason is None and (n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len):
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None:
+                sample.finish_reason = "stop"
+        if sample.finish_reason is None and (n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            sample.finish_reason = "length"
+        if sample.finish_reason is not None:
             self.finish_seq(seq)
 
     # ---- logprobs --------------------------------------------------------------------------------
@@ -253,9 +263,9 @@ class OutputProcessor:
         return entry
 
     def _record_prompt_logprobs(self, seq: Sequence, logits, first_row: int, pos: int) -> None:
-        req = seq.request
+        req = seq.sample.request
         k = req.params.prompt_logprobs
-        hi = min(seq.num_computed_tokens, seq.prompt_len - 1)
+        hi = min(seq.kv.num_computed_tokens, seq.sample.prompt_len - 1)
         lps = torch.log_softmax(logits[first_row : first_row + (hi - pos)], dim=-1)
         for j, p in enumerate(range(pos, hi)):
             tok = seq.token_ids[p + 1]
@@ -265,15 +275,15 @@ class OutputProcessor:
     def make_output(self, req: Request) -> RequestOutput:
         outs = [
             CompletionOutput(
-                index=seq.sample_index,
-                text=seq.text,
-                token_ids=seq.token_ids[seq.prompt_len :],
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                logprobs=list(seq.output_logprobs) if seq.output_logprobs is not None else None,
-                cumulative_logprob=seq.cumulative_logprob if seq.output_logprobs is not None else None,
+                index=s.index,
+                text=seq.detok.text,
+                token_ids=seq.token_ids[s.prompt_len :],
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                logprobs=list(s.output_logprobs) if s.output_logprobs is not None else None,
+                cumulative_logprob=s.cumulative_logprob if s.output_logprobs is not None else None,
             )
-            for seq in req.seqs
+            for seq, s in ((seq, seq.sample) for seq in req.seqs)
         ]
         metrics = {"arrival_time": req.arrival_time}
         if req.first_token_time is not None:

@@ -9,7 +9,7 @@ The engine works the same without it. With ``EngineArgs(scheduling_policy="progr
   expected next use (KVFlow): finished threads first, then waiting ones whose return is farthest away.
 
 This module holds the plain data (contexts, per-run records, the wait estimator); the policy itself lives
-in scheduler.py, which is the only user of it besides the engine's entry points.
+in sched_policy.py and scheduler.py, the only users of it besides the engine's entry points.
 """
 
 from __future__ import annotations
@@ -82,7 +82,6 @@ class RunRecord:
     prefill_tokens_recomputed: int = 0
     preemptions: int = 0
     first_seen: float = field(default_factory=time.monotonic)
-    last_seen: float = field(default_factory=time.monotonic)
 
     def as_dict(self) -> dict[str, Any]:
         return {"service_tokens": self.service_tokens, "queue_time_s": round(self.queue_time_s, 6),
@@ -114,7 +113,6 @@ class ProgramTracker:
                 self.runs.popitem(last=False)
         else:
             self.runs.move_to_end(run_id)
-        rec.last_seen = time.monotonic()
         return rec
 
     def observe_final(self, step: str | None, num_tokens: int) -> None:
@@ -127,12 +125,6 @@ class ProgramTracker:
         """Typical final length of a thread of this step (any step's when this one has none yet)."""
         est = self.final_tokens.get(step)
         return est if est is not None else self.final_tokens.get(None)
-
-    def service(self, run_id: str | None) -> int:
-        if run_id is None:
-            return 0
-        rec = self.runs.get(run_id)
-        return rec.service_tokens if rec else 0
 
     def observe_gap(self, seconds: float) -> None:
         if seconds >= 0:

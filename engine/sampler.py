@@ -24,7 +24,7 @@ class SampleResult:
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     V = logits.shape[1]
     for r, seq in enumerate(seqs):
-        p = seq.request.params
+        p = seq.sample.request.params
         if p.repetition_penalty != 1.0:
             ids = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
             ids = ids[ids < V]
@@ -39,7 +39,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 def mask_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> None:
     for r, seq in enumerate(seqs):
-        p = seq.request.params
+        p = seq.sample.request.params
         if seq.num_output_tokens < p.min_tokens:
             banned = [*(() if p.ignore_eos else eos_ids), *p.stop_token_ids]
             if banned:
@@ -48,7 +48,7 @@ def mask_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[i
 
 def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p for random rows (in place where possible)."""
-    params = [s.request.params for s in seqs]
+    params = [s.sample.request.params for s in seqs]
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     logits = logits / temps[:, None]
     top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
@@ -115,14 +115,14 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 def sample(
     logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...], generator: torch.Generator
 ) -> SampleResult:
-    if any(s.request.params.repetition_penalty != 1.0 or s.request.params.presence_penalty
-           or s.request.params.frequency_penalty for s in seqs):
+    if any(s.sample.request.params.repetition_penalty != 1.0 or s.sample.request.params.presence_penalty
+           or s.sample.request.params.frequency_penalty for s in seqs):
         apply_penalties(logits, seqs)
     mask_min_tokens(logits, seqs, eos_ids)
     logprobs = None
-    if any(s.request.params.logprobs is not None for s in seqs):
+    if any(s.sample.request.params.logprobs is not None for s in seqs):
         logprobs = torch.log_softmax(logits, dim=-1)
-    rand = [r for r, s in enumerate(seqs) if not s.request.params.greedy]
+    rand = [r for r, s in enumerate(seqs) if not s.sample.request.params.greedy]
     tokens = greedy_tokens(logits) if len(rand) < len(seqs) else torch.zeros(len(seqs), dtype=torch.long)
     if rand:
         # every row random: filter_logits makes its own tensor, no gathered copy needed
@@ -131,12 +131,12 @@ def sample(
         # Inverse-CDF sampling: one uniform per row; the first token whose cumulative mass exceeds it.
         cdf = probs.cumsum(dim=-1)
         u = torch.empty(len(rand), 1)
-        shared = [i for i, r in enumerate(rand) if seqs[r].generator is None]
+        shared = [i for i, r in enumerate(rand) if seqs[r].sample.generator is None]
         if shared:
             u[shared] = torch.rand(len(shared), 1, generator=generator)
-        own = [i for i, r in enumerate(rand) if seqs[r].generator is not None]
+        own = [i for i, r in enumerate(rand) if seqs[r].sample.generator is not None]
         if own:  # each seeded row from its own generator, in row order; written with one assignment
-            u[own] = torch.cat([torch.rand(1, generator=seqs[rand[i]].generator) for i in own])[:, None]
+            u[own] = torch.cat([torch.rand(1, generator=seqs[rand[i]].sample.generator) for i in own])[:, None]
         picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)
         tokens[rand] = picked.squeeze(1)
     return SampleResult(tokens.tolist(), logprobs)

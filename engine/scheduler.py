@@ -8,7 +8,13 @@ running sequence is preempted (its blocks freed; it is recomputed later, mostly 
 
 The step is one loop over running sequences and one admission loop; the policy object (engine/
 sched_policy.py) answers what differs between policies: the queue order, the preemption victim, whether an
-unfit request blocks the queue, which idle KV goes first, whether an entering thread has room.
+unfit request blocks the queue, which idle KV goes first, whether an entering thread has room. It returns
+decisions; the scheduler applies them. Every loop gets memory through one helper (`_allocate`), which frees
+in a fixed order (idle KV, queued sequences' KV, then preemption where the caller allows it) and says how it
+ended (`Alloc`).
+
+The scheduler is the only writer of a sequence's `sched` part (status, queue times, program context);
+it changes the KV part through the KV cache manager only.
 
 The above is the "fcfs" policy (vLLM's). The "program" policy uses what requests say about their workflow
 run, step and thread (engine/program.py):
@@ -31,15 +37,18 @@ run, step and thread (engine/program.py):
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .kv_cache_manager import KVCacheManager, SlotPlan
-from .program import ProgramState, ProgramTracker
+from .program import ProgramContext, ProgramState, ProgramTracker
 from .sched_policy import POLICIES
 from .sequence import Sequence, SeqStatus
 from .spec_decode import strip_drafts
+
 
 @dataclass
 class SchedulerOutput:
@@ -62,14 +71,19 @@ class SchedulerOutput:
     # sequence's sample row (which predicts the token after the last draft)
     spec_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
-    @property
-    def block_copies(self) -> list[tuple[int, int]]:
-        return self.plan.copies
+
+class Alloc(enum.Enum):
+    """How `Scheduler._allocate` ended."""
+
+    ALLOCATED = "allocated"  # the sequence has its slots
+    NO_ROOM = "no_room"  # nothing more may be freed for it: it got no slots
+    PREEMPTED = "preempted"  # it was itself the victim preempted to make room: back in the queue
 
 
 def _scoring(seq: Sequence) -> bool:
     """Scoring (prompt logprobs) needs the logits of every token, so it can skip no cached block."""
-    return seq.request is not None and seq.request.prompt_logprobs is not None
+    req = seq.sample.request
+    return req is not None and req.prompt_logprobs is not None
 
 
 class Scheduler:
@@ -98,30 +112,37 @@ class Scheduler:
     def add(self, seq: Sequence, front: bool = False) -> None:
         self.idle.pop(seq.seq_id, None)
         now = time.monotonic()
+        st = seq.sched
         if not front:  # a new request (a preempted sequence comes back with front=True)
-            if seq.status is SeqStatus.IDLE and seq.idle_since:
-                self.tracker.observe_gap(now - seq.idle_since)
+            if st.status is SeqStatus.IDLE and st.idle_since:
+                self.tracker.observe_gap(now - st.idle_since)
             run = self._run_id(seq)
             if run is not None:
                 self.tracker.run(run).requests += 1
-        seq.status = SeqStatus.WAITING
-        seq.enqueued_at = now
-        seq.enqueued_step = self.step_no
+        st.status = SeqStatus.WAITING
+        st.enqueued_at = now
+        st.enqueued_step = self.step_no
         (self.waiting.appendleft if front else self.waiting.append)(seq)
 
     @staticmethod
     def _run_id(seq: Sequence) -> str | None:
-        return seq.program.run_id if seq.program is not None else None
+        program = seq.sched.program
+        return program.run_id if program is not None else None
+
+    def set_program(self, seq: Sequence, program: ProgramContext | None) -> None:
+        """What seq's request or open sequence belongs to (a scheduling hint; engine/program.py)."""
+        seq.sched.program = program
 
     def add_running(self, seq: Sequence, after: Sequence) -> None:
         """A fork that continues right away (parallel sampling): runs next to its parent."""
-        seq.status = SeqStatus.RUNNING
+        seq.sched.status = SeqStatus.RUNNING
         self.running.insert(self.running.index(after) + 1, seq)
 
     def remove(self, seq: Sequence) -> None:
-        if seq.status is SeqStatus.RUNNING:
+        status = seq.sched.status
+        if status is SeqStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SeqStatus.WAITING:
+        elif status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         self.idle.pop(seq.seq_id, None)
         self.boosted.discard(seq.seq_id)
@@ -129,13 +150,23 @@ class Scheduler:
     def park(self, seq: Sequence) -> None:
         """An open sequence between requests: keeps its blocks until memory is needed. With a program
         context, a sequence whose thread is between calls is waiting (to be used again)."""
-        seq.status = SeqStatus.IDLE
-        seq.idle_since = time.monotonic()
-        if seq.program is not None and seq.program.state is ProgramState.GENERATING:
-            seq.program = seq.program.with_state(ProgramState.WAITING)
-        if seq.block_table:
+        st = seq.sched
+        st.status = SeqStatus.IDLE
+        st.idle_since = time.monotonic()
+        if st.program is not None and st.program.state is ProgramState.GENERATING:
+            st.program = st.program.with_state(ProgramState.WAITING)
+        if seq.kv.block_table:
             self.idle[seq.seq_id] = seq
             self.idle.move_to_end(seq.seq_id)
+
+    def close(self, seq: Sequence) -> None:
+        """An open sequence is closed: it leaves every queue and its blocks go back to the pool (the program
+        policy: a closed thread's blocks are the first cached ones to go); its final length is learned."""
+        self.remove(seq)
+        if seq.sched.program is not None and seq.kv.max_computed_tokens:
+            self.tracker.observe_final(seq.sched.program.step, seq.num_tokens)
+        self.kv.free(seq, low_priority=self.program)
+        seq.sched.status = SeqStatus.CLOSED
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -147,7 +178,7 @@ class Scheduler:
             self.park(seq)
         else:
             self.kv.free(seq)
-            seq.status = SeqStatus.FINISHED
+            seq.sched.status = SeqStatus.FINISHED
 
     def take_unfit(self) -> list[Sequence]:
         """Sequences taken out of the queue because they cannot fit in the whole pool (to be failed)."""
@@ -160,18 +191,36 @@ class Scheduler:
         pick = self.policy_impl.idle_to_release(expendable_only)
         if pick is None:
             return False
-        seq, low_priority = pick
-        del self.idle[seq.seq_id]
-        self.kv.free(seq, low_priority=low_priority)
+        del self.idle[pick.seq.seq_id]
+        self.kv.free(pick.seq, low_priority=pick.low_priority)
         return True
 
     def _release_waiting(self, keep: Sequence) -> bool:
         """Free the KV a queued sequence holds (the lowest ranked first; never a starved one's)."""
         for seq in reversed(self.waiting):
-            if seq is not keep and seq.block_table and not self.policy_impl.starved(seq):
+            if seq is not keep and seq.kv.block_table and not self.policy_impl.starved(seq):
                 self.kv.free(seq)
                 return True
         return False
+
+    def _allocate(self, seq: Sequence, n: int, plan: SlotPlan, take_retained: bool = True,
+                  victims: Callable[[], list[Sequence]] | None = None) -> Alloc:
+        """Slots for seq's next n tokens, freeing memory until they fit: the KV of the idle sequence the policy
+        releases first (only expendable ones unless `take_retained`), then (if `take_retained`) a queued
+        sequence's, then preempting the policy's victim among `victims()` (none: no preemption)."""
+        while not self.kv.allocate_slots(seq, n, plan):
+            if self._release_idle(expendable_only=not take_retained):
+                continue
+            if take_retained and self._release_waiting(keep=seq):
+                continue
+            candidates = victims() if victims is not None else None
+            if not candidates:
+                return Alloc.NO_ROOM
+            victim = self.policy_impl.victim(candidates)
+            self._preempt(victim)
+            if victim is seq:
+                return Alloc.PREEMPTED
+        return Alloc.ALLOCATED
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -187,7 +236,7 @@ class Scheduler:
         """Nothing else holds memory, so seq can never fit: hand it back to fail its request."""
         self.kv.free(seq)
         self.waiting.remove(seq)
-        seq.status = SeqStatus.FINISHED
+        seq.sched.status = SeqStatus.FINISHED
         self._unfit.append(seq)
 
     # ---- the step ----------------------------------------------------------------------------------
@@ -210,76 +259,74 @@ class Scheduler:
     def _trim_drafts(self, batch: SchedulerOutput) -> None:
         """Speculative drafts (engine/spec_decode.py) that this step does not compute are dropped: all of an
         unscheduled sequence's, those past a partly scheduled one's chunk."""
-        scheduled = {seq.seq_id: seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_new_tokens)}
+        scheduled = {seq.seq_id: seq.kv.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_new_tokens)}
         for seq in [*self.running, *self.waiting]:
-            if seq.num_draft_tokens:
-                end = scheduled.get(seq.seq_id, seq.num_tokens - seq.num_draft_tokens)
-                strip_drafts(seq, max(0, seq.num_draft_tokens - (seq.num_tokens - end)), self.kv.block_size)
+            m = seq.spec.num_draft_tokens
+            if m:
+                end = scheduled.get(seq.seq_id, seq.num_tokens - m)
+                strip_drafts(seq, max(0, m - (seq.num_tokens - end)), self.kv)
+
+    def _apply_ranking(self) -> None:
+        """The policy's order of the waiting queue, and the cached prefixes it will hit kept longest."""
+        ranking = self.policy_impl.rank()
+        if ranking is not None:
+            self.waiting.clear()
+            self.waiting.extend(ranking.order)
+            self.kv.pool.set_protected(ranking.protected)
 
     def _schedule(self, batch: SchedulerOutput) -> None:
         """One step: starved sequences (the program policy's bound), then running ones, then admission."""
         self.step_no += 1
-        self.policy_impl.rank()
+        self._apply_ranking()
+        preemptions = self.preemptions
         budget = self.max_num_batched_tokens
-        budget, blocked, preempted = self._schedule_starved(batch, budget)
-        budget, preempted_running = self._schedule_running(batch, budget)
-        if not (blocked or preempted or preempted_running):
+        budget, blocked = self._schedule_starved(batch, budget)
+        budget = self._schedule_running(batch, budget)
+        if not (blocked or self.preemptions > preemptions):
             self._admit_waiting(batch, budget)
 
-    def _schedule_starved(self, batch: SchedulerOutput, budget: int) -> tuple[int, bool, bool]:
+    def _schedule_starved(self, batch: SchedulerOutput, budget: int) -> tuple[int, bool]:
         """Starved sequences first: they may take any memory but other starved work's, and preempt
-        running work not admitted for starving. Returns (budget left, blocked, preempted)."""
-        preempted = False
+        running work not admitted for starving. Returns (budget left, whether the queue is blocked)."""
+        def unboosted() -> list[Sequence]:
+            return [r for r in self.running if r.seq_id not in self.boosted]
+
         for seq in [s for s in self.waiting if self.policy_impl.starved(s)]:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                return budget, True, preempted
+                return budget, True
             if not _scoring(seq):
                 self.kv.match_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(seq, n, batch.plan):
-                if self._release_idle() or self._release_waiting(keep=seq):
-                    continue
-                cands = [r for r in self.running if r.seq_id not in self.boosted]
-                if not cands:
-                    break
-                self._preempt(self.policy_impl.victim(cands))
-                preempted = True
-            else:
+            n = min(seq.num_tokens - seq.kv.num_computed_tokens, budget)
+            if self._allocate(seq, n, batch.plan, victims=unboosted) is Alloc.ALLOCATED:
                 self._admit(seq, n, batch)
                 self.boosted.add(seq.seq_id)
                 budget -= n
-                continue
-            if not self.running and not batch.seqs:
+            elif not self.running and not batch.seqs:
                 self._fail_unfit(seq)
-                continue
-            return budget, True, preempted
-        return budget, False, preempted
+            else:
+                return budget, True
+        return budget, False
 
-    def _schedule_running(self, batch: SchedulerOutput, budget: int) -> tuple[int, bool]:
+    def _schedule_running(self, batch: SchedulerOutput, budget: int) -> int:
         """Running sequences (decode, prefill chunks), taking memory from idle and queued ones first, then
-        preempting the policy's victim. Returns (budget left, preempted)."""
+        preempting the policy's victim among those not scheduled yet. Returns the budget left."""
         scheduled = {s.seq_id for s in batch.seqs}  # starved ones admitted this step
         queue = [r for r in self.running if r.seq_id not in scheduled]
-        preempted = False
-        i = 0
-        while i < len(queue) and budget > 0:
-            seq = queue[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(seq, n, batch.plan):
-                if self._release_idle() or self._release_waiting(keep=seq):
-                    continue
-                victim = self.policy_impl.victim(queue[i:])
-                queue.remove(victim)
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            else:
+        for i, seq in enumerate(queue):
+            if budget <= 0:
+                break
+            if seq.sched.status is not SeqStatus.RUNNING:
+                continue  # preempted to make room for one before it
+
+            def unscheduled(i: int = i) -> list[Sequence]:
+                return [r for r in queue[i:] if r.sched.status is SeqStatus.RUNNING]
+
+            n = min(seq.num_tokens - seq.kv.num_computed_tokens, budget)
+            if self._allocate(seq, n, batch.plan, victims=unscheduled) is Alloc.ALLOCATED:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 budget -= n
-                i += 1
-        return budget, preempted
+        return budget
 
     def _admit_waiting(self, batch: SchedulerOutput, budget: int) -> None:
         """Admission in the policy's order. A sequence that cannot get memory blocks the queue (fcfs: it
@@ -294,24 +341,17 @@ class Scheduler:
                 continue
             if not scoring:
                 self.kv.match_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.kv.num_computed_tokens, budget)
             alone = not self.running and not batch.seqs
             if not alone and not policy.room_to_enter(seq, n):
                 continue
             take_retained = policy.admission_may_take_retained(alone)
-            while not self.kv.allocate_slots(seq, n, batch.plan):
-                if self._release_idle(expendable_only=not take_retained):
-                    continue
-                if take_retained and self._release_waiting(keep=seq):
-                    continue
-                break
-            else:
+            if self._allocate(seq, n, batch.plan, take_retained=take_retained) is Alloc.ALLOCATED:
                 self._admit(seq, n, batch)
                 budget -= n
                 if self.enable_prefix_caching:
                     inflight.update(self.kv.uncomputed_full_hashes(seq))
-                continue
-            if alone:
+            elif alone:
                 self._fail_unfit(seq)
             elif not policy.skip_unfit:
                 self.kv.free(seq)  # its full blocks stay in the prefix cache
@@ -320,11 +360,11 @@ class Scheduler:
     def _account_admission(self, seq: Sequence) -> None:
         run = self._run_id(seq)
         if run is not None:
-            self.tracker.run(run).queue_time_s += time.monotonic() - seq.enqueued_at
+            self.tracker.run(run).queue_time_s += time.monotonic() - seq.sched.enqueued_at
 
     def _admit(self, seq: Sequence, n: int, batch: SchedulerOutput) -> None:
         self.waiting.remove(seq)
-        seq.status = SeqStatus.RUNNING
+        seq.sched.status = SeqStatus.RUNNING
         self.running.append(seq)
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
@@ -337,22 +377,23 @@ class Scheduler:
         rows = batch.logit_rows
         flat = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            req = seq.request
-            c0 = seq.num_computed_tokens
+            sample = seq.sample
+            req = sample.request
+            c0 = seq.kv.num_computed_tokens
             if req is None:  # driven without a request (the block-manager tests): no logits
                 flat += n
                 continue
             if not req.scheduled:
                 req.scheduled = True
                 req.num_cached_tokens = c0  # KV found in the prefix cache (or kept by an open sequence)
-            if req.prompt_logprobs is not None and seq.sample_index == 0 and not req.forked:
+            if req.prompt_logprobs is not None and sample.index == 0 and not req.forked:
                 lo = max(c0, req.prompt_logprob_start - 1)
-                hi = min(c0 + n, seq.prompt_len - 1)
+                hi = min(c0 + n, sample.prompt_len - 1)
                 if hi > lo:
                     batch.prompt_logprob_rows.append((seq, len(rows), lo))
                     rows.extend(range(flat + lo - c0, flat + hi - c0))
             if c0 + n == seq.num_tokens and req.params.max_tokens > seq.num_output_tokens:
-                m = seq.num_draft_tokens
+                m = seq.spec.num_draft_tokens
                 if m:
                     batch.spec_rows.append((seq, len(rows), m))
                     rows.extend(range(flat + n - 1 - m, flat + n - 1))
@@ -365,15 +406,13 @@ class Scheduler:
         full blocks enter the prefix cache). Returns those (sequence, tokens computed) pairs."""
         done = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.sched.status is not SeqStatus.RUNNING:
                 continue  # aborted or closed while the model ran
-            recomputed = self.kv.account_computed(seq, seq.num_computed_tokens, n)
+            recomputed = self.kv.mark_computed(seq, n, unverified=seq.spec.num_draft_tokens)  # drafts: unverified
             run = self._run_id(seq)
             if run is not None:
                 rec = self.tracker.run(run)
                 rec.service_tokens += n
                 rec.prefill_tokens_recomputed += recomputed
-            seq.num_computed_tokens += n
-            self.kv.register_full_blocks(seq, seq.num_computed_tokens - seq.num_draft_tokens)  # verified only
             done.append((seq, n))
         return done

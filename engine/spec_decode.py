@@ -17,7 +17,8 @@ distribution p of its row:
   the token is drawn from p without the draft, renormalized. If every draft passes, the last row's sample
   (the ordinary one) follows them. Each token's distribution is exactly p.
 Rejected drafts' KV is rolled back (num_computed_tokens truncated, blocks past it released, block hashes
-trimmed); blocks holding unverified drafts are never registered in the prefix cache.
+trimmed, all by the KV cache manager); blocks holding unverified drafts are never registered in the prefix cache.
+This module is the only writer of a sequence's `spec` part (SpecState: how many of its last tokens are drafts).
 
 Structured output: a constrained sequence's draft is cut at the first token its grammar does not accept (and
 after one that completes it); `grammar_rejected_tokens` counts the tokens cut. Each row of its drafts is then
@@ -91,17 +92,18 @@ class SpeculativeConfig(BaseModel):
 def _decoding(seq: Sequence) -> bool:
     """Whether seq's uncomputed tokens are all new output: its pending sample and any tokens its grammar forced
     after it (structured output), not a prompt being prefilled nor tokens recomputed after a preemption."""
-    return max(seq.prompt_len, seq.max_computed_tokens, 1) <= seq.num_computed_tokens < seq.num_tokens
+    kv = seq.kv
+    return max(seq.sample.prompt_len, kv.max_computed_tokens, 1) <= kv.num_computed_tokens < seq.num_tokens
 
 
-def strip_drafts(seq: Sequence, keep: int, block_size: int) -> None:
+def strip_drafts(seq: Sequence, keep: int, kv: KVCacheManager) -> None:
     """Drop all but the first `keep` drafts from seq's tokens, and the hashes of blocks they reached (the
     caller rolls back their KV, if any was computed)."""
-    drop = seq.num_draft_tokens - keep
+    drop = seq.spec.num_draft_tokens - keep
     if drop > 0:
-        del seq.token_ids[-drop:]
-        del seq.block_hashes[seq.num_tokens // block_size:]
-    seq.num_draft_tokens = keep
+        seq.truncate(seq.num_tokens - drop)
+        kv.forget_hashes(seq, seq.num_tokens)
+    seq.spec.num_draft_tokens = keep
 
 
 @dataclass
@@ -141,7 +143,7 @@ class NgramSpeculator:
 
     # ---- before the step ---------------------------------------------------------------------------
     def eligible(self, seq: Sequence) -> bool:
-        req = seq.request
+        req = seq.sample.request
         if req is None or not _decoding(seq):
             return False
         p = req.params
@@ -149,7 +151,7 @@ class NgramSpeculator:
                 and seq.num_output_tokens >= p.min_tokens)
 
     def propose(self, running: list[Sequence]) -> None:
-        """Appends drafts to the eligible running sequences (seq.num_draft_tokens of them)."""
+        """Appends drafts to the eligible running sequences (seq.spec.num_draft_tokens of them)."""
         self._forget(running)
         base = self._base(running)
         # one-token drafts only where a row is cheap for what such drafts are accepted at (the adaptive rule)
@@ -169,8 +171,8 @@ class NgramSpeculator:
             if need > free:  # drafts never take memory that would force a preemption
                 continue
             free -= need
-            seq.token_ids.extend(draft)
-            seq.num_draft_tokens = len(draft)
+            seq.extend(draft)
+            seq.spec.num_draft_tokens = len(draft)
             self._source[seq.seq_id] = src
 
     def _forget(self, running: list[Sequence]) -> None:
@@ -182,7 +184,8 @@ class NgramSpeculator:
         for sid in [sid for sid in self._index if sid not in ids]:
             seq, _ = self._index.pop(sid)
             self._source.pop(sid, None)
-            if self.suffix is not None and seq.finish_reason not in (None, "abort") and not seq.num_draft_tokens:
+            if (self.suffix is not None and seq.sample.finish_reason not in (None, "abort")
+                    and not seq.spec.num_draft_tokens):
                 self.suffix.add(seq.output_token_ids)
 
     def _draft(self, seq: Sequence, fallback: bool) -> tuple[list[int], str]:
@@ -192,7 +195,7 @@ class NgramSpeculator:
         `fallback`) of its last token alone, at most fallback_tokens. A sampled request with its own seed drafts from
         its own tokens by prompt_lookup_min..max only: its random draws (consumed per draft) must not depend on other
         requests' outputs or on measured times. Returns the draft and its source."""
-        cfg, p = self.cfg, seq.request.params
+        cfg, p = self.cfg, seq.sample.request.params
         room = min(cfg.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1)
         if room <= 0:
@@ -206,13 +209,13 @@ class NgramSpeculator:
         src = "context"
         if (s := index.find(tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min)) is not None:
             draft = tokens[s:s + room]
-        elif seq.generator is None or p.greedy:  # a seeded sample's draws may depend on nothing but its tokens
+        elif seq.sample.generator is None or p.greedy:  # a seeded sample's draws may depend on nothing but its tokens
             if self.suffix is not None:
                 draft, src = self.suffix.draft(tokens, room), "suffix"
             if not draft and fallback and (s := index.find(tokens, 1, 1)) is not None:
                 draft, src = tokens[s:s + min(room, cfg.fallback_tokens)], "fallback"
-        if draft and seq.matcher is not None:  # only what the grammar allows
-            ok = draft_prefix(seq.matcher, draft)
+        if draft and seq.grammar is not None:  # only what the grammar allows
+            ok = draft_prefix(seq.grammar.matcher, draft)
             self.grammar_rejected_tokens += len(draft) - ok
             draft = draft[:ok]
         return draft, src
@@ -224,7 +227,7 @@ class NgramSpeculator:
         runs."""
         rows = tokens = 0
         for s in running:
-            k = s.num_tokens - s.num_computed_tokens
+            k = s.num_tokens - s.kv.num_computed_tokens
             rows += k
             tokens += k if _decoding(s) else 0
         return rows, tokens
@@ -236,8 +239,8 @@ class NgramSpeculator:
         ids = {s.seq_id for s in running}
         for acc in self._acceptance.values():
             acc.keep_only(ids)
-        fixed = [f for f in found if f[0].generator is not None and not f[0].request.params.greedy]
-        rest = [f for f in found if f[0].generator is None or f[0].request.params.greedy]
+        fixed = [f for f in found if f[0].sample.generator is not None and not f[0].sample.request.params.greedy]
+        rest = [f for f in found if f[0].sample.generator is None or f[0].sample.request.params.greedy]
         extra = sum(len(d) for _, d, _ in fixed)
         rows, tokens = base[0] + extra, base[1] + extra
         keep = self.budget.plan([(len(d), self._acceptance[src].rate(seq.seq_id)) for seq, d, src in rest],
@@ -263,9 +266,9 @@ class NgramSpeculator:
         """rows: [m + 1, V] processed logits: row j predicts the token after draft j (row 0: after the
         pending token). `sampled`: the ordinary sample of the last row. Leaves seq without drafts, its
         KV rolled back to the pending token and the accepted drafts."""
-        m = seq.num_draft_tokens
+        m = seq.spec.num_draft_tokens
         drafts = seq.token_ids[seq.num_tokens - m:]
-        p = seq.request.params
+        p = seq.sample.request.params
         accepted: list[int] = []
         final = sampled
         if p.greedy:
@@ -277,7 +280,7 @@ class NgramSpeculator:
                 accepted.append(d)
         else:
             probs = torch.softmax(filter_logits(rows[:m].clone(), [seq] * m), dim=-1)
-            g = seq.generator if seq.generator is not None else generator
+            g = seq.sample.generator if seq.sample.generator is not None else generator
             for j, d in enumerate(drafts):
                 if float(torch.rand(1, generator=g)) < float(probs[j, d]):
                     accepted.append(d)
@@ -297,8 +300,8 @@ class NgramSpeculator:
         lps = torch.log_softmax(rows[: a + 1], dim=-1) if want_logprobs else None
         # back to [.., pending]: process() appends the accepted drafts and the final token; the KV of the
         # pending token and the accepted drafts stays, the rest is rolled back
-        strip_drafts(seq, 0, self.kv.block_size)
+        strip_drafts(seq, 0, self.kv)
         keep = seq.num_tokens + a
-        if seq.num_computed_tokens > keep:
+        if seq.kv.num_computed_tokens > keep:
             self.kv.truncate_computed(seq, keep)
         return Verified(accepted, final, lps)

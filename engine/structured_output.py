@@ -4,8 +4,10 @@
 At submission `StructuredOutputManager.compile` turns it into an llguidance grammar and a template matcher
 (a ValueError naming the field on a bad spec, a too large spec, or a compile that runs too long); compiled
 templates are cached by spec. Each constrained sequence owns an `llguidance.LLMatcher` (a deep copy of the
-template; n > 1 samples deep-copy their parent's) in `seq.matcher`, and the token mask of its next step in
-`seq.grammar_mask` (an int32 bitmask row, one bit per token id).
+template; n > 1 samples deep-copy their parent's) in `seq.grammar.matcher`, and the token mask of its next step in
+`seq.grammar.mask` (an int32 bitmask row, one bit per token id). This module is the only writer of a sequence's
+`grammar` part (engine/sequence.py's GrammarState): `constrain`, `fork`, `consume` and `release` below, and the
+manager's mask computation.
 
 The matcher advances only on tokens appended to the sequence (sampled or forced), never on computation, so
 recomputation after preemption leaves it alone. After a sequence's tokens are consumed, the mask of its next
@@ -37,6 +39,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from . import json_bounds
+from .sequence import GrammarState, Matcher, Sequence
 
 logger = logging.getLogger("flowrt.engine")
 
@@ -191,7 +194,7 @@ class StructuredOutputManager:
             return self._ll_tokenizer
 
     # ---- compile (submission) -----------------------------------------------------------------------
-    def compile(self, p: StructuredOutputsParams, use_cache: bool = True):
+    def compile(self, p: StructuredOutputsParams, use_cache: bool = True) -> Matcher:
         """A fresh matcher for a request with constraint `p` (ValueError "structured_outputs.KIND: ...")."""
         kind = p.kind
         field = f"structured_outputs.{kind}"
@@ -233,36 +236,38 @@ class StructuredOutputManager:
         return m
 
     # ---- masks (engine step) ------------------------------------------------------------------------
-    def fill_masks(self, seqs: list) -> None:
-        """Computes `grammar_mask` of every sequence in `seqs` (their matchers' next-token masks), in one batch."""
+    def fill_masks(self, seqs: list[Sequence]) -> None:
+        """Computes the mask of every (constrained) sequence in `seqs` (their matchers' next-token masks), in one
+        batch."""
         if not seqs:
             return
         t0 = time.perf_counter()
         mask = torch.empty((len(seqs), self.width), dtype=torch.int32)
+        grammars = [_grammar_of(s) for s in seqs]
         if len(seqs) == 1:
             row = mask[0]
-            seqs[0].matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+            grammars[0].matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
         else:
-            self._executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(seqs)],
+            self._executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
                                                    mask.data_ptr(), self.width * 4, len(seqs))
-        for i, s in enumerate(seqs):
-            s.grammar_mask = mask[i]
+        for i, g in enumerate(grammars):
+            g.mask = mask[i]
         dt = time.perf_counter() - t0
         self.mask_seconds += dt
         self.mask_log.append((dt, len(seqs)))
         self.mask_rows += len(seqs)
 
     @torch.inference_mode()
-    def apply(self, logits: torch.Tensor, seqs: list) -> None:
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Masks, in place, the logit rows of constrained sequences to the tokens their grammars allow."""
-        rows = [r for r, s in enumerate(seqs) if s.matcher is not None]
+        rows = [r for r, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
             return
-        missing = [seqs[r] for r in rows if seqs[r].grammar_mask is None]
+        missing = [seqs[r] for r in rows if _grammar_of(seqs[r]).mask is None]
         self.fill_masks(missing)
         t0 = time.perf_counter()
         V = logits.shape[1]
-        allowed = unpack_mask(torch.stack([seqs[r].grammar_mask for r in rows]), V)
+        allowed = unpack_mask(torch.stack([_mask_of(seqs[r]) for r in rows]), V)
         if len(rows) == len(seqs):
             logits.masked_fill_(~allowed, float("-inf"))
         else:
@@ -275,26 +280,26 @@ class StructuredOutputManager:
         """Speculative decoding (engine/spec_decode.py): the rows of a constrained sequence's drafts are masked
         by its grammar's state after the drafts before them (row j: after j drafts; the drafts were cut to
         what the grammar accepts when proposed), so that checking a draft sees the distribution decoding
-        without drafts would; the sample row's mask (after all drafts) becomes seq.grammar_mask for apply().
+        without drafts would; the sample row's mask (after all drafts) becomes the grammar's mask for apply().
         spec_rows: (seq, first row in `logits`, drafts) as the scheduler planned them."""
-        todo = [(seq, first, m) for seq, first, m in spec_rows
-                if seq.matcher is not None and seq.num_draft_tokens == m]  # (finishing strips a seq's drafts)
+        todo = [(seq.grammar, seq, first, m) for seq, first, m in spec_rows
+                if seq.grammar is not None and seq.spec.num_draft_tokens == m]  # (finishing strips a seq's drafts)
         if not todo:
             return
         t0 = time.perf_counter()
-        n = sum(m + 1 for _, _, m in todo)
+        n = sum(m + 1 for _, _, _, m in todo)
         mask = torch.zeros((n, self.width), dtype=torch.int32)
         jobs, k = [], 0
-        for seq, _, m in todo:
-            jobs.append((seq.matcher, k, seq.token_ids[seq.num_tokens - m:]))
+        for g, seq, _, m in todo:
+            jobs.append((g.matcher, k, seq.token_ids[seq.num_tokens - m:]))
             k += m + 1
         # each matcher consumes its drafts one by one, writing the mask of every state, and rolls them back
         self._executor.unsafe_compute_mask_ptr_with_draft_token(jobs, mask.data_ptr(), self.width * 4, n)
         allowed = unpack_mask(mask, logits.shape[1])
         k = 0
-        for seq, first, m in todo:
+        for g, _, first, m in todo:
             logits[first:first + m + 1].masked_fill_(~allowed[k:k + m + 1], float("-inf"))
-            seq.grammar_mask = mask[k + m]
+            g.mask = mask[k + m]
             k += m + 1
         dt = time.perf_counter() - t0
         self.mask_seconds += dt
@@ -302,9 +307,10 @@ class StructuredOutputManager:
         self.mask_rows += n
 
     @staticmethod
-    def single_tokens(seqs: list) -> list[int | None]:
-        """For each sequence, the one token its mask allows, or None when it allows several (or none)."""
-        mask = torch.stack([s.grammar_mask for s in seqs]).numpy().view(np.uint32)
+    def single_tokens(seqs: list[Sequence]) -> list[int | None]:
+        """For each (constrained) sequence, the one token its mask allows, or None when it allows several (or
+        none)."""
+        mask = torch.stack([_mask_of(s) for s in seqs]).numpy().view(np.uint32)
         nz = mask != 0
         out: list[int | None] = [None] * len(seqs)
         cand = np.flatnonzero(nz.sum(axis=1) == 1)
@@ -319,7 +325,46 @@ class StructuredOutputManager:
         return {"structured_mask_seconds": self.mask_seconds, "structured_mask_rows": self.mask_rows}
 
 
-def draft_prefix(matcher, tokens: list[int]) -> int:
+# ---- a sequence's grammar state ---------------------------------------------------------------------------
+def constrain(seq: Sequence, matcher: Matcher | None) -> None:
+    """seq's request samples under `matcher` from now on (None: unconstrained)."""
+    seq.grammar = GrammarState(matcher) if matcher is not None else None
+
+
+def fork(parent: Sequence, child: Sequence) -> None:
+    """child (a new sample of parent's request) continues the grammar from parent's state."""
+    g = parent.grammar
+    child.grammar = GrammarState(g.matcher.deep_copy(), g.mask) if g is not None else None
+
+
+def consume(seq: Sequence, tok: int) -> bool:
+    """A constrained sequence emitted tok: its grammar advances (its mask is then unknown). False: the grammar
+    rejects it."""
+    g = _grammar_of(seq)
+    g.mask = None
+    return g.matcher.consume_token(tok)
+
+
+def release(seq: Sequence) -> None:
+    """seq's sample is done: its grammar state goes."""
+    seq.grammar = None
+
+
+def _grammar_of(seq: Sequence) -> GrammarState:
+    g = seq.grammar
+    if g is None:
+        raise ValueError(f"sequence {seq.seq_id} is not constrained")
+    return g
+
+
+def _mask_of(seq: Sequence) -> torch.Tensor:
+    m = _grammar_of(seq).mask
+    if m is None:
+        raise ValueError(f"sequence {seq.seq_id}'s grammar mask is not computed")
+    return m
+
+
+def draft_prefix(matcher: Matcher, tokens: list[int]) -> int:
     """How many of `tokens` (speculative drafts) the grammar accepts in a row, the last one at most the token
     that completes it; the matcher is left as it was."""
     n = matcher.try_consume_tokens(tokens)

@@ -81,7 +81,7 @@ def test_engine_args_reach_the_runner(monkeypatch, tmp_path, enforce_eager):
 
 
 def _batch(table_lens, new_tokens):
-    seqs = [SimpleNamespace(block_table=list(range(n))) for n in table_lens]
+    seqs = [SimpleNamespace(kv=SimpleNamespace(block_table=list(range(n)))) for n in table_lens]
     return SimpleNamespace(seqs=seqs, num_new_tokens=new_tokens)
 
 
@@ -112,7 +112,7 @@ def test_padded_graph_steps_match_eager_and_touch_only_their_slots(engine):
             seen["eager"] += 1
             return orig_execute(inp)
         bs = runner.block_size
-        want = {seq.block_table[seq.num_computed_tokens // bs] * bs + seq.num_computed_tokens % bs
+        want = {seq.kv.block_table[seq.kv.num_computed_tokens // bs] * bs + seq.kv.num_computed_tokens % bs
                 for seq in last["batch"].seqs}
         before = runner.kv.clone()
         out = orig_execute(inp)

@@ -6,7 +6,7 @@ import torch
 
 from flowrt.engine import LLM, SamplingParams
 from flowrt.engine.sampler import filter_logits
-from flowrt.engine.sequence import Request, Sequence
+from flowrt.engine.sequence import Request, SampleState, Sequence
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_per_prompt_params(llm):
 
 def _req(**kw):
     seq = Sequence([1, 2, 3])
-    seq.request = Request("r", SamplingParams(**kw), None, [1, 2, 3], [seq])
+    seq.sample = SampleState(Request("r", SamplingParams(**kw), None, [1, 2, 3], [seq]))
     return seq
 
 
@@ -114,7 +114,7 @@ def test_penalties_change_logits_as_specified():
 
     seq = _req(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
     seq.token_ids = [0, 1, 1]  # prompt [0], outputs [1, 1]
-    seq.prompt_len = 1
+    seq.sample.prompt_len = 1
     logits = torch.tensor([[2.0, -2.0, 1.0]])
     apply_penalties(logits, [seq])
     # repetition on prompt+output tokens {0, 1}: 2 -> 1, -2 -> -4; then output counts: token 1 twice

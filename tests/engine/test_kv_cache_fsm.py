@@ -47,7 +47,7 @@ class KVMachine(RuleBasedStateMachine):
         self.rng = random.Random(0)
 
     def _live(self):
-        return [s for s in self.seqs if s.status is not SeqStatus.CLOSED]
+        return [s for s in self.seqs if s.sched.status is not SeqStatus.CLOSED]
 
     @rule(tokens=st.lists(st.integers(0, 5), min_size=1, max_size=14))
     def open(self, tokens):
@@ -59,16 +59,16 @@ class KVMachine(RuleBasedStateMachine):
     @rule(data=st.data(), tokens=st.lists(st.integers(0, 5), min_size=1, max_size=6))
     def append(self, data, tokens):
         s = data.draw(st.sampled_from(self._live()))
-        if s.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
+        if s.sched.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
             return
-        s.token_ids.extend(tokens)
+        s.extend(tokens)
         self.expected[s.seq_id].extend(tokens)
 
     @precondition(lambda self: self._live())
     @rule(data=st.data(), n=st.integers(1, 3))
     def fork(self, data, n):
         s = data.draw(st.sampled_from(self._live()))
-        if s.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
+        if s.sched.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
             return
         for _ in range(n):
             c = Sequence(list(s.token_ids), persistent=True)
@@ -81,11 +81,11 @@ class KVMachine(RuleBasedStateMachine):
     @rule(data=st.data(), k=st.integers(1, 5))
     def generate(self, data, k):
         s = data.draw(st.sampled_from(self._live()))
-        if s.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
+        if s.sched.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
             return
         if s.num_tokens + k + 1 > (NUM_BLOCKS - 1) * BS:
             return  # would not fit alone
-        if s.num_computed_tokens >= s.num_tokens:
+        if s.kv.num_computed_tokens >= s.num_tokens:
             self.kv.truncate_computed(s, s.num_tokens - 1)
         self.gen_left[s.seq_id] = k
         self.sched.add(s)
@@ -95,22 +95,20 @@ class KVMachine(RuleBasedStateMachine):
     def generate_to_end(self, data, k):
         """Generate and step until that request ends (others in flight progress alongside)."""
         s = data.draw(st.sampled_from(self._live()))
-        if s.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
+        if s.sched.status in (SeqStatus.WAITING, SeqStatus.RUNNING):
             return
         self.generate(data=_Fixed(s), k=k)
         for _ in range(100):
-            if s.status not in (SeqStatus.WAITING, SeqStatus.RUNNING):
+            if s.sched.status not in (SeqStatus.WAITING, SeqStatus.RUNNING):
                 break
             self.step()
-        assert s.status not in (SeqStatus.WAITING, SeqStatus.RUNNING)
+        assert s.sched.status not in (SeqStatus.WAITING, SeqStatus.RUNNING)
 
     @precondition(lambda self: self._live())
     @rule(data=st.data())
     def close(self, data):
         s = data.draw(st.sampled_from(self._live()))
-        self.sched.remove(s)
-        self.kv.free(s)
-        s.status = SeqStatus.CLOSED
+        self.sched.close(s)
 
     @rule()
     def evict_cache(self):
@@ -124,15 +122,14 @@ class KVMachine(RuleBasedStateMachine):
         for src, dst in batch.plan.copies:  # noqa: B007 - renaming it reseeds the derandomized machine
             assert self.pool.blocks[dst].ref_count == 1
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-                blk = seq.block_table[pos // BS]
+            for pos in range(seq.kv.num_computed_tokens, seq.kv.num_computed_tokens + n):
+                blk = seq.kv.block_table[pos // BS]
                 assert self.pool.blocks[blk].ref_count == 1, "write into a shared block"
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.kv.register_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
+            self.kv.mark_computed(seq, n)
+            if seq.kv.num_computed_tokens == seq.num_tokens:
                 tok = self.rng.randrange(6)
-                seq.token_ids.append(tok)
+                seq.append(tok)
                 self.expected[seq.seq_id].append(tok)
                 self.gen_left[seq.seq_id] -= 1
                 if self.gen_left[seq.seq_id] == 0:
@@ -145,8 +142,8 @@ class KVMachine(RuleBasedStateMachine):
             return
         holders = [0] * NUM_BLOCKS
         for s in self._live():
-            assert len(s.block_table) * BS >= s.num_computed_tokens
-            for b in s.block_table:
+            assert len(s.kv.block_table) * BS >= s.kv.num_computed_tokens
+            for b in s.kv.block_table:
                 holders[b] += 1
         assert [b.ref_count for b in self.pool.blocks] == holders
         self.pool.check_invariants()
@@ -211,5 +208,5 @@ def test_preemption_through_the_machine(policy):
         m.refcounts_equal_holders()
         m.no_token_lost()
     assert m.sched.preemptions > 0
-    assert all(s.status is SeqStatus.IDLE for s in m._live())
+    assert all(s.sched.status is SeqStatus.IDLE for s in m._live())
     m.teardown()

@@ -62,7 +62,7 @@ def _run_program(eng: LLMEngine, runs: list[dict]) -> dict:
             break
         eng.step()
         if sched.program:
-            waits = [sched.step_no - q.enqueued_step for q in sched.waiting]
+            waits = [sched.step_no - q.sched.enqueued_step for q in sched.waiting]
             worst_wait = max([worst_wait] + waits)
         for i, (r, s) in enumerate(zip(runs, state)):
             if s["reqs"] and all(req.finished for _, _, req in s["reqs"]):
@@ -118,7 +118,7 @@ def _tool_waiting_scenario(stories_path, policy):
     r = eng.add_request(a, _greedy(1))
     while not r.finished:
         eng.step()
-    assert a.program.state.value == "waiting"  # between calls: the engine marks it waiting
+    assert a.sched.program.state.value == "waiting"  # between calls: the engine marks it waiting
     c = eng.add_request({"prompt_token_ids": [1] + [rng.randrange(3, 500) for _ in range(23)]}, _greedy(30),
                         program="c")
     b = eng.add_request({"prompt_token_ids": [1] + [rng.randrange(3, 500) for _ in range(95)]}, _greedy(4),
@@ -171,8 +171,8 @@ def test_finished_threads_are_released_before_waiting_ones(stories_path):
     while not r.finished:
         eng.step()
     eng.close(new)
-    assert seqs[1].num_computed_tokens == 0
-    assert seqs[0].num_computed_tokens == 24 and seqs[2].num_computed_tokens == 24
+    assert seqs[1].kv.num_computed_tokens == 0
+    assert seqs[0].kv.num_computed_tokens == 24 and seqs[2].kv.num_computed_tokens == 24
     for s in seqs:
         eng.close(s)
     assert eng.stats()["kv_blocks_used"] == 0
@@ -220,7 +220,7 @@ def test_pool_low_priority_and_protected_blocks():
     pool.decref(ids[0])  # normal, released first
     pool.decref(ids[1], low_priority=True)  # a closed thread's: evicted before the normal ones
     pool.decref(ids[2])
-    pool.protected = {bytes([0]) * 16}  # queued work needs block 0's prefix
+    pool.set_protected({bytes([0]) * 16})  # queued work needs block 0's prefix
     pool.allocate()  # the never-used block
     assert pool.allocate() == ids[1]
     assert pool.allocate() == ids[2]  # block 0 is older but protected
@@ -248,11 +248,10 @@ def _sched_with(policy):
 
 def _step_until_idle(sched, seq):
     """Computes seq's pending tokens (no model: the block-manager tests' way) and parks it."""
-    while seq.num_computed_tokens < seq.num_tokens:
+    while seq.kv.num_computed_tokens < seq.num_tokens:
         batch = sched.schedule()
         for s, n in zip(batch.seqs, batch.num_new_tokens):
-            s.num_computed_tokens += n
-            sched.kv.register_full_blocks(s)
+            sched.kv.mark_computed(s, n)
     sched.finish(seq)
 
 
@@ -264,30 +263,29 @@ def test_admission_reserves_room_for_the_growth_of_resident_threads(policy):
     take a waiting thread's KV. The program policy keeps it out, and admits it once a long thread closes;
     fcfs admits it at once. Before the reservation, program admitted it too (nothing closed yet to learn
     from)."""
-    from flowrt.engine.sequence import Sequence, SeqStatus
+    from flowrt.engine.sequence import Sequence
 
     sched = _sched_with(policy)
     threads = []
     for i, n in enumerate((8, 40, 40)):
-        t = Sequence(list(range(100 * (i + 1), 100 * (i + 1) + n)), persistent=True,
-                     program=ProgramContext(f"r{i}", "react", i))
+        t = Sequence(list(range(100 * (i + 1), 100 * (i + 1) + n)), persistent=True)
+        sched.set_program(t, ProgramContext(f"r{i}", "react", i))
         sched.add(t)
         _step_until_idle(sched, t)
         threads.append(t)
     short, long, _ = threads
-    long.token_ids.append(7)  # its next request: one token to decode
+    long.append(7)  # its next request: one token to decode
     sched.add(long)
-    new = Sequence(list(range(900, 908)), persistent=True, program=ProgramContext("r9", "react", 9))
+    new = Sequence(list(range(900, 908)), persistent=True)
+    sched.set_program(new, ProgramContext("r9", "react", 9))
     sched.add(new)
     assert sched.kv.pool.num_free == 10
     batch = sched.schedule()
     assert (new in batch.seqs) == (policy == "fcfs")
-    assert all(t.block_table for t in threads), "the resident threads keep their KV"
+    assert all(t.kv.block_table for t in threads), "the resident threads keep their KV"
     if policy == "program":
         for s, n in zip(batch.seqs, batch.num_new_tokens):
-            s.num_computed_tokens += n
+            sched.kv.mark_computed(s, n)
         sched.finish(long)
-        sched.remove(long)
-        sched.kv.free(long)
-        long.status = SeqStatus.CLOSED
+        sched.close(long)
         assert new in sched.schedule().seqs  # room again: admitted

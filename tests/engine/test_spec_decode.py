@@ -10,7 +10,7 @@ from flowrt.engine import LLM, SamplingParams
 from flowrt.engine.block_pool import BlockPool
 from flowrt.engine.config import EngineArgs
 from flowrt.engine.kv_cache_manager import KVCacheManager
-from flowrt.engine.sequence import Request, Sequence
+from flowrt.engine.sequence import Request, SampleState, Sequence
 from flowrt.engine.ngram_index import NgramIndex
 from flowrt.engine.spec_decode import NgramSpeculator, SpeculativeConfig
 
@@ -138,8 +138,8 @@ def test_structured_forced_tokens_unchanged(stories_path):
 def _drafting_seq(drafts: list[int], params: SamplingParams) -> Sequence:
     """A sequence [1, 2, 3] (3 pending) with `drafts` appended, as propose() leaves it."""
     seq = Sequence([1, 2, 3] + drafts)
-    seq.request, seq.prompt_len = Request("r", params, None, [1, 2, 3], [seq]), 3
-    seq.num_draft_tokens = len(drafts)
+    seq.sample = SampleState(Request("r", params, None, [1, 2, 3], [seq]), prompt_len=3)
+    seq.spec.num_draft_tokens = len(drafts)
     return seq
 
 
@@ -162,7 +162,7 @@ def test_sampled_verification_keeps_the_distribution():
         first[emitted[0]] += 1
         if emitted[0] == 1:
             second[emitted[1]] += 1
-        assert seq.token_ids == [1, 2, 3] and seq.num_draft_tokens == 0
+        assert seq.token_ids == [1, 2, 3] and seq.spec.num_draft_tokens == 0
     for counts, p in ((first, p0), (second, p1)):
         n = sum(counts.values())
         chi2 = sum((counts[t] - n * float(p[t])) ** 2 / (n * float(p[t])) for t in range(4))

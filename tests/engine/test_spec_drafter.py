@@ -10,7 +10,7 @@ from flowrt.engine import LLM, SamplingParams
 from flowrt.engine.block_pool import BlockPool
 from flowrt.engine.kv_cache_manager import KVCacheManager
 from flowrt.engine.ngram_index import NgramIndex, SuffixCache
-from flowrt.engine.sequence import Request, Sequence
+from flowrt.engine.sequence import Request, SampleState, Sequence
 from flowrt.engine.spec_decode import NgramSpeculator, SpeculativeConfig
 from flowrt.engine.spec_policy import DraftBudget
 
@@ -81,8 +81,9 @@ def test_suffix_cache_drafts_from_earlier_outputs_and_forgets_the_oldest():
 
 def _seq(tokens: list[int], prompt_len: int) -> Sequence:
     seq = Sequence(list(tokens))
-    seq.request = Request("r", SamplingParams(max_tokens=50, temperature=0.0), None, tokens[:prompt_len], [seq])
-    seq.prompt_len, seq.num_computed_tokens = prompt_len, len(tokens) - 1
+    seq.sample = SampleState(Request("r", SamplingParams(max_tokens=50, temperature=0.0), None, tokens[:prompt_len],
+                                     [seq]), prompt_len=prompt_len)
+    seq.kv.num_computed_tokens = len(tokens) - 1
     return seq
 
 
@@ -98,8 +99,8 @@ def test_drafts_come_from_the_context_then_the_suffix_cache_then_one_token():
     assert spec._draft(alone, fallback=True) == ([1, 2], "fallback")  # "9" alone, at most fallback_tokens
     assert spec._draft(alone, fallback=False)[0] == []
     seeded = _seq([9, 1, 9, 3, 4], 2)
-    seeded.request.params = SamplingParams(max_tokens=50, temperature=1.0, seed=1)
-    seeded.generator = torch.Generator().manual_seed(1)
+    seeded.sample.request.params = SamplingParams(max_tokens=50, temperature=1.0, seed=1)
+    seeded.sample.generator = torch.Generator().manual_seed(1)
     assert spec._draft(seeded, fallback=True)[0] == []  # its own tokens only: draws reproducible by seed
     off = NgramSpeculator(SpeculativeConfig(suffix_cache_tokens=0, fallback_tokens=0), kv, 1000)
     assert off.suffix is None and off._draft(cached, fallback=True)[0] == []

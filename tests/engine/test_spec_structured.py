@@ -80,7 +80,7 @@ def test_regex_cuts_the_copied_continuation(stories_path):
 def test_draft_masks_are_the_grammar_states_after_each_draft(stories_path):
     """apply_drafts masks row j by the matcher's state after j drafts (as consuming them one by one gives),
     the sample row's mask becomes the sequence's grammar_mask, and the matcher is left where it was."""
-    from flowrt.engine.sequence import Sequence
+    from flowrt.engine.sequence import GrammarState, Sequence
     from flowrt.engine.structured_output import draft_prefix, unpack_mask
 
     llm = LLM(stories_path, dtype="float32")
@@ -91,7 +91,7 @@ def test_draft_masks_are_the_grammar_states_after_each_draft(stories_path):
     assert draft_prefix(matcher, ab_ab[:2] + ab_ab[:2]) == 2  # cut at a token the grammar forbids
     drafts = ab_ab  # the last row: the state after the grammar completed (EOS only)
     seq = Sequence([1, 7] + drafts)
-    seq.matcher, seq.num_draft_tokens = matcher, len(drafts)
+    seq.grammar, seq.spec.num_draft_tokens = GrammarState(matcher), len(drafts)
     m = len(drafts)
     logits = torch.zeros(m + 3, 512)
     so.apply_drafts(logits, [(seq, 2, m)])
@@ -103,7 +103,7 @@ def test_draft_masks_are_the_grammar_states_after_each_draft(stories_path):
         assert torch.equal(logits[2 + j] == 0, allowed), j
         if j < m:
             assert ref.consume_token(drafts[j])
-    assert torch.equal(seq.grammar_mask, mask[0])
+    assert torch.equal(seq.grammar.mask, mask[0])
     assert (logits[:2] == 0).all()  # other rows untouched
     assert draft_prefix(matcher, ab_ab) == 5 and not matcher.is_stopped()  # rolled back
 
@@ -135,7 +135,7 @@ def test_sampled_verification_keeps_the_constrained_distribution(stories_path):
 
     from flowrt.engine.block_pool import BlockPool
     from flowrt.engine.kv_cache_manager import KVCacheManager
-    from flowrt.engine.sequence import Request, Sequence
+    from flowrt.engine.sequence import GrammarState, Request, SampleState, Sequence
     from flowrt.engine.spec_decode import NgramSpeculator, SpeculativeConfig
 
     llm = LLM(stories_path, dtype="float32")
@@ -146,8 +146,8 @@ def test_sampled_verification_keeps_the_constrained_distribution(stories_path):
     logits = torch.randn(3, 512, generator=g)
     logits[0, a] -= 1.0  # the draft is allowed, and not row 0's most likely token
     seq = Sequence([1, 2, 3, a, b])
-    seq.request, seq.prompt_len, seq.matcher, seq.num_draft_tokens = Request("r", params, None, [1, 2, 3], [seq]), 3, \
-        matcher, 2
+    seq.sample = SampleState(Request("r", params, None, [1, 2, 3], [seq]), prompt_len=3)
+    seq.grammar, seq.spec.num_draft_tokens = GrammarState(matcher), 2
     llm.engine.structured.apply_drafts(logits, [(seq, 0, 2)])
     p0 = torch.softmax(logits[0], 0)
     allowed = p0.nonzero().flatten().tolist()
@@ -157,7 +157,7 @@ def test_sampled_verification_keeps_the_constrained_distribution(stories_path):
     N = 2_000
     for _ in range(N):
         seq.token_ids[3:] = [a, b]
-        seq.num_draft_tokens = 2
+        seq.spec.num_draft_tokens = 2
         v = spec.verify(seq, logits, b, False, g)  # (the last row's sample: not the first token's business)
         counts[[*v.accepted, v.final][0]] += 1
     assert set(counts) <= set(allowed)
@@ -177,8 +177,10 @@ def test_sequences_with_pending_forced_tokens_draft(stories_path, monkeypatch):
 
     def spy(self, running):
         propose(self, running)
-        seen.extend(s.num_draft_tokens for s in running
-                    if s.num_tokens - s.num_draft_tokens - s.num_computed_tokens > 1 and s.num_draft_tokens)
+        for s in running:
+            m = s.spec.num_draft_tokens
+            if m and s.num_tokens - m - s.kv.num_computed_tokens > 1:
+                seen.append(m)
 
     monkeypatch.setattr(NgramSpeculator, "propose", spy)
     prompts = [f"{STORY} {STORY} Once", REPEATED, f"{STORY} JSON: "]
