@@ -17,6 +17,7 @@ import anyio
 
 from ..aio import _BaseExceptionGroup, _leaves
 from .executor import RunObserver, RunResult, execute
+from ..replicas.takeover import lost_to_replica, replica_set_of, wait_for_replica
 from ..llm.model import Model
 from ..graph.resources import resource_kinds
 from .trace import Tracer
@@ -181,6 +182,19 @@ class Runtime:
                                     meta=self._run_meta())
         kw: dict[str, Any] = dict(tracer=tracer, observer=observer, stats_fn=self.stats, checkpoint=run,
                                   events=events)
+        result = await self._execute_held(wf, inputs, run, kw)
+        rs = replica_set_of(self._resources.get("llm")) if run is not None else None
+        takeovers = 0
+        while rs is not None and lost_to_replica(result) and takeovers < rs.max_takeovers:
+            takeovers += 1   # its replica died: a live one continues it from its last checkpoint (takeover.py)
+            await wait_for_replica(rs, result.run_id)
+            wf, run = self.claim(result.run_id, workflow=wf)
+            kw["checkpoint"] = run
+            result = await self._execute_held(wf, inputs, run, kw)
+            result.stats["takeovers"] = takeovers
+        return result
+
+    async def _execute_held(self, wf: Workflow, inputs: dict[str, Any], run: Any, kw: dict[str, Any]) -> RunResult:
         with run.held() if run is not None else contextlib.nullcontext():
             try:
                 if "llm" not in wf.resources or not self._binds_runs():
