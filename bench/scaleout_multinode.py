@@ -1,0 +1,243 @@
+"""The multi-node part of bench/scaleout.py (``--multinode``, ``--crossover``): 3 replicas on 3 Ray nodes of a
+``ray.cluster_utils.Cluster`` (one raylet per node on this machine, 1 CPU each, a head without CPUs).
+
+* ``--crossover``: time to pull N blocks from another replica (Ray object store) against computing their tokens
+  (prefill), N = 1..24: where pulling starts to win (the defaults of flowrt.replicas.pull.PullCost).
+* ``--multinode``: RUNS runs sharing one long prefix (plus their own question) with skewed arrivals (a burst,
+  then a trickle): prefill tokens computed and runs/s for (a) no sharing between replicas (round robin),
+  (b) prefix affinity only, (c) affinity + pull, against one in-process engine's prefill tokens; then a node
+  killed mid-way with checkpoints: runs completed, finished steps run twice, prefill tokens recomputed with and
+  without the shared KV store (--checkpoint-kv).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import random
+import signal
+import statistics
+import tempfile
+import time
+import uuid
+from typing import Any
+
+WORDS = ("the little girl saw a big red ball under a tree and she wanted to play with it but her mom said no "
+         "so she went home and sat down by the window to watch the birds fly over the green hills far away").split()
+FINISHED: collections.Counter = collections.Counter()
+
+
+def long_prefix(words: int = 300, seed: int = 3) -> str:
+    rng = random.Random(seed)
+    return "Story. " + " ".join(rng.choice(WORDS) for _ in range(words)) + "."
+
+
+def start_cluster(nodes: int = 3):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False,
+        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4}})
+    workers = [c.add_node(num_cpus=1) for _ in range(nodes)]
+    ray.init(address=c.address, log_to_driver=False, configure_logging=False)
+    c.wait_for_nodes()
+    return c, workers
+
+
+def kill_node(c, node, pids: list[int]) -> None:
+    for info in node.all_processes.get("raylet", []):
+        pids = pids + [info.process.pid]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    c.remove_node(node, False)
+
+
+# ---------------------------------------------------------------------------------------------- crossover
+def crossover(model: str) -> list[dict[str, Any]]:
+    from flowrt.engine import SamplingParams
+    from flowrt.replicas.client import ReplicaSet
+    import ray
+
+    rs = ReplicaSet(model, 2, max_model_len=512, dtype="float32", poll_interval=0.05)
+    a, b = rs.replicas
+    bs = rs.block_size
+    rows = []
+    rng = random.Random(0)
+    for n in (1, 2, 4, 8, 16, 24):
+        pulls, prefills = [], []
+        for _ in range(5):
+            ids = [rng.randrange(3, 500) for _ in range(n * bs)]
+            req = {"kind": "generate", "prompt": {"prompt_token_ids": ids + [7]}, "params": SamplingParams(max_tokens=1),
+                   "rid": uuid.uuid4().hex, "program": None}
+            ref, _ = rs.submit(a, "call", req)   # a computes them (and holds them)
+            ray.get(ref)
+            ray.get(b.actor.reset_cache.remote())
+            t0 = time.perf_counter()
+            rs.queue_op(b, b.epoch, ("pull", None, a.actor, ids))
+            ray.get(rs.submit(b, "call", None)[0])
+            pulls.append(time.perf_counter() - t0)
+            ray.get(b.actor.reset_cache.remote())
+            t0 = time.perf_counter()
+            ray.get(rs.submit(b, "call", dict(req, rid=uuid.uuid4().hex))[0])   # b computes them
+            prefills.append(time.perf_counter() - t0)
+        rows.append({"blocks": n, "tokens": n * bs, "pull_ms": round(1e3 * statistics.median(pulls), 2),
+                     "prefill_ms": round(1e3 * statistics.median(prefills), 2),
+                     "block_bytes": a.block_bytes})
+        print(rows[-1], flush=True)
+    rs.shutdown()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- workload
+def make_workflow(max_tokens: int):
+    import flowrt as fr
+
+    wf = fr.Workflow("scaleout_mn")
+
+    @wf.step
+    async def context(system: str, question: str, llm: fr.Model) -> fr.Thread:
+        t = llm.thread(system) + question
+        await t.gen(max_tokens=24, temperature=0, ignore_eos=True)   # this run's own blocks
+        FINISHED[(question, "context")] += 1
+        return t
+
+    @wf.step
+    async def answer(context: fr.Thread, question: str) -> str:
+        out = await context.gen(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        FINISHED[(question, "answer")] += 1
+        return out
+
+    return wf
+
+
+def arrivals(n: int, seed: int) -> list[float]:
+    """Skewed: half the runs in a burst at t=0, the rest as a trickle (exponential gaps, mean 60 ms)."""
+    rng = random.Random(seed)
+    t, out = 0.0, [0.0] * (n // 2)
+    for _ in range(n - n // 2):
+        t += rng.expovariate(1 / 0.06)
+        out.append(t)
+    return out
+
+
+async def drive(rt, wf, system: str, n: int, seed: int, on_half=None) -> tuple[float, list[Any]]:
+    times = arrivals(n, seed)
+    t0 = time.perf_counter()
+    done = 0
+
+    async def one(i: int, at: float):
+        nonlocal done
+        await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+        r = await rt.run(wf, system=system, question=f" Question {i}: what happened next?")
+        done += 1
+        if on_half is not None and done == n // 3:
+            await on_half()
+        return r
+
+    results = await asyncio.gather(*(one(i, at) for i, at in enumerate(times)), return_exceptions=True)
+    return time.perf_counter() - t0, list(results)
+
+
+def totals(rs) -> dict[str, int]:
+    rs.refresh()
+    keys = ("prefill_tokens_computed", "prompt_tokens", "kv_blocks_pulled")
+    return {k: sum(int(h.stats.get(k, 0)) for h in rs.replicas) for k in keys}
+
+
+def single_process(model: str, wf, system: str, n: int, seed: int) -> int:
+    import flowrt as fr
+
+    rt = fr.Runtime(model, max_model_len=512, dtype="float32")
+    asyncio.run(drive(rt, wf, system, n, seed))
+    computed = rt.stats()["prefill_tokens_computed"]
+    rt.close()
+    return computed
+
+
+def sharing(model: str, runs: int, max_tokens: int, seed: int) -> list[dict[str, Any]]:
+    import flowrt as fr
+
+    wf, system = make_workflow(max_tokens), long_prefix()
+    single = single_process(model, wf, system, runs, seed)
+    print({"config": "single process", "prefill_tokens_computed": single}, flush=True)
+    rt = fr.Runtime(model, replicas=3, max_model_len=512, dtype="float32",
+                    replica_options={"poll_interval": 0.05, "load_abs": 2, "load_rel": 1.5})
+    asyncio.run(rt.model())
+    rs = rt.llm.engine.replica_set
+    rows = []
+    asyncio.run(drive(rt, wf, "Warm up. " + system[:60], 3, seed))   # every replica has run once
+    for name, routing, pull in (("a_no_sharing", "round_robin", False), ("b_affinity", "prefix", False),
+                                ("c_affinity_pull", "prefix", True)):
+        rs.router.routing, rs.router.pull.enabled = routing, pull
+        rs.reset_caches()
+        time.sleep(0.3)
+        before, counters = totals(rs), dict(rs.router.counters)
+        wall, results = asyncio.run(drive(rt, wf, system, runs, seed))
+        time.sleep(0.3)
+        after = totals(rs)
+        assert all(getattr(r, "ok", False) for r in results), results
+        d = {k: after[k] - before[k] for k in after}
+        rows.append({"config": name, "prefill_tokens_computed": d["prefill_tokens_computed"],
+                     "vs_single": round(d["prefill_tokens_computed"] / single, 2),
+                     "kv_blocks_pulled": d["kv_blocks_pulled"], "runs_per_s": round(runs / wall, 2),
+                     "routed": {k: rs.router.counters[k] - counters.get(k, 0) for k in rs.router.counters}})
+        print(rows[-1], flush=True)
+    rt.close()
+    return rows
+
+
+def node_loss(model: str, c, workers: list, runs: int, max_tokens: int, seed: int, checkpoint: str | None,
+              kv: bool) -> dict[str, Any]:
+    """Runs with checkpoints; a node killed once a third of them finished. Recomputed prefill = this run's
+    prefill tokens minus the same workload's without a kill (measured first, same runtime, caches reset)."""
+    import flowrt as fr
+
+    wf, system = make_workflow(max_tokens), long_prefix()
+    tmp = tempfile.mkdtemp(prefix="flowrt-scaleout-")
+    spec = checkpoint or os.path.join(tmp, "runs.db")
+    rt = fr.Runtime(model, replicas=3, max_model_len=512, dtype="float32", checkpoint=spec,
+                    checkpoint_kv=os.path.join(tmp, "kv") if kv else False,
+                    replica_options={"poll_interval": 0.05, "load_abs": 2, "load_rel": 1.5, "max_restarts": 4})
+    asyncio.run(rt.model())
+    rs = rt.llm.engine.replica_set
+    asyncio.run(drive(rt, wf, "Warm up. " + system[:60], 3, seed))
+    rs.reset_caches()
+    time.sleep(0.3)
+    before = totals(rs)
+    asyncio.run(drive(rt, wf, system, runs, seed))
+    baseline = totals(rs)["prefill_tokens_computed"] - before["prefill_tokens_computed"]
+    rs.reset_caches()
+    time.sleep(0.3)
+    FINISHED.clear()
+    before = totals(rs)
+    killed: list = []
+
+    async def kill():
+        victim = max(rs.replicas, key=lambda h: h.in_flight)
+        node = next(w for w in workers if w.node_id == victim.node_id)
+        killed.append((victim, node))
+        await asyncio.to_thread(kill_node, c, node, [victim.pid])
+
+    wall, results = asyncio.run(drive(rt, wf, system, runs, seed, on_half=kill))
+    time.sleep(0.3)
+    after = totals(rs)   # the dead replica's counters as last polled
+    ok = [r for r in results if getattr(r, "ok", False)]
+    victim, node = killed[0]
+    workers.remove(node)
+    row = {"config": f"node killed, checkpoint={'postgres' if checkpoint else 'sqlite'}, shared KV store={kv}",
+           "runs_completed": len(ok), "runs": runs,
+           "taken_over": sum(1 for r in ok if r.stats.get("takeovers")),
+           "steps_run_twice": sum(1 for n in FINISHED.values() if n > 1),
+           "prefill_tokens_recomputed": after["prefill_tokens_computed"] - before["prefill_tokens_computed"] - baseline,
+           "kv_blocks_loaded": sum(r.stats.get("kv_blocks_loaded", 0) for r in ok),
+           "runs_per_s": round(runs / wall, 2)}
+    print(row, flush=True)
+    rt.close()
+    workers.append(c.add_node(num_cpus=1))   # the next measurement has 3 nodes again
+    c.wait_for_nodes()
+    return row
