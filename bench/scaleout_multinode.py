@@ -28,7 +28,8 @@ WORDS = ("the little girl saw a big red ball under a tree and she wanted to play
 FINISHED: collections.Counter = collections.Counter()
 
 
-def long_prefix(words: int = 300, seed: int = 3) -> str:
+def long_prefix(words: int = 170, seed: int = 3) -> str:
+    """~335 tokens of stories260K (it holds 512 positions: room for the question and 72 generated tokens)."""
     rng = random.Random(seed)
     return "Story. " + " ".join(rng.choice(WORDS) for _ in range(words)) + "."
 
@@ -78,7 +79,7 @@ def crossover(model: str) -> list[dict[str, Any]]:
             ray.get(ref)
             ray.get(b.actor.reset_cache.remote())
             t0 = time.perf_counter()
-            rs.queue_op(b, b.epoch, ("pull", None, a.actor, ids))
+            rs.queue_op(b, b.epoch, ("pull", None, a.actor, ids, 0.0))
             ray.get(rs.submit(b, "call", None)[0])
             pulls.append(time.perf_counter() - t0)
             ray.get(b.actor.reset_cache.remote())
@@ -125,7 +126,25 @@ def arrivals(n: int, seed: int) -> list[float]:
     return out
 
 
-async def drive(rt, wf, system: str, n: int, seed: int, on_half=None) -> tuple[float, list[Any]]:
+def summary(r: Any) -> dict[str, Any]:
+    """What a measurement keeps of a run: not its result, whose threads would hold their KV blocks in the
+    replicas' caches past ``reset_caches``."""
+    if not getattr(r, "ok", False):
+        return {"ok": False, "error": repr(getattr(r, "errors", r))[:300]}
+    return {"ok": True, "takeovers": r.stats.get("takeovers", 0), "kv_blocks_loaded": r.stats.get("kv_blocks_loaded", 0)}
+
+
+def reset(rs) -> None:
+    """Every replica's prefix cache empty (the runs' threads closed first) and the index with it."""
+    import gc
+
+    gc.collect()
+    time.sleep(0.3)   # the poller sends the closes
+    rs.reset_caches()
+    time.sleep(0.3)
+
+
+async def drive(rt, wf, system: str, n: int, seed: int, on_half=None) -> tuple[float, list[dict[str, Any]]]:
     times = arrivals(n, seed)
     t0 = time.perf_counter()
     done = 0
@@ -137,10 +156,10 @@ async def drive(rt, wf, system: str, n: int, seed: int, on_half=None) -> tuple[f
         done += 1
         if on_half is not None and done == n // 3:
             await on_half()
-        return r
+        return summary(r)
 
     results = await asyncio.gather(*(one(i, at) for i, at in enumerate(times)), return_exceptions=True)
-    return time.perf_counter() - t0, list(results)
+    return time.perf_counter() - t0, [x if isinstance(x, dict) else summary(x) for x in results]
 
 
 def totals(rs) -> dict[str, int]:
@@ -153,7 +172,8 @@ def single_process(model: str, wf, system: str, n: int, seed: int) -> int:
     import flowrt as fr
 
     rt = fr.Runtime(model, max_model_len=512, dtype="float32")
-    asyncio.run(drive(rt, wf, system, n, seed))
+    _, results = asyncio.run(drive(rt, wf, system, n, seed))
+    assert all(r["ok"] for r in results), results
     computed = rt.stats()["prefill_tokens_computed"]
     rt.close()
     return computed
@@ -174,13 +194,12 @@ def sharing(model: str, runs: int, max_tokens: int, seed: int) -> list[dict[str,
     for name, routing, pull in (("a_no_sharing", "round_robin", False), ("b_affinity", "prefix", False),
                                 ("c_affinity_pull", "prefix", True)):
         rs.router.routing, rs.router.pull.enabled = routing, pull
-        rs.reset_caches()
-        time.sleep(0.3)
+        reset(rs)
         before, counters = totals(rs), dict(rs.router.counters)
         wall, results = asyncio.run(drive(rt, wf, system, runs, seed))
         time.sleep(0.3)
         after = totals(rs)
-        assert all(getattr(r, "ok", False) for r in results), results
+        assert all(r["ok"] for r in results), results
         d = {k: after[k] - before[k] for k in after}
         rows.append({"config": name, "prefill_tokens_computed": d["prefill_tokens_computed"],
                      "vs_single": round(d["prefill_tokens_computed"] / single, 2),
@@ -206,13 +225,11 @@ def node_loss(model: str, c, workers: list, runs: int, max_tokens: int, seed: in
     asyncio.run(rt.model())
     rs = rt.llm.engine.replica_set
     asyncio.run(drive(rt, wf, "Warm up. " + system[:60], 3, seed))
-    rs.reset_caches()
-    time.sleep(0.3)
+    reset(rs)
     before = totals(rs)
     asyncio.run(drive(rt, wf, system, runs, seed))
     baseline = totals(rs)["prefill_tokens_computed"] - before["prefill_tokens_computed"]
-    rs.reset_caches()
-    time.sleep(0.3)
+    reset(rs)
     FINISHED.clear()
     before = totals(rs)
     killed: list = []
@@ -226,15 +243,15 @@ def node_loss(model: str, c, workers: list, runs: int, max_tokens: int, seed: in
     wall, results = asyncio.run(drive(rt, wf, system, runs, seed, on_half=kill))
     time.sleep(0.3)
     after = totals(rs)   # the dead replica's counters as last polled
-    ok = [r for r in results if getattr(r, "ok", False)]
+    ok = [r for r in results if r["ok"]]
     victim, node = killed[0]
     workers.remove(node)
     row = {"config": f"node killed, checkpoint={'postgres' if checkpoint else 'sqlite'}, shared KV store={kv}",
            "runs_completed": len(ok), "runs": runs,
-           "taken_over": sum(1 for r in ok if r.stats.get("takeovers")),
+           "taken_over": sum(1 for r in ok if r["takeovers"]),
            "steps_run_twice": sum(1 for n in FINISHED.values() if n > 1),
            "prefill_tokens_recomputed": after["prefill_tokens_computed"] - before["prefill_tokens_computed"] - baseline,
-           "kv_blocks_loaded": sum(r.stats.get("kv_blocks_loaded", 0) for r in ok),
+           "kv_blocks_loaded": sum(r["kv_blocks_loaded"] for r in ok),
            "runs_per_s": round(runs / wall, 2)}
     print(row, flush=True)
     rt.close()

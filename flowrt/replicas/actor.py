@@ -15,7 +15,7 @@ Protocol with the client (flowrt/replicas/client.py):
   once the request is queued (a bad request raises there), and ``poll(rid)`` long-polls its snapshots.
 * ``state()`` is the router's health check and event feed: stats, and the prefix-cache events (blocks
   stored / evicted) of the block pool since the last call, or a full snapshot after an overflow.
-* KV between replicas: a ``("pull", None, source_actor, token_ids)`` operation copies the prefix's blocks
+* KV between replicas: a ``("pull", None, source_actor, token_ids, wait_s)`` operation copies the prefix's blocks
   from another replica (its ``export_kv``, through Ray's object store) into this one's prefix cache before the
   batch's other operations; ``export_kv`` / ``import_kv`` also serve KV checkpoints (the client side writes
   and reads the shared block directory). Blocks move only between equal ``kv_fingerprint`` s.
@@ -204,13 +204,22 @@ class ReplicaServer:
         return kw
 
     # ------------------------------------------------------------------ KV in and out
-    def export_kv(self, token_ids: list[int], skip: list[bytes], fingerprint: str) -> list[tuple[bytes, bytes | None]]:
+    async def export_kv(self, token_ids: list[int], skip: list[bytes], fingerprint: str,
+                        wait_s: float = 0.0) -> list[tuple[bytes, bytes | None]]:
         """The full blocks of ``token_ids`` this replica holds, in chain order ((hash, None) for those in
-        ``skip``); nothing for a caller of another fingerprint (its weights or dtype differ)."""
+        ``skip``); nothing for a caller of another fingerprint (its weights or dtype differ). ``wait_s``: wait
+        up to that long for blocks still being computed here (the router sends a pull as soon as it routed the
+        prefix here, often before its prefill is done)."""
         if self.engine is None or fingerprint != self.fingerprint:
             return []
         have = set(skip)
-        out = self.engine.kv_export(token_ids, skip=have.__contains__ if have else None)
+        want = len(token_ids) // self.engine.engine.block_size
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            out = self.engine.kv_export(token_ids, skip=have.__contains__ if have else None)
+            if len(out) >= want or asyncio.get_running_loop().time() >= deadline:
+                break
+            await asyncio.sleep(0.005)
         self.pull_stats["kv_blocks_exported"] += sum(1 for _, d in out if d is not None)
         return out
 
@@ -222,7 +231,7 @@ class ReplicaServer:
         self.pull_stats["kv_blocks_imported"] += n
         return n
 
-    async def _pull(self, source: Any, token_ids: list[int]) -> None:
+    async def _pull(self, source: Any, token_ids: list[int], wait_s: float) -> None:
         """Copy a prefix's blocks from ``source`` (another replica); on any failure the prefill computes them."""
         import time
 
@@ -231,8 +240,8 @@ class ReplicaServer:
         try:
             chain = chain_hashes(token_ids, self.engine.engine.block_size)
             have = [h for h in chain if self.pool.lookup(h) is not None]   # not sent again
-            blocks = await asyncio.wait_for(source.export_kv.remote(token_ids, have, self.fingerprint),
-                                            PULL_TIMEOUT_S)
+            blocks = await asyncio.wait_for(source.export_kv.remote(token_ids, have, self.fingerprint, wait_s),
+                                            PULL_TIMEOUT_S + wait_s)
             n = self.engine.kv_import([(h, d) for h, d in blocks if d is not None])
         except Exception as e:  # noqa: BLE001 - an optimisation: the prefill computes what did not come
             st["kv_pull_failures"] += 1
@@ -248,7 +257,7 @@ class ReplicaServer:
         try:
             for op in ops:
                 if op[0] == "pull":
-                    await self._pull(op[2], op[3])
+                    await self._pull(op[2], op[3], op[4])
             self._apply([op for op in ops if op[0] != "pull"])
             if req is None:
                 return None

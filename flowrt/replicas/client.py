@@ -312,7 +312,7 @@ class ReplicaSet:
         src = self.replicas[plan.source]
         ids = [int(t) for t in token_ids[:plan.blocks * self.block_size]]
         if src.healthy:
-            self.queue_op(h, h.epoch, ("pull", None, src.actor, ids))
+            self.queue_op(h, h.epoch, ("pull", None, src.actor, ids, plan.wait_s))
 
     def holder_of(self, hashes: Sequence[bytes]) -> ReplicaHandle | None:
         """The live replica whose cache (by the index) holds the longest run of these leading blocks."""
@@ -334,8 +334,14 @@ class ReplicaSet:
             if not h.healthy or h.epoch is None:
                 raise ReplicaDiedError(f"{h.name} is down: {h.error or 'restarting'}")
             epoch, batch, ops = h.take_batch()
-            ref = getattr(h.actor, method).remote(epoch, batch, ops, req)
-        return ref, epoch
+            try:
+                ref = getattr(h.actor, method).remote(epoch, batch, ops, req)
+            except Exception as e:  # noqa: BLE001 - Ray no longer knows the actor (its node is gone)
+                failed = e
+            else:
+                return ref, epoch
+        self.mark_dead(h, f"{type(failed).__name__}: {failed}", epoch)
+        raise ReplicaDiedError(f"{h.name} is down: {failed}")
 
     def _poll_loop(self) -> None:
         """Every ``poll_interval``: each live replica's state (stats + cache events; all polled at once), and

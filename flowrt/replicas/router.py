@@ -123,7 +123,7 @@ class Router:
         if not self.pull.worth_it(blocks, self.index.block_size, r.block_bytes):
             return None
         self.counters["pulls_planned"] += 1
-        return PullPlan(holder.index, best_len)
+        return PullPlan(holder.index, best_len, wait_s=min(5.0, self.pull.prefill_s(blocks * self.index.block_size)))
 
     def place(self, token_ids: Sequence[int] | None) -> tuple[ReplicaHandle, PullPlan | None]:
         """The replica for a new run or request, and the pull (if any) that brings its prefix there."""

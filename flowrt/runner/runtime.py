@@ -47,7 +47,8 @@ class Runtime:
     computing them again (flowrt.checkpoint.kv).
     ``replicas=N``: N engine replicas as Ray actors (flowrt.replicas; ``ray_address`` joins a cluster,
     ``routing="prefix"|"round_robin"``, ``replica_options``: more ``ReplicaSet`` keywords); each run is bound
-    to one replica.
+    to one replica. With a checkpointer, a run whose replica dies is taken over by a live one from its last
+    checkpoint (flowrt/replicas/takeover.py).
     """
 
     def __init__(self, model: str | os.PathLike[str] | EngineClient | Model | None = None, *, index: str | None = None,

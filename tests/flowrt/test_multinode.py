@@ -221,6 +221,23 @@ def test_node_joins_takes_new_runs(rt, cluster):
     assert dead[0].index in {r.outputs["answer"]["replica"] for r in results}
 
 
+def test_http_run_and_metrics_name_each_node(rt, cluster, stories_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from flowrt.server.app import create_app
+    from flowrt.server.background import BackgroundServer
+
+    _, workers = cluster
+    wf = make_wf(4)
+    with BackgroundServer(create_app(rt.llm.engine, model_path=stories_path, workflows={"multinode": wf},
+                                     workflow_runtime=rt)) as srv:
+        r = httpx.post(f"{srv.url}/v1/workflows/multinode/runs", json={"inputs": {"tag": "h0"}}, timeout=120)
+        assert r.status_code == 200, r.text
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=60).text
+    for w in workers:
+        assert f'node_id="{w.node_id}"' in metrics
+
+
 def test_no_replica_left_is_a_typed_error(rt, cluster):
     """Every worker node gone: the run cannot be taken over; rt.run raises NoReplicaError naming the run, which
     stays failed (resumable) in the store."""

@@ -4,6 +4,7 @@ import refusing another model's blocks, and what counts as a run lost to a repli
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -46,9 +47,10 @@ def test_no_pull(fps, cost):
 
 
 def test_cost_crossover():
-    c = PullCost(rtt_s=0.006, bytes_per_s=4e8, prefill_tokens_per_s=4000)
-    assert not c.worth_it(1, BS, 40960)      # one block: 4 ms of prefill < 6 ms round trip
-    assert c.worth_it(2, BS, 40960)
+    c = PullCost()   # the defaults, measured: pulling wins from 2 blocks of stories260K (20 KiB each)
+    assert not c.worth_it(1, BS, 20480)      # 1.8 ms of prefill < 2 ms round trip + 0.5 ms copy
+    assert c.worth_it(2, BS, 20480)
+    assert not c.worth_it(24, BS, 20480 * 8)  # 8x the bytes per block: the copy costs more than the prefill
 
 
 def _result(*messages: str) -> RunResult:
@@ -75,12 +77,15 @@ def test_replica_export_import_check_fingerprints(stories_path):
     try:
         ids = list(range(1, 3 * 16 + 4))
         asyncio.run(src.engine.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1)))
-        assert src.export_kv(ids, [], "another model") == []
-        blocks = src.export_kv(ids, [], src.fingerprint)
+        assert asyncio.run(src.export_kv(ids, [], "another model")) == []
+        blocks = asyncio.run(src.export_kv(ids, [], src.fingerprint))
         assert len(blocks) == 3 and all(d for _, d in blocks)
         assert dst.import_kv(blocks, "another model") == 0
         assert dst.import_kv(blocks, dst.fingerprint) == 3
-        assert src.export_kv(ids, [blocks[0][0]], src.fingerprint)[0] == (blocks[0][0], None)   # the caller has it
+        assert asyncio.run(src.export_kv(ids, [blocks[0][0]], src.fingerprint))[0] == (blocks[0][0], None)   # it has it
+        t0 = time.monotonic()   # blocks it does not have: it waits for them as long as asked, no longer
+        assert len(asyncio.run(src.export_kv(ids + list(range(100, 120)), [], src.fingerprint, wait_s=0.2))) == 3
+        assert 0.2 <= time.monotonic() - t0 < 5
     finally:
         src.shutdown()
         dst.shutdown()
