@@ -123,7 +123,8 @@ def main() -> int:
     ap.add_argument("--multinode", action="store_true", help="3 replicas on 3 Ray nodes: sharing and node loss")
     ap.add_argument("--crossover", action="store_true", help="pull vs prefill, by prefix length (2 nodes)")
     ap.add_argument("--mn-runs", type=int, default=24)
-    ap.add_argument("--mn-max-tokens", type=int, default=48)
+    ap.add_argument("--mn-max-tokens", type=int, default=96)
+    ap.add_argument("--mn-part", choices=("all", "sharing", "loss"), default="all")
     ap.add_argument("--checkpoint", default=None, help="--multinode node loss: a PostgreSQL URL (default SQLite)")
     args = ap.parse_args()
     if args.multinode or args.crossover:
@@ -181,8 +182,9 @@ def multinode(args) -> int:
     try:
         if args.crossover:
             out["crossover"] = mn.crossover(args.model)
-        if args.multinode:
+        if args.multinode and args.mn_part in ("all", "sharing"):
             out["sharing"] = mn.sharing(args.model, args.mn_runs, args.mn_max_tokens, args.seed)
+        if args.multinode and args.mn_part in ("all", "loss"):
             out["node_loss"] = [mn.node_loss(args.model, c, workers, args.mn_runs, args.mn_max_tokens, args.seed,
                                              args.checkpoint, kv) for kv in (False, True)]
     finally:

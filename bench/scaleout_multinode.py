@@ -131,7 +131,8 @@ def summary(r: Any) -> dict[str, Any]:
     replicas' caches past ``reset_caches``."""
     if not getattr(r, "ok", False):
         return {"ok": False, "error": repr(getattr(r, "errors", r))[:300]}
-    return {"ok": True, "takeovers": r.stats.get("takeovers", 0), "kv_blocks_loaded": r.stats.get("kv_blocks_loaded", 0)}
+    return {"ok": True, "takeovers": r.stats.get("takeovers", 0), "kv_blocks_loaded": r.stats.get("kv_blocks_loaded", 0),
+            "tokens_computed": r.stats.get("run_tokens_computed", 0)}   # of its last attempt (the takeover)
 
 
 def reset(rs) -> None:
@@ -164,7 +165,7 @@ async def drive(rt, wf, system: str, n: int, seed: int, on_half=None) -> tuple[f
 
 def totals(rs) -> dict[str, int]:
     rs.refresh()
-    keys = ("prefill_tokens_computed", "prompt_tokens", "kv_blocks_pulled")
+    keys = ("prefill_tokens_computed", "prompt_tokens", "kv_blocks_pulled", "kv_pull_failures")
     return {k: sum(int(h.stats.get(k, 0)) for h in rs.replicas) for k in keys}
 
 
@@ -203,7 +204,8 @@ def sharing(model: str, runs: int, max_tokens: int, seed: int) -> list[dict[str,
         d = {k: after[k] - before[k] for k in after}
         rows.append({"config": name, "prefill_tokens_computed": d["prefill_tokens_computed"],
                      "vs_single": round(d["prefill_tokens_computed"] / single, 2),
-                     "kv_blocks_pulled": d["kv_blocks_pulled"], "runs_per_s": round(runs / wall, 2),
+                     "kv_blocks_pulled": d["kv_blocks_pulled"], "kv_pull_failures": d["kv_pull_failures"],
+                     "runs_per_s": round(runs / wall, 2),
                      "routed": {k: rs.router.counters[k] - counters.get(k, 0) for k in rs.router.counters}})
         print(rows[-1], flush=True)
     rt.close()
@@ -212,8 +214,9 @@ def sharing(model: str, runs: int, max_tokens: int, seed: int) -> list[dict[str,
 
 def node_loss(model: str, c, workers: list, runs: int, max_tokens: int, seed: int, checkpoint: str | None,
               kv: bool) -> dict[str, Any]:
-    """Runs with checkpoints; a node killed once a third of them finished. Recomputed prefill = this run's
-    prefill tokens minus the same workload's without a kill (measured first, same runtime, caches reset)."""
+    """Runs with checkpoints; a node killed once a third of them finished. Prefill tokens recomputed: what the
+    taken-over runs' takeover attempts computed (a run's stats count its last attempt): every token of their
+    prompts had been computed once already, on the dead replica."""
     import flowrt as fr
 
     wf, system = make_workflow(max_tokens), long_prefix()
@@ -226,32 +229,31 @@ def node_loss(model: str, c, workers: list, runs: int, max_tokens: int, seed: in
     rs = rt.llm.engine.replica_set
     asyncio.run(drive(rt, wf, "Warm up. " + system[:60], 3, seed))
     reset(rs)
-    before = totals(rs)
-    asyncio.run(drive(rt, wf, system, runs, seed))
-    baseline = totals(rs)["prefill_tokens_computed"] - before["prefill_tokens_computed"]
-    reset(rs)
     FINISHED.clear()
-    before = totals(rs)
     killed: list = []
 
     async def kill():
+        deadline = time.monotonic() + 10
+        while max(h.in_flight for h in rs.replicas) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)   # the victim: a replica generating for two runs at least
         victim = max(rs.replicas, key=lambda h: h.in_flight)
         node = next(w for w in workers if w.node_id == victim.node_id)
         killed.append((victim, node))
         await asyncio.to_thread(kill_node, c, node, [victim.pid])
 
     wall, results = asyncio.run(drive(rt, wf, system, runs, seed, on_half=kill))
-    time.sleep(0.3)
-    after = totals(rs)   # the dead replica's counters as last polled
     ok = [r for r in results if r["ok"]]
+    taken = [r for r in ok if r["takeovers"]]
     victim, node = killed[0]
     workers.remove(node)
+    recomputed = sum(r["tokens_computed"] for r in taken)
     row = {"config": f"node killed, checkpoint={'postgres' if checkpoint else 'sqlite'}, shared KV store={kv}",
-           "runs_completed": len(ok), "runs": runs,
-           "taken_over": sum(1 for r in ok if r["takeovers"]),
+           "runs_completed": len(ok), "runs": runs, "taken_over": len(taken),
            "steps_run_twice": sum(1 for n in FINISHED.values() if n > 1),
-           "prefill_tokens_recomputed": after["prefill_tokens_computed"] - before["prefill_tokens_computed"] - baseline,
-           "kv_blocks_loaded": sum(r["kv_blocks_loaded"] for r in ok),
+           "prefill_tokens_recomputed": recomputed,
+           "recomputed_per_thread": round(recomputed / max(1, len(taken)), 1),   # one thread per run
+           "block_size": rs.block_size,
+           "kv_blocks_loaded": sum(r["kv_blocks_loaded"] for r in taken),
            "runs_per_s": round(runs / wall, 2)}
     print(row, flush=True)
     rt.close()

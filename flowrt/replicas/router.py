@@ -26,6 +26,8 @@ from .index import PrefixIndex
 from .pull import PullCost, PullPlan
 
 ROUTING_POLICIES = ("prefix", "round_robin")
+PULL_WAIT_FACTOR = 4.0
+MAX_PULL_WAIT_S = 2.0
 
 
 class NoReplicaError(RuntimeError):
@@ -123,7 +125,10 @@ class Router:
         if not self.pull.worth_it(blocks, self.index.block_size, r.block_bytes):
             return None
         self.counters["pulls_planned"] += 1
-        return PullPlan(holder.index, best_len, wait_s=min(5.0, self.pull.prefill_s(blocks * self.index.block_size)))
+        # The holder is often still computing them (a burst routed there before its prefill ended): wait for
+        # them about as long as computing them here would take, an estimate kept generous (a busy core is slower).
+        wait = min(MAX_PULL_WAIT_S, PULL_WAIT_FACTOR * self.pull.prefill_s(blocks * self.index.block_size))
+        return PullPlan(holder.index, best_len, wait_s=wait)
 
     def place(self, token_ids: Sequence[int] | None) -> tuple[ReplicaHandle, PullPlan | None]:
         """The replica for a new run or request, and the pull (if any) that brings its prefix there."""

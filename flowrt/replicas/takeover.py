@@ -22,7 +22,8 @@ from .router import NoReplicaError
 
 __all__ = ["lost_to_replica", "replica_set_of", "wait_for_replica"]
 
-DEATH_ERRORS = ("ReplicaDiedError", "RayActorError", "ActorDiedError", "ActorUnavailableError")
+# A replica died under the step, or none was up when it asked for one (all restarting, every node gone).
+DEATH_ERRORS = ("ReplicaDiedError", "RayActorError", "ActorDiedError", "ActorUnavailableError", "NoReplicaError")
 
 
 def lost_to_replica(result: Any) -> bool:
