@@ -26,6 +26,7 @@ from typing import Any
 WORDS = ("the little girl saw a big red ball under a tree and she wanted to play with it but her mom said no "
          "so she went home and sat down by the window to watch the birds fly over the green hills far away").split()
 FINISHED: collections.Counter = collections.Counter()
+KILL: dict[str, Any] = {"armed": None, "countdown": 0}   # node_loss: the n-th answer step kills its replica's node
 
 
 def long_prefix(words: int = 170, seed: int = 3) -> str:
@@ -108,8 +109,14 @@ def make_workflow(max_tokens: int):
         return t
 
     @wf.step
-    async def answer(context: fr.Thread, question: str) -> str:
-        out = await context.gen(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    async def answer(context: fr.Thread, question: str, llm: fr.Model) -> str:
+        task = asyncio.ensure_future(context.gen(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        KILL["countdown"] -= 1
+        kill = KILL["armed"] if KILL["countdown"] == 0 else None
+        if kill is not None:   # the node of the replica this generation runs on dies while it runs
+            await asyncio.sleep(0.02)
+            await kill(llm.engine.replica)
+        out = await task
         FINISHED[(question, "answer")] += 1
         return out
 
@@ -232,16 +239,15 @@ def node_loss(model: str, c, workers: list, runs: int, max_tokens: int, seed: in
     FINISHED.clear()
     killed: list = []
 
-    async def kill():
-        deadline = time.monotonic() + 10
-        while max(h.in_flight for h in rs.replicas) < 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)   # the victim: a replica generating for two runs at least
-        victim = max(rs.replicas, key=lambda h: h.in_flight)
+    async def kill(victim):
         node = next(w for w in workers if w.node_id == victim.node_id)
         killed.append((victim, node))
         await asyncio.to_thread(kill_node, c, node, [victim.pid])
 
-    wall, results = asyncio.run(drive(rt, wf, system, runs, seed, on_half=kill))
+
+    KILL["armed"], KILL["countdown"] = kill, runs // 3
+    wall, results = asyncio.run(drive(rt, wf, system, runs, seed))
+    KILL["armed"] = None
     ok = [r for r in results if r["ok"]]
     taken = [r for r in ok if r["takeovers"]]
     victim, node = killed[0]

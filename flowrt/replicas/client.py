@@ -346,57 +346,73 @@ class ReplicaSet:
     def _poll_loop(self) -> None:
         """Every ``poll_interval``: each live replica's state (stats + cache events; all polled at once), and
         a health probe of each dead one (``info``; answers once Ray has restarted it)."""
-        ray = _ray()
         probes: dict[int, Any] = {}  # replica index -> outstanding info() call of a dead replica
         while not self._stop.wait(self.poll_interval):
-            polls = []
-            for h in self.replicas:
-                if h.healthy:
-                    if h.ops:  # closes from finalizers etc. that no call has carried yet
-                        try:
-                            self.submit(h, "call", None)
-                        except ReplicaDiedError:
-                            pass
-                    polls.append((h, h.epoch, h.actor.state.remote()))
-                elif h.index not in probes:
-                    probes[h.index] = h.actor.info.remote()
-            for h, epoch, ref in polls:
+            try:
+                self._poll_once(probes)
+            except Exception:  # noqa: BLE001 - the poller must outlive any one failure (Ray shutting down...)
                 if self._stop.is_set():
                     return
-                try:
-                    st = ray.get(ref, timeout=10)
-                except Exception as e:  # noqa: BLE001 - dead, restarting, or not answering
-                    if not self._stop.is_set():
-                        self.mark_dead(h, f"{type(_cause(e)).__name__}: {_cause(e)}", epoch)
-                    continue
-                if st["epoch"] != epoch:  # restarted between two polls
-                    self.mark_dead(h, "restarted", epoch)
-                    continue
-                h.stats = st["stats"]
-                with self.router.lock:
-                    if "snapshot" in st:
-                        self.index.replace(h.index, st["snapshot"])
-                    else:
-                        for stored, bh in st["events"]:
-                            (self.index.add if stored else self.index.remove)(h.index, (bh,))
-            if probes:
-                ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=0)
-                ready_set = set(ready)
-                for h in self.replicas:
-                    ref = probes.get(h.index)
-                    if ref is None or ref not in ready_set:
-                        continue
-                    del probes[h.index]
+                logger.exception("replica poller: one round failed; going on")
+
+    def _poll_once(self, probes: dict[int, Any]) -> None:
+        """One round: each live replica's state (stats + cache events; all polled at once), and a health probe
+        of each dead one (``info``; answers once Ray has restarted it)."""
+        ray = _ray()
+        polls = []
+        for h in self.replicas:
+            if h.healthy:
+                if h.ops:  # closes from finalizers etc. that no call has carried yet
                     try:
-                        info = ray.get(ref)
-                    except Exception as e:  # noqa: BLE001 - still dead: probe again next time
-                        h.error = f"{type(_cause(e)).__name__}: {_cause(e)}"
-                        continue
-                    with self.router.lock:
-                        self.index.clear(h.index)
-                    self._adopt(h, info)
-                    h.restarts += 1
-                    logger.warning("%s is back", h.name)
+                        self.submit(h, "call", None)
+                    except ReplicaDiedError:
+                        pass
+                try:
+                    polls.append((h, h.epoch, h.actor.state.remote()))
+                except Exception as e:  # noqa: BLE001 - Ray no longer knows the actor
+                    self.mark_dead(h, f"{type(e).__name__}: {e}", h.epoch)
+            elif h.index not in probes:
+                try:
+                    probes[h.index] = h.actor.info.remote()
+                except Exception as e:  # noqa: BLE001 - gone for good (its restarts used up): stays dead
+                    h.error = f"{type(e).__name__}: {e}"
+        for h, epoch, ref in polls:
+            if self._stop.is_set():
+                return
+            try:
+                st = ray.get(ref, timeout=10)
+            except Exception as e:  # noqa: BLE001 - dead, restarting, or not answering
+                if not self._stop.is_set():
+                    self.mark_dead(h, f"{type(_cause(e)).__name__}: {_cause(e)}", epoch)
+                continue
+            if st["epoch"] != epoch:  # restarted between two polls
+                self.mark_dead(h, "restarted", epoch)
+                continue
+            h.stats = st["stats"]
+            with self.router.lock:
+                if "snapshot" in st:
+                    self.index.replace(h.index, st["snapshot"])
+                else:
+                    for stored, bh in st["events"]:
+                        (self.index.add if stored else self.index.remove)(h.index, (bh,))
+        if probes:
+            ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=0)
+            ready_set = set(ready)
+            for h in self.replicas:
+                ref = probes.get(h.index)
+                if ref is None or ref not in ready_set:
+                    continue
+                del probes[h.index]
+                try:
+                    info = ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - still dead: probe again next time
+                    h.error = f"{type(_cause(e)).__name__}: {_cause(e)}"
+                    continue
+                with self.router.lock:
+                    self.index.clear(h.index)
+                self._adopt(h, info)
+                h.restarts += 1
+                logger.warning("%s is back", h.name)
 
     def reset_caches(self) -> None:
         """Empty every live replica's prefix cache and the index (benchmarks)."""
