@@ -163,13 +163,19 @@ def test_node_killed_mid_run_postgres(rt, cluster):
     rs.router.routing = "round_robin"
     tags = [f"k{i}" for i in range(6)]
 
+    def exported() -> int:
+        return sum(int(h.stats.get("kv_blocks_exported", 0)) for h in rs.replicas)
+
+    exported0 = exported()
+
     async def go():
         tasks = [asyncio.create_task(rt.run(wf, tag=t)) for t in tags]
         victim = None
         deadline = time.monotonic() + 120
-        while victim is None and time.monotonic() < deadline:   # every run is past its context step
+        while victim is None and time.monotonic() < deadline:   # every run is past its context checkpoint
             contexts = sum(n for (t, step), n in FINISHED.items() if step == "context" and t in tags)
-            busy = [h for h in rs.replicas if h.in_flight >= 2] if contexts == len(tags) else []
+            saved = exported() - exported0 >= 2 * len(tags)   # their context checkpoints saved their own blocks
+            busy = [h for h in rs.replicas if h.in_flight >= 2] if contexts == len(tags) and saved else []
             victim = busy[0] if busy else None
             await asyncio.sleep(0.01)
         assert victim is not None
@@ -191,7 +197,7 @@ def test_node_killed_mid_run_postgres(rt, cluster):
     assert not twice, twice   # every finished step ran once
     assert set(FINISHED) == {(t, s) for t in tags + ["ref"] for s in ("prep", "context", "answer", "report")}
     for r in taken:
-        assert r.stats["kv_blocks_loaded"] >= 2 and not r.stats["kv_blocks_rejected"]   # the shared KV store
+        assert r.stats["kv_blocks_loaded"] >= 2 and not r.stats["kv_blocks_rejected"], r.stats   # the shared store
         rec = rt.checkpointer.get_run(r.run_id, with_state=False)
         assert rec.status == "done"
     assert reference.ok
