@@ -270,3 +270,13 @@ def test_no_replica_left_is_a_typed_error(rt, cluster):
         asyncio.run(go())
     run_id = str(err.value).split()[1].rstrip(":")
     assert rt.checkpointer.get_run(run_id, with_state=False).status == "failed"
+    # A new run now finds no replica at all: the same wait, then over HTTP a 503 that says so.
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from flowrt.server.app import create_app
+    from flowrt.server.background import BackgroundServer
+
+    with BackgroundServer(create_app(rt.llm.engine, workflows={"multinode": wf}, workflow_runtime=rt)) as srv:
+        r = httpx.post(f"{srv.url}/v1/workflows/multinode/runs", json={"inputs": {"tag": "h1"}}, timeout=120)
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "no_replica" and "no replica came back" in r.json()["error"]["message"]
