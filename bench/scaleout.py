@@ -11,6 +11,16 @@ working set, so where a run lands decides whether its prefix is cached.
 Printed per configuration: prefill tokens computed, cache hit rate (1 - computed / prompt tokens),
 runs/s, p50 / p95 run latency, and the routing decisions. Target: prefix-aware computes <= 60% of round
 robin's prefill tokens with runs/s >= round robin's.
+
+Multi-node (bench/scaleout_multinode.py; a ray.cluster_utils.Cluster of 3 one-CPU nodes on this machine):
+
+    python bench/scaleout.py --crossover                 # pull N blocks vs prefill them, N = 1..24
+    python bench/scaleout.py --multinode [--mn-runs 24] [--checkpoint postgresql://...]
+
+(a) no sharing (round robin), (b) prefix affinity only, (c) affinity + pull on 24 runs sharing one long prefix
+with skewed arrivals; then a node killed a third of the way in: runs completed, steps run twice, prefill tokens
+recomputed with and without the shared KV store. Targets: (c) <= 1.1x one process's prefill tokens, runs/s no
+worse than (b); 0 steps run twice; <= 1 block recomputed per thread with the shared KV store.
 """
 
 from __future__ import annotations
@@ -110,7 +120,15 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--multinode", action="store_true", help="3 replicas on 3 Ray nodes: sharing and node loss")
+    ap.add_argument("--crossover", action="store_true", help="pull vs prefill, by prefix length (2 nodes)")
+    ap.add_argument("--mn-runs", type=int, default=24)
+    ap.add_argument("--mn-max-tokens", type=int, default=96)
+    ap.add_argument("--mn-part", choices=("all", "sharing", "loss"), default="all")
+    ap.add_argument("--checkpoint", default=None, help="--multinode node loss: a PostgreSQL URL (default SQLite)")
     args = ap.parse_args()
+    if args.multinode or args.crossover:
+        return multinode(args)
 
     import ray
 
@@ -150,6 +168,30 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "prefill_ratio": ratio}, indent=2))
     ray.shutdown()
+    return 0
+
+
+def multinode(args) -> int:
+    import ray
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import scaleout_multinode as mn
+
+    c, workers = mn.start_cluster(2 if args.crossover and not args.multinode else 3)
+    out: dict = {}
+    try:
+        if args.crossover:
+            out["crossover"] = mn.crossover(args.model)
+        if args.multinode and args.mn_part in ("all", "sharing"):
+            out["sharing"] = mn.sharing(args.model, args.mn_runs, args.mn_max_tokens, args.seed)
+        if args.multinode and args.mn_part in ("all", "loss"):
+            out["node_loss"] = [mn.node_loss(args.model, c, workers, args.mn_runs, args.mn_max_tokens, args.seed,
+                                             args.checkpoint, kv) for kv in (False, True)]
+    finally:
+        ray.shutdown()
+        c.shutdown()
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
 
 

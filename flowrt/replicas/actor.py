@@ -15,6 +15,10 @@ Protocol with the client (flowrt/replicas/client.py):
   once the request is queued (a bad request raises there), and ``poll(rid)`` long-polls its snapshots.
 * ``state()`` is the router's health check and event feed: stats, and the prefix-cache events (blocks
   stored / evicted) of the block pool since the last call, or a full snapshot after an overflow.
+* KV between replicas: a ``("pull", None, source_actor, token_ids, wait_s)`` operation copies the prefix's blocks
+  from another replica (its ``export_kv``, through Ray's object store) into this one's prefix cache before the
+  batch's other operations; ``export_kv`` / ``import_kv`` also serve KV checkpoints (the client side writes
+  and reads the shared block directory). Blocks move only between equal ``kv_fingerprint`` s.
 """
 
 from __future__ import annotations
@@ -26,9 +30,22 @@ import socket
 import uuid
 from typing import Any
 
+from .index import chain_hashes
+
 logger = logging.getLogger("flowrt.replicas")
 
 BATCH_ORDER_TIMEOUT_S = 30.0
+PULL_TIMEOUT_S = 10.0
+
+
+def _ray_node_id() -> str:
+    """The Ray node this process runs on ("" outside Ray: the in-process tests)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001 - informational
+        return ""
 
 
 class StaleEpochError(RuntimeError):
@@ -72,6 +89,10 @@ class ReplicaServer:
             return
         self.pool = self.engine.engine.pool
         self.pool.enable_events()
+        self.fingerprint = self.engine.kv_fingerprint()
+        self.node_id = _ray_node_id()
+        self.pull_stats = {"kv_blocks_pulled": 0, "kv_pulls": 0, "kv_pull_failures": 0, "kv_pull_s": 0.0,
+                           "kv_blocks_imported": 0, "kv_blocks_exported": 0}
         self._dropped_seen = 0
         self._need_snapshot = True
 
@@ -82,7 +103,9 @@ class ReplicaServer:
         st = self.engine.stats()
         return {"index": self.index, "epoch": self.epoch, "node": self.node, "pid": self.pid,
                 "max_model_len": self.engine.max_model_len, "block_size": st["block_size"],
-                "num_kv_blocks": st["num_kv_blocks"], "model_path": self.engine.model_path, "cores": self.cores}
+                "num_kv_blocks": st["num_kv_blocks"], "model_path": self.engine.model_path, "cores": self.cores,
+                "node_id": self.node_id, "fingerprint": self.fingerprint,
+                "block_bytes": self.engine.kv_block_bytes()}
 
     def tokenizer(self) -> Any:
         if self.start_error is not None:
@@ -105,7 +128,8 @@ class ReplicaServer:
             raise RuntimeError(self.start_error)
         pool = self.pool
         ev = pool.events
-        out: dict[str, Any] = {"epoch": self.epoch, "stats": self.engine.stats(), "pid": self.pid}
+        out: dict[str, Any] = {"epoch": self.epoch, "stats": {**self.engine.stats(), **self.pull_stats},
+                               "pid": self.pid}
         if self._need_snapshot or pool.events_dropped != self._dropped_seen:
             with self.engine.engine.lock:
                 ev.clear()
@@ -179,10 +203,62 @@ class ReplicaServer:
             kw["program"] = req["program"]
         return kw
 
+    # ------------------------------------------------------------------ KV in and out
+    async def export_kv(self, token_ids: list[int], skip: list[bytes], fingerprint: str,
+                        wait_s: float = 0.0) -> list[tuple[bytes, bytes | None]]:
+        """The full blocks of ``token_ids`` this replica holds, in chain order ((hash, None) for those in
+        ``skip``); nothing for a caller of another fingerprint (its weights or dtype differ). ``wait_s``: wait
+        up to that long for blocks still being computed here (the router sends a pull as soon as it routed the
+        prefix here, often before its prefill is done)."""
+        if self.engine is None or fingerprint != self.fingerprint:
+            return []
+        have = set(skip)
+        want = len(token_ids) // self.engine.engine.block_size
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            out = self.engine.kv_export(token_ids, skip=have.__contains__ if have else None)
+            if len(out) >= want or asyncio.get_running_loop().time() >= deadline:
+                break
+            await asyncio.sleep(0.005)
+        self.pull_stats["kv_blocks_exported"] += sum(1 for _, d in out if d is not None)
+        return out
+
+    def import_kv(self, blocks: list[tuple[bytes, bytes]], fingerprint: str) -> int:
+        """Blocks of an engine with ``fingerprint`` into the prefix cache (none of a foreign one)."""
+        if self.engine is None or fingerprint != self.fingerprint:
+            return 0
+        n = self.engine.kv_import([(h, d) for h, d in blocks if d is not None])
+        self.pull_stats["kv_blocks_imported"] += n
+        return n
+
+    async def _pull(self, source: Any, token_ids: list[int], wait_s: float) -> None:
+        """Copy a prefix's blocks from ``source`` (another replica); on any failure the prefill computes them."""
+        import time
+
+        t0 = time.perf_counter()
+        st = self.pull_stats
+        try:
+            chain = chain_hashes(token_ids, self.engine.engine.block_size)
+            have = [h for h in chain if self.pool.lookup(h) is not None]   # not sent again
+            blocks = await asyncio.wait_for(source.export_kv.remote(token_ids, have, self.fingerprint, wait_s),
+                                            PULL_TIMEOUT_S + wait_s)
+            n = self.engine.kv_import([(h, d) for h, d in blocks if d is not None])
+        except Exception as e:  # noqa: BLE001 - an optimisation: the prefill computes what did not come
+            st["kv_pull_failures"] += 1
+            logger.warning("replica %d: pulling KV from another replica failed (%s: %s); computing it",
+                           self.index, type(e).__name__, e)
+            return
+        st["kv_pulls"] += 1
+        st["kv_blocks_pulled"] += n
+        st["kv_pull_s"] += time.perf_counter() - t0
+
     async def call(self, epoch: str, batch: int, ops: list[tuple], req: dict[str, Any] | None) -> Any:
         await self._in_order(epoch, batch)
         try:
-            self._apply(ops)
+            for op in ops:
+                if op[0] == "pull":
+                    await self._pull(op[2], op[3], op[4])
+            self._apply([op for op in ops if op[0] != "pull"])
             if req is None:
                 return None
             target = self._target(req)

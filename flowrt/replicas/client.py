@@ -19,7 +19,8 @@ from collections import deque
 from typing import Any, AsyncIterator, Iterable, Sequence
 
 from .actor import actor_class
-from .index import PrefixIndex
+from .index import PrefixIndex, chain_hashes
+from .pull import PullCost, PullPlan
 from .router import NoReplicaError, ReplicaHandle, Router
 
 logger = logging.getLogger("flowrt.replicas")
@@ -51,6 +52,23 @@ def _cause(e: BaseException) -> BaseException:
         if isinstance(cause, BaseException):
             return cause
     return e
+
+
+def _cpu_nodes() -> list[tuple[str, float]]:
+    """The cluster's live nodes that have CPUs: (node id, CPUs), most CPUs first (then by id: stable)."""
+    out = []
+    for nd in _ray().nodes():
+        cpus = float((nd.get("Resources") or {}).get("CPU", 0))
+        if nd.get("Alive") and cpus >= 1:
+            out.append((nd["NodeID"], cpus))
+    return sorted(out, key=lambda x: (-x[1], x[0]))
+
+
+def _on_node(node_id: str) -> Any:
+    """Schedule on ``node_id`` while it lives; a restart after its death goes wherever there is room."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id, soft=True)
 
 
 _sids = itertools.count(1)
@@ -167,16 +185,31 @@ class RemoteSequence:
         return f"RemoteSequence(id={self.sid}, replica={where}, tokens={len(self._tokens)})"
 
 
+PLACEMENTS = ("node", "pack")
+
+
 class ReplicaSet:
     """N engine replicas as Ray actors, their router, and a thread that polls their health, load and cache
-    events. Starts Ray locally unless it is already initialized or ``ray_address`` names a cluster."""
+    events. Starts Ray locally unless it is already initialized or ``ray_address`` names a cluster.
+
+    ``placement="node"`` (default): on a cluster of at least N nodes with CPUs, one replica per node, each
+    taking the node's CPUs (soft node affinity: a replica whose node died is restarted by Ray wherever there
+    is room, e.g. on a node that joins); with fewer nodes, or ``"pack"``, Ray places them by resources (each
+    ``num_cpus_per_replica``, by default the cluster's CPUs / N). ``pull``: the cost estimate for copying
+    a prefix's KV between replicas (pull.py; ``False``: never). ``max_takeovers``, ``takeover_wait_s``: how
+    often a checkpointed run whose replica died is taken over by another, and how long it waits for a live
+    replica (flowrt/replicas/takeover.py)."""
 
     def __init__(self, model: str | None, replicas: int, *, ray_address: str | None = None,
                  routing: str = "prefix", load_abs: int = 8, load_rel: float = 1.5, max_restarts: int = 3,
                  poll_interval: float = 0.1, num_cpus_per_replica: float | None = None,
-                 num_gpus_per_replica: float | None = None, **engine_kwargs: Any) -> None:
+                 num_gpus_per_replica: float | None = None, placement: str = "node",
+                 pull: PullCost | bool | None = None, max_takeovers: int = 3, takeover_wait_s: float = 60.0,
+                 **engine_kwargs: Any) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         ray = _ray()
         self._owns_ray = False
         if not ray.is_initialized():
@@ -187,24 +220,36 @@ class ReplicaSet:
             self._owns_ray = True
         self.client_id = uuid.uuid4().hex[:8]
         self.poll_interval = poll_interval
+        self.max_takeovers, self.takeover_wait_s = max_takeovers, takeover_wait_s
         res = ray.cluster_resources()
         cpus = float(res.get("CPU", os.cpu_count() or 1))
         gpus = float(res.get("GPU", 0))
         if num_gpus_per_replica is None:
             on_gpu = gpus >= replicas and engine_kwargs.get("device") in (None, "auto", "cuda")
             num_gpus_per_replica = 1.0 if on_gpu else 0.0
+        nodes = _cpu_nodes() if placement == "node" and not num_gpus_per_replica else []
+        spread = len(nodes) >= replicas > 1
         if num_cpus_per_replica is None:
-            num_cpus_per_replica = 1.0 if num_gpus_per_replica else max(1.0, float(int(cpus) // replicas))
+            if num_gpus_per_replica:
+                num_cpus_per_replica = 1.0
+            elif spread:  # one per node: the smallest of the nodes used, whole
+                num_cpus_per_replica = max(1.0, min(n[1] for n in nodes[:replicas]))
+            else:
+                num_cpus_per_replica = max(1.0, float(int(cpus) // replicas))
         if not num_gpus_per_replica and engine_kwargs.get("num_threads") is None:
             engine_kwargs["num_threads"] = max(1, int(num_cpus_per_replica))
         if model is not None:
             model = os.fsdecode(model)
             if not os.path.isabs(model) and os.path.exists(model):
                 model = os.path.abspath(model)
-        cls = actor_class().options(num_cpus=num_cpus_per_replica, num_gpus=num_gpus_per_replica,
-                                    max_restarts=max_restarts, max_task_retries=0, max_concurrency=1000)
+        opts = dict(num_cpus=num_cpus_per_replica, num_gpus=num_gpus_per_replica, max_restarts=max_restarts,
+                    max_task_retries=0, max_concurrency=1000)
         pin = self._core_shares(replicas, num_cpus_per_replica, num_gpus_per_replica)
-        handles = [ReplicaHandle(i, cls.remote(i, model, dict(engine_kwargs), pin[i])) for i in range(replicas)]
+        handles = []
+        for i in range(replicas):
+            where = {"scheduling_strategy": _on_node(nodes[i][0])} if spread else {}
+            cls = actor_class().options(**opts, **where)
+            handles.append(ReplicaHandle(i, cls.remote(i, model, dict(engine_kwargs), pin[i])))
         self.replicas = handles
         try:
             infos = ray.get([h.actor.info.remote() for h in handles])
@@ -218,7 +263,8 @@ class ReplicaSet:
         self.max_model_len = int(infos[0]["max_model_len"])
         self.tokenizer = ray.get(handles[0].actor.tokenizer.remote())
         self.index = PrefixIndex(self.block_size, capacity_per_replica=2 * int(infos[0]["num_kv_blocks"]))
-        self.router = Router(handles, self.index, routing, load_abs=load_abs, load_rel=load_rel)
+        cost = pull if isinstance(pull, PullCost) else PullCost(enabled=pull is not False)
+        self.router = Router(handles, self.index, routing, load_abs=load_abs, load_rel=load_rel, pull=cost)
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll_loop, name="flowrt-replica-poller", daemon=True)
         self._poller.start()
@@ -243,6 +289,8 @@ class ReplicaSet:
     def _adopt(self, h: ReplicaHandle, info: dict[str, Any]) -> None:
         with h.lock:
             h.epoch, h.node, h.pid, h.cores = info["epoch"], info["node"], info["pid"], info.get("cores")
+            h.node_id, h.fingerprint = info.get("node_id", ""), info.get("fingerprint", "")
+            h.block_bytes = int(info.get("block_bytes", 0))
             h.batch = 0
             h.ops.clear()
             h.healthy, h.error = True, None
@@ -259,6 +307,22 @@ class ReplicaSet:
         with self.router.lock:
             self.index.clear(h.index)
 
+    def queue_pull(self, h: ReplicaHandle, plan: PullPlan, token_ids: Sequence[int]) -> None:
+        """Before ``h``'s next call, copy the planned prefix's blocks there from the holder."""
+        src = self.replicas[plan.source]
+        ids = [int(t) for t in token_ids[:plan.blocks * self.block_size]]
+        if src.healthy:
+            self.queue_op(h, h.epoch, ("pull", None, src.actor, ids, plan.wait_s))
+
+    def holder_of(self, hashes: Sequence[bytes]) -> ReplicaHandle | None:
+        """The live replica whose cache (by the index) holds the longest run of these leading blocks."""
+        live = self.router.live()
+        if not live:
+            return None
+        with self.router.lock:
+            match = self.index.match(list(hashes)[:self.index.max_query_blocks], [h.index for h in live])
+        return max(live, key=lambda h: (match.get(h.index, 0), -h.load))
+
     def queue_op(self, h: ReplicaHandle, epoch: str | None, op: tuple) -> None:
         # No lock: garbage collection may run a sequence's finalizer anywhere, even inside submit().
         if h.epoch is not None and h.epoch == epoch:
@@ -270,63 +334,85 @@ class ReplicaSet:
             if not h.healthy or h.epoch is None:
                 raise ReplicaDiedError(f"{h.name} is down: {h.error or 'restarting'}")
             epoch, batch, ops = h.take_batch()
-            ref = getattr(h.actor, method).remote(epoch, batch, ops, req)
-        return ref, epoch
+            try:
+                ref = getattr(h.actor, method).remote(epoch, batch, ops, req)
+            except Exception as e:  # noqa: BLE001 - Ray no longer knows the actor (its node is gone)
+                failed = e
+            else:
+                return ref, epoch
+        self.mark_dead(h, f"{type(failed).__name__}: {failed}", epoch)
+        raise ReplicaDiedError(f"{h.name} is down: {failed}")
 
     def _poll_loop(self) -> None:
         """Every ``poll_interval``: each live replica's state (stats + cache events; all polled at once), and
         a health probe of each dead one (``info``; answers once Ray has restarted it)."""
-        ray = _ray()
         probes: dict[int, Any] = {}  # replica index -> outstanding info() call of a dead replica
         while not self._stop.wait(self.poll_interval):
-            polls = []
-            for h in self.replicas:
-                if h.healthy:
-                    if h.ops:  # closes from finalizers etc. that no call has carried yet
-                        try:
-                            self.submit(h, "call", None)
-                        except ReplicaDiedError:
-                            pass
-                    polls.append((h, h.epoch, h.actor.state.remote()))
-                elif h.index not in probes:
-                    probes[h.index] = h.actor.info.remote()
-            for h, epoch, ref in polls:
+            try:
+                self._poll_once(probes)
+            except Exception:  # noqa: BLE001 - the poller must outlive any one failure (Ray shutting down...)
                 if self._stop.is_set():
                     return
-                try:
-                    st = ray.get(ref, timeout=10)
-                except Exception as e:  # noqa: BLE001 - dead, restarting, or not answering
-                    if not self._stop.is_set():
-                        self.mark_dead(h, f"{type(_cause(e)).__name__}: {_cause(e)}", epoch)
-                    continue
-                if st["epoch"] != epoch:  # restarted between two polls
-                    self.mark_dead(h, "restarted", epoch)
-                    continue
-                h.stats = st["stats"]
-                with self.router.lock:
-                    if "snapshot" in st:
-                        self.index.replace(h.index, st["snapshot"])
-                    else:
-                        for stored, bh in st["events"]:
-                            (self.index.add if stored else self.index.remove)(h.index, (bh,))
-            if probes:
-                ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=0)
-                ready_set = set(ready)
-                for h in self.replicas:
-                    ref = probes.get(h.index)
-                    if ref is None or ref not in ready_set:
-                        continue
-                    del probes[h.index]
+                logger.exception("replica poller: one round failed; going on")
+
+    def _poll_once(self, probes: dict[int, Any]) -> None:
+        """One round: each live replica's state (stats + cache events; all polled at once), and a health probe
+        of each dead one (``info``; answers once Ray has restarted it)."""
+        ray = _ray()
+        polls = []
+        for h in self.replicas:
+            if h.healthy:
+                if h.ops:  # closes from finalizers etc. that no call has carried yet
                     try:
-                        info = ray.get(ref)
-                    except Exception as e:  # noqa: BLE001 - still dead: probe again next time
-                        h.error = f"{type(_cause(e)).__name__}: {_cause(e)}"
-                        continue
-                    with self.router.lock:
-                        self.index.clear(h.index)
-                    self._adopt(h, info)
-                    h.restarts += 1
-                    logger.warning("%s is back", h.name)
+                        self.submit(h, "call", None)
+                    except ReplicaDiedError:
+                        pass
+                try:
+                    polls.append((h, h.epoch, h.actor.state.remote()))
+                except Exception as e:  # noqa: BLE001 - Ray no longer knows the actor
+                    self.mark_dead(h, f"{type(e).__name__}: {e}", h.epoch)
+            elif h.index not in probes:
+                try:
+                    probes[h.index] = h.actor.info.remote()
+                except Exception as e:  # noqa: BLE001 - gone for good (its restarts used up): stays dead
+                    h.error = f"{type(e).__name__}: {e}"
+        for h, epoch, ref in polls:
+            if self._stop.is_set():
+                return
+            try:
+                st = ray.get(ref, timeout=10)
+            except Exception as e:  # noqa: BLE001 - dead, restarting, or not answering
+                if not self._stop.is_set():
+                    self.mark_dead(h, f"{type(_cause(e)).__name__}: {_cause(e)}", epoch)
+                continue
+            if st["epoch"] != epoch:  # restarted between two polls
+                self.mark_dead(h, "restarted", epoch)
+                continue
+            h.stats = st["stats"]
+            with self.router.lock:
+                if "snapshot" in st:
+                    self.index.replace(h.index, st["snapshot"])
+                else:
+                    for stored, bh in st["events"]:
+                        (self.index.add if stored else self.index.remove)(h.index, (bh,))
+        if probes:
+            ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=0)
+            ready_set = set(ready)
+            for h in self.replicas:
+                ref = probes.get(h.index)
+                if ref is None or ref not in ready_set:
+                    continue
+                del probes[h.index]
+                try:
+                    info = ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - still dead: probe again next time
+                    h.error = f"{type(_cause(e)).__name__}: {_cause(e)}"
+                    continue
+                with self.router.lock:
+                    self.index.clear(h.index)
+                self._adopt(h, info)
+                h.restarts += 1
+                logger.warning("%s is back", h.name)
 
     def reset_caches(self) -> None:
         """Empty every live replica's prefix cache and the index (benchmarks)."""
@@ -348,8 +434,8 @@ class ReplicaSet:
 
     # ---- stats -------------------------------------------------------------------------------------------
     def replica_stats(self) -> list[dict[str, Any]]:
-        return [{"replica": h.index, "node": h.node, "pid": h.pid, "cores": h.cores, "healthy": h.healthy,
-                 "error": h.error,
+        return [{"replica": h.index, "node": h.node, "node_id": h.node_id, "pid": h.pid, "cores": h.cores,
+                 "healthy": h.healthy, "error": h.error,
                  "load": h.load, "in_flight": h.in_flight, "runs": h.runs, "routed": h.routed,
                  "restarts": h.restarts, "deaths": h.deaths, "index_blocks": self.index.size(h.index),
                  "num_running": h.stats.get("num_running", 0), "num_waiting": h.stats.get("num_waiting", 0),
@@ -427,7 +513,55 @@ class RouterClient:
 
     # ---- placement ---------------------------------------------------------------------------------
     def _choose(self, token_ids: Sequence[int] | None) -> ReplicaHandle:
-        return self._rs.router.pick(token_ids)
+        replica, plan = self._rs.router.place(token_ids)
+        if plan is not None and token_ids:
+            self._rs.queue_pull(replica, plan, token_ids)
+        return replica
+
+    # ---- KV in and out (flowrt.checkpoint.kv: saved with checkpoints, loaded by a resume) ----------------
+    # Content-routed, not by the run bound: the runtime's one KVCheckpoint is bound to the latest run's client.
+    def kv_fingerprint(self) -> str:
+        return str(self._rs.info.get("fingerprint", ""))
+
+    def kv_block_bytes(self) -> int:
+        return int(self._rs.info.get("block_bytes", 0))
+
+    def kv_export(self, token_ids: Sequence[int], skip: Any = None) -> list[tuple[bytes, bytes | None]]:
+        """The blocks of ``token_ids`` from the live replica whose cache holds most of them (blocking)."""
+        ids = [int(t) for t in token_ids]
+        hashes = chain_hashes(ids, self._rs.block_size)
+        skipped = [h for h in hashes if skip is not None and skip(h)]
+        saved = []   # the leading blocks the caller has already: still referred to when no replica answers
+        for h in hashes:
+            if h not in skipped:
+                break
+            saved.append((h, None))
+        holder = self._rs.holder_of(hashes)
+        if holder is None:
+            return saved
+        try:
+            return _ray().get(holder.actor.export_kv.remote(ids, skipped, self.kv_fingerprint()), timeout=60)
+        except Exception as e:  # noqa: BLE001 - saving KV is an optimisation: the run goes on
+            logger.warning("%s: KV export failed (%s); these blocks are not saved", holder.name,
+                           type(_cause(e)).__name__)
+            return saved
+
+    def kv_import(self, blocks: Iterable[tuple[bytes, bytes]]) -> int:
+        """Load saved blocks into the replica the router places their prefix on (a ``RunClient`` binds to it, so
+        the run finds them there)."""
+        blocks = list(blocks)
+        if not blocks:
+            return 0
+        replica, _ = self._rs.router.place_hashes([h for h, _ in blocks])
+        self._bind_to(replica)
+        try:
+            return int(_ray().get(replica.actor.import_kv.remote(blocks, self.kv_fingerprint()), timeout=60))
+        except Exception as e:  # noqa: BLE001 - the prefill computes what did not load
+            logger.warning("%s: KV import failed (%s); computing the blocks", replica.name, type(_cause(e)).__name__)
+            return 0
+
+    def _bind_to(self, replica: ReplicaHandle) -> None:
+        """Unbound clients route each sequence on its own: nothing to bind."""
 
     def open(self, token_ids: Iterable[int] = (), program: Any = None) -> RemoteSequence:
         ids = [int(t) for t in token_ids]
@@ -596,12 +730,17 @@ class RunClient(RouterClient):
         r = self.replica
         if r is not None and r.healthy:
             return r
-        new = self._rs.router.pick(token_ids)
-        self._unbind(self._rs, self._slot)
-        self.replica = new
-        self._slot[0] = new
-        new.runs += 1
+        new = super()._choose(token_ids)
+        self._bind_to(new)
         return new
+
+    def _bind_to(self, replica: ReplicaHandle) -> None:
+        if self.replica is replica:
+            return
+        self._unbind(self._rs, self._slot)
+        self.replica = replica
+        self._slot[0] = replica
+        replica.runs += 1
 
     def bind(self) -> "RunClient":
         return self

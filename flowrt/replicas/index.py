@@ -17,6 +17,19 @@ from typing import Iterable, Sequence
 from ..engine import hash_block
 
 
+def chain_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[bytes]:
+    """The prefix hashes of the first full blocks of ``token_ids`` (at most ``limit``), as the engine names them."""
+    n = len(token_ids) // block_size
+    if limit is not None:
+        n = min(n, limit)
+    out: list[bytes] = []
+    parent = None
+    for i in range(n):
+        parent = hash_block(parent, list(token_ids[i * block_size:(i + 1) * block_size]))
+        out.append(parent)
+    return out
+
+
 class PrefixIndex:
     def __init__(self, block_size: int, max_query_blocks: int = 64, capacity_per_replica: int = 1 << 20) -> None:
         self.block_size = block_size
@@ -27,14 +40,7 @@ class PrefixIndex:
 
     def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
         """The hashes of the prompt's first full blocks (at most ``max_query_blocks``)."""
-        bs = self.block_size
-        n = min(len(token_ids) // bs, self.max_query_blocks)
-        out: list[bytes] = []
-        parent = None
-        for i in range(n):
-            parent = hash_block(parent, list(token_ids[i * bs:(i + 1) * bs]))
-            out.append(parent)
-        return out
+        return chain_hashes(token_ids, self.block_size, self.max_query_blocks)
 
     def add(self, replica: int, hashes: Iterable[bytes]) -> None:
         mine = self._by_replica.setdefault(replica, OrderedDict())

@@ -18,6 +18,7 @@ import anyio
 from ..aio import _BaseExceptionGroup, _leaves
 from .executor import RunObserver, RunResult, execute
 from .state import RunStatus
+from ..replicas.takeover import lost_to_replica, replica_set_of, wait_for_replica
 from ..llm.model import Model
 from ..graph.resources import resource_kinds
 from .trace import Tracer
@@ -52,7 +53,8 @@ class Runtime:
     runs every step (``--no-cache``).
     ``replicas=N``: N engine replicas as Ray actors (flowrt.replicas; ``ray_address`` joins a cluster,
     ``routing="prefix"|"round_robin"``, ``replica_options``: more ``ReplicaSet`` keywords); each run is bound
-    to one replica.
+    to one replica. With a checkpointer, a run whose replica dies is taken over by a live one from its last
+    checkpoint (flowrt/replicas/takeover.py).
     """
 
     def __init__(self, model: str | os.PathLike[str] | EngineClient | Model | None = None, *, index: str | None = None,
@@ -214,6 +216,23 @@ class Runtime:
             current_cache.reset(token)
 
     async def _execute(self, wf: Workflow, inputs: dict[str, Any], run: Any, kw: dict[str, Any]) -> RunResult:
+        """The run, taken over by a live replica from its last checkpoint while its own replica died under it."""
+        result = await self._execute_held(wf, inputs, run, kw)
+        rs = replica_set_of(self._resources.get("llm")) if run is not None else None
+        takeovers = 0
+        while rs is not None and lost_to_replica(result) and takeovers < rs.max_takeovers:
+            takeovers += 1   # its replica died: a live one continues it from its last checkpoint (takeover.py)
+            await wait_for_replica(rs, result.run_id)
+            wf, run = self.claim(result.run_id, workflow=wf)
+            from .activity import RunActivity
+
+            run.activity = RunActivity(kw["tracer"], run.record.state if run.record is not None else None)
+            kw["checkpoint"] = run
+            result = await self._execute_held(wf, inputs, run, kw)
+            result.stats["takeovers"] = takeovers
+        return result
+
+    async def _execute_held(self, wf: Workflow, inputs: dict[str, Any], run: Any, kw: dict[str, Any]) -> RunResult:
         with run.held() if run is not None else contextlib.nullcontext():
             try:
                 if "llm" not in wf.resources or not self._binds_runs():

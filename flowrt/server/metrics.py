@@ -81,9 +81,10 @@ class EngineCollector:
         replicas = stats.get("replicas")
         if replicas:  # engine replicas (flowrt.replicas): health and load of each
             for key, doc in _REPLICA_STATS.items():
-                fam = GaugeMetricFamily(f"flowrt_replica_{key}", doc, labels=["replica", "node"])
-                for r in replicas:
-                    fam.add_metric([str(r.get("replica")), str(r.get("node"))], float(r.get(key) or 0))
+                fam = GaugeMetricFamily(f"flowrt_replica_{key}", doc, labels=["replica", "node", "node_id"])
+                for r in replicas:   # node: the host; node_id: the Ray node (several may share a host)
+                    fam.add_metric([str(r.get("replica")), str(r.get("node")), str(r.get("node_id") or "")],
+                                   float(r.get(key) or 0))
                 yield fam
 
 

@@ -132,7 +132,8 @@ class _Run:
         self.task.cancel()  # a no-op once it is done
 
     async def result(self) -> dict[str, Any]:
-        """The run's ``flowrt run --json`` dict; a 400 for bad inputs, a 503 when shutdown stopped it."""
+        """The run's ``flowrt run --json`` dict; a 400 for bad inputs, a 503 when shutdown stopped it or no
+        engine replica is left to take it over."""
         from flowrt.graph.workflow import WorkflowError
 
         try:
@@ -146,9 +147,12 @@ class _Run:
             raise bad_request(str(e), param="inputs") from None
         except Exception as e:
             from flowrt.checkpoint import CheckpointError
+            from flowrt.replicas.router import NoReplicaError
 
             if isinstance(e, CheckpointError):
                 raise _run_error(e) from None
+            if isinstance(e, NoReplicaError):   # its replica died and none is left to take the run over
+                raise OpenAIError(str(e), 503, code="no_replica") from None
             raise
         self.run_id = result.run_id
         store = getattr(_runtime(self.st), "checkpointer", None)

@@ -249,6 +249,57 @@ def test_router_is_an_engine_client_behind_the_server(rt, stories_path):
     assert metrics.count("flowrt_replica_load{") == 2
 
 
+def test_sqlite_run_taken_over_when_its_replica_dies(ray_instance, stories_path, tmp_path):
+    """One node, SQLite: a replica killed mid-run leaves its checkpointed runs to the other replica, which
+    continues each from its last checkpoint (the finished steps are not run again) to the same greedy output."""
+    import collections
+
+    finished: collections.Counter = collections.Counter()
+    wf = fr.Workflow("takeover")
+
+    @wf.step
+    async def context(system: str, tag: str, llm: fr.Model) -> fr.Thread:
+        t = llm.thread(system)
+        await t.gen(max_tokens=1, temperature=0)
+        finished[(tag, "context")] += 1
+        return t
+
+    @wf.step
+    async def answer(context: fr.Thread, tag: str, llm: fr.Model) -> dict:
+        text = await (context + f" {tag}").gen(max_tokens=200, temperature=0, ignore_eos=True)
+        finished[(tag, "answer")] += 1
+        return {"text": text, "replica": llm.engine.replica.index}
+
+    runtime = fr.Runtime(stories_path, replicas=2, max_model_len=512, checkpoint=str(tmp_path / "runs.db"),
+                         routing="round_robin",
+                         replica_options={"poll_interval": 0.05, "num_cpus_per_replica": 0, "max_restarts": 1})
+    try:
+        asyncio.run(runtime.model())
+        rs = runtime.llm.engine.replica_set
+        victim = rs.replicas[0]
+
+        async def go():
+            tasks = [asyncio.create_task(runtime.run(wf, system=SYSTEM_A, tag=f"t{i}")) for i in range(4)]
+            deadline = time.monotonic() + 60
+            while victim.in_flight < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            ray.kill(victim.actor, no_restart=False)
+            return await asyncio.gather(*tasks)
+
+        results = asyncio.run(go())
+        assert all(r.ok for r in results), [r.errors for r in results]
+        taken = [r for r in results if r.stats.get("takeovers")]
+        assert len(taken) == 2 and all(r.outputs["answer"]["replica"] == 1 for r in taken)
+        assert set(finished.values()) == {1} and len(finished) == 8   # every step of every run finished once
+        for r in taken:   # the same greedy text as a run that no death interrupted
+            tag = runtime.checkpointer.get_run(r.run_id, with_state=False).inputs["tag"]
+            assert runtime.checkpointer.get_run(r.run_id, with_state=False).status == "done"
+            again = asyncio.run(runtime.run(wf, system=SYSTEM_A, tag=tag))
+            assert again.outputs["answer"]["text"] == r.outputs["answer"]["text"]
+    finally:
+        runtime.close()
+
+
 def test_replica_death_fails_only_its_runs_and_comes_back(rt):
     rs = rs_of(rt)
     router = rs.router
