@@ -14,7 +14,7 @@ route is the one that step took at that visit (a failed visit's row repeats an e
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from .store import CheckpointError
 
@@ -63,7 +63,7 @@ def routes_from_rows(packed: dict[str, Any] | None) -> bool:
 
 
 def unpack(packed: dict[str, Any], results: dict[int, Any],
-           rows: list[tuple[str | None, int, Any]] = ()) -> dict[str, Any]:
+           rows: Sequence[tuple[str | None, int, Any]] = ()) -> dict[str, Any]:
     """``rows``: (step, visit, route) of the run's checkpoints in order, when ``routes_from_rows``."""
     outputs = {}
     for name, enc in (packed.get("outputs") or {}).items():
