@@ -13,7 +13,8 @@ import torch
 from ._dispatch import (LOG2E, Kernel, cdiv, dot_precision, dot_upcast, next_pow2, num_sms,  # noqa: F401
                         tl, tl_dtype, triton)
 from .paged_args import check_paged_caches, unit_stride_inputs
-from .paged_tile import attend_paged_tile
+from .online_softmax import online_softmax_output
+from .paged_tile import attend_paged_range
 
 __all__ = ["paged_decode_attention", "choose_num_splits", "split_plan"]
 
@@ -54,14 +55,11 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        m_i, l_i, acc = attend_paged_tile(
-            q, m_i, l_i, acc, n0 + offs_n, end, None, k_ptr, v_ptr, bt_row, kvh, offs_d, d_mask, scale_log2,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            PAGE=PAGE, BOUNDS=True, CAUSAL=False, DOT_PREC=DOT_PREC, UPCAST=UPCAST)
-
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    m_i, l_i, acc = attend_paged_range(
+        q, m_i, l_i, acc, start, end, None, k_ptr, v_ptr, bt_row, kvh, offs_n, offs_d, d_mask, scale_log2,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        PAGE=PAGE, BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=False, DOT_PREC=DOT_PREC, UPCAST=UPCAST)
+    o = online_softmax_output(acc, l_i)
     o_mask = g_mask[:, None] & d_mask[None, :]
     if not IS_SPLIT:
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -70,6 +68,7 @@ def _decode_kernel(
         # part_o: [B, H, num_splits, HEAD_DIM] fp32, part_lse: [B, H, num_splits] fp32 (log2 domain)
         row = (b.to(tl.int64) * num_heads + heads) * num_splits + split
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=o_mask)
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 

@@ -19,7 +19,8 @@ import torch
 from ._dispatch import (LOG2E, Kernel, dot_precision, dot_upcast, log2_ceil, next_pow2,  # noqa: F401
                         tl, tl_dtype, triton)
 from .paged_args import check_paged_caches, unit_stride_inputs
-from .paged_tile import attend_paged_tile
+from .online_softmax import online_softmax_output
+from .paged_tile import attend_paged_range
 
 __all__ = ["paged_prefill_attention"]
 
@@ -80,22 +81,18 @@ def _prefill_kernel(
 
     # Phase 1: keys every row of the tile sees (positions <= prefix + q0), whole tiles, no masks.
     full_end = ((prefix + q0 + 1) // BLOCK_N) * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = attend_paged_tile(
-            q, m_i, l_i, acc, n0 + offs_n, None, None, k_ptr, v_ptr, bt_row, kvh, offs_d, d_mask, scale_log2,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            PAGE=PAGE, BOUNDS=False, CAUSAL=False, DOT_PREC=DOT_PREC, UPCAST=UPCAST)
+    m_i, l_i, acc = attend_paged_range(
+        q, m_i, l_i, acc, 0, full_end, None, k_ptr, v_ptr, bt_row, kvh, offs_n, offs_d, d_mask, scale_log2,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        PAGE=PAGE, BLOCK_N=BLOCK_N, BOUNDS=False, CAUSAL=False, DOT_PREC=DOT_PREC, UPCAST=UPCAST)
 
     # Phase 2: the causal diagonal, up to the tile's last valid query position.
     kv_end = prefix + tl.minimum(q0 + BLOCK_Q, q_len)
-    for n0 in range(full_end, kv_end, BLOCK_N):
-        m_i, l_i, acc = attend_paged_tile(
-            q, m_i, l_i, acc, n0 + offs_n, kv_end, q_pos, k_ptr, v_ptr, bt_row, kvh, offs_d, d_mask, scale_log2,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            PAGE=PAGE, BOUNDS=True, CAUSAL=True, DOT_PREC=DOT_PREC, UPCAST=UPCAST)
-
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    m_i, l_i, acc = attend_paged_range(
+        q, m_i, l_i, acc, full_end, kv_end, q_pos, k_ptr, v_ptr, bt_row, kvh, offs_n, offs_d, d_mask, scale_log2,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        PAGE=PAGE, BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=True, DOT_PREC=DOT_PREC, UPCAST=UPCAST)
+    o = online_softmax_output(acc, l_i)
     tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
