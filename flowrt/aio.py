@@ -36,7 +36,7 @@ async def gather(*awaitables: Awaitable[Any] | Iterable[Awaitable[Any]], return_
     several failed at once. With ``return_exceptions=True`` exceptions are returned in place of results.
     """
     if len(awaitables) == 1 and not inspect.isawaitable(awaitables[0]) and hasattr(awaitables[0], "__iter__"):
-        aws: list[Any] = list(awaitables[0])  # type: ignore[arg-type]
+        aws: list[Any] = list(awaitables[0])
     else:
         aws = list(awaitables)
     for i, aw in enumerate(aws):

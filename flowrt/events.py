@@ -23,7 +23,10 @@ __all__ = ["Event", "RunStarted", "StepStarted", "StepFinished", "StepFailed", "
            "Interrupted", "Token", "RunFinished", "EventSink", "emit"]
 
 
+@dataclass
 class Event:
+    """A run's event (the subclasses' fields are its payload)."""
+
     type: ClassVar[str] = "event"
 
     def to_dict(self) -> dict[str, Any]:

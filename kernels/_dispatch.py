@@ -7,8 +7,8 @@ runs on a CPU. The interpreter needs ``TRITON_INTERPRET=1`` in the environment *
 imported* (triton.language's own helpers such as ``tl.zeros`` are built at that moment); a CPU launch
 without it raises a RuntimeError that says so.
 
-Kernels call no helpers of ours but ``online_softmax.online_softmax_update`` (a ``@triton.jit``
-function, built at import as the interpreter's kind when TRITON_INTERPRET=1 is set).
+Kernels call no helpers of ours but ``paged_tile.attend_paged_range`` and ``online_softmax``'s update and output
+(``@triton.jit`` functions, built at import as the interpreter's kind when TRITON_INTERPRET=1 is set).
 """
 
 from __future__ import annotations

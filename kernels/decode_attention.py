@@ -12,7 +12,9 @@ import torch
 
 from ._dispatch import (LOG2E, Kernel, cdiv, dot_precision, dot_upcast, next_pow2, num_sms,  # noqa: F401
                         tl, tl_dtype, triton)
-from .online_softmax import online_softmax_update
+from .paged_args import check_paged_caches, unit_stride_inputs
+from .online_softmax import online_softmax_output
+from .paged_tile import attend_paged_range
 
 __all__ = ["paged_decode_attention", "choose_num_splits", "split_plan"]
 
@@ -53,24 +55,11 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        n_mask = pos < end
-        blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        within = pos % PAGE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + (blk * stride_kb + within * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + (blk * stride_vb + within * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_PREC=DOT_PREC, UPCAST=UPCAST)
-
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    m_i, l_i, acc = attend_paged_range(
+        q, m_i, l_i, acc, start, end, None, k_ptr, v_ptr, bt_row, kvh, offs_n, offs_d, d_mask, scale_log2,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        PAGE=PAGE, BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=False, DOT_PREC=DOT_PREC, UPCAST=UPCAST)
+    o = online_softmax_output(acc, l_i)
     o_mask = g_mask[:, None] & d_mask[None, :]
     if not IS_SPLIT:
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -79,6 +68,7 @@ def _decode_kernel(
         # part_o: [B, H, num_splits, HEAD_DIM] fp32, part_lse: [B, H, num_splits] fp32 (log2 domain)
         row = (b.to(tl.int64) * num_heads + heads) * num_splits + split
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=o_mask)
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
@@ -167,26 +157,11 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
     if q.dim() != 3:
         raise ValueError(f"q must be [B, H, D], got shape {tuple(q.shape)}")
     bsz, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, d = k_cache.shape
-    if v_cache.shape != k_cache.shape or d != head_dim:
-        raise ValueError(f"caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype")
+    block_size, num_kv_heads = check_paged_caches(q, k_cache, v_cache)
     if block_tables.dim() != 2 or block_tables.shape[0] != bsz or seq_lens.shape != (bsz,):
         raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} "
                          f"do not match batch {bsz}")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("caches need a unit stride in head_dim")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} with unit stride in head_dim")
+    q, block_tables, out = unit_stride_inputs(q, block_tables, out)
     if bsz == 0:
         return out
 

@@ -2,7 +2,8 @@
 
 One step folds a tile of scores ``s`` [rows, keys] (log2 domain, masked entries -inf) and its values ``v``
 [keys, head_dim] into the running row maximum ``m_i``, row sum ``l_i`` and unnormalised output ``acc``:
-earlier terms are rescaled by ``exp2(m_i - m_new)``. A ``@triton.jit`` helper, so both the compiled and the
+earlier terms are rescaled by ``exp2(m_i - m_new)``; ``online_softmax_output`` is the normalised result (rows that
+saw no key give zeros). ``@triton.jit`` helpers, so both the compiled and the
 interpreted kernels inline it (built as the interpreter's kind when TRITON_INTERPRET=1 was set first).
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from ._dispatch import HAS_TRITON, tl, triton
 
-__all__ = ["online_softmax_update"]
+__all__ = ["online_softmax_update", "online_softmax_output"]
 
 
 def _online_softmax_update(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
@@ -26,4 +27,10 @@ def _online_softmax_update(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr, UPCAST: 
     return m_new, l_i, acc
 
 
+def _online_softmax_output(acc, l_i):
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    return acc / l_safe[:, None]
+
+
 online_softmax_update = triton.jit(_online_softmax_update) if HAS_TRITON else None
+online_softmax_output = triton.jit(_online_softmax_output) if HAS_TRITON else None

@@ -18,7 +18,9 @@ import torch
 
 from ._dispatch import (LOG2E, Kernel, dot_precision, dot_upcast, log2_ceil, next_pow2,  # noqa: F401
                         tl, tl_dtype, triton)
-from .online_softmax import online_softmax_update
+from .paged_args import check_paged_caches, unit_stride_inputs
+from .online_softmax import online_softmax_output
+from .paged_tile import attend_paged_range
 
 __all__ = ["paged_prefill_attention"]
 
@@ -79,39 +81,18 @@ def _prefill_kernel(
 
     # Phase 1: keys every row of the tile sees (positions <= prefix + q0), whole tiles, no masks.
     full_end = ((prefix + q0 + 1) // BLOCK_N) * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
-        pos = n0 + offs_n
-        blk = tl.load(bt_row + pos // PAGE).to(tl.int64)
-        within = pos % PAGE
-        k = tl.load(k_ptr + (blk * stride_kb + within * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
-                    mask=d_mask[None, :], other=0.0)
-        v = tl.load(v_ptr + (blk * stride_vb + within * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
-                    mask=d_mask[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
-        m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_PREC=DOT_PREC, UPCAST=UPCAST)
+    m_i, l_i, acc = attend_paged_range(
+        q, m_i, l_i, acc, 0, full_end, None, k_ptr, v_ptr, bt_row, kvh, offs_n, offs_d, d_mask, scale_log2,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        PAGE=PAGE, BLOCK_N=BLOCK_N, BOUNDS=False, CAUSAL=False, DOT_PREC=DOT_PREC, UPCAST=UPCAST)
 
     # Phase 2: the causal diagonal, up to the tile's last valid query position.
     kv_end = prefix + tl.minimum(q0 + BLOCK_Q, q_len)
-    for n0 in range(full_end, kv_end, BLOCK_N):
-        pos = n0 + offs_n
-        n_mask = pos < kv_end
-        blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        within = pos % PAGE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + (blk * stride_kb + within * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + (blk * stride_vb + within * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
-        s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_PREC=DOT_PREC, UPCAST=UPCAST)
-
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    m_i, l_i, acc = attend_paged_range(
+        q, m_i, l_i, acc, full_end, kv_end, q_pos, k_ptr, v_ptr, bt_row, kvh, offs_n, offs_d, d_mask, scale_log2,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        PAGE=PAGE, BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=True, DOT_PREC=DOT_PREC, UPCAST=UPCAST)
+    o = online_softmax_output(acc, l_i)
     tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
@@ -149,27 +130,12 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
     if q.dim() != 3:
         raise ValueError(f"q must be [T, H, D], got shape {tuple(q.shape)}")
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, d = k_cache.shape
-    if v_cache.shape != k_cache.shape or d != head_dim:
-        raise ValueError(f"caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype")
+    block_size, num_kv_heads = check_paged_caches(q, k_cache, v_cache)
     bsz = seq_lens.shape[0]
     if query_start_loc.shape != (bsz + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != bsz:
         raise ValueError(f"query_start_loc {tuple(query_start_loc.shape)}, block_tables {tuple(block_tables.shape)} "
                          f"and seq_lens {tuple(seq_lens.shape)} disagree on the batch size")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("caches need a unit stride in head_dim")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} with unit stride in head_dim")
+    q, block_tables, out = unit_stride_inputs(q, block_tables, out)
     if bsz == 0 or num_tokens == 0:
         return out
 

@@ -42,7 +42,7 @@ class IndexParams:
     ef_search: int = 96
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"kind": self.kind}
+        d: dict[str, Any] = {"kind": self.kind}
         if self.kind == "ivf":
             d.update(nlist=self.nlist, nprobe=self.nprobe)
         elif self.kind == "hnsw":
@@ -90,9 +90,9 @@ class VectorIndex:
             inner.hnsw.efSearch = int(p.ef_search)
             return faiss.IndexIDMap2(inner)
         # ivf: trained on the first vectors it sees
-        n = 0 if train is None else len(train)
-        if n == 0:
+        if train is None or len(train) == 0:
             raise ValueError("an IVF index is trained on its first vectors: add at least one")
+        n = len(train)
         if not p.nlist:
             p.nlist = int(max(1, min(round(4 * math.sqrt(n)), n // 39 or 1)))
         p.nlist = int(min(p.nlist, n))

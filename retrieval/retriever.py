@@ -146,10 +146,12 @@ class Retriever:
         path: str | os.PathLike | None = None,
     ):
         self._embedder_spec = embedder
-        self._embedder = embedder if (embedder is not None and not isinstance(embedder, (str, os.PathLike))) else None
-        self.embedder_name: str = (
-            self._embedder.name if self._embedder is not None else canonical_embedder_name(embedder)
-        )
+        self._embedder: Embedder | Any | None = None  # Any: a user's object with the Embedder methods
+        if embedder is None or isinstance(embedder, (str, os.PathLike)):
+            self.embedder_name: str = canonical_embedder_name(embedder)
+        else:
+            self._embedder = embedder
+            self.embedder_name = embedder.name
         self.chunking = chunking or ChunkingConfig()
         self._params = params or IndexParams(kind="auto")
         self._dim = dim
@@ -204,20 +206,18 @@ class Retriever:
         Source ids follow :mod:`.sources`: for one directory, paths relative to it (the index's root).
         """
         r = cls.create(embedder=embedder, chunk_tokens=chunk_tokens, overlap=overlap, kind=kind, **index_params)
-        if isinstance(docs, (str, os.PathLike)):
-            docs = [docs]
-        docs = list(docs)
-        if docs and not isinstance(docs[0], Document):
-            dirs = [Path(d) for d in docs if Path(d).is_dir()]
-            if len(dirs) == 1 and len(docs) == 1:
+        items: list[Any] = [docs] if isinstance(docs, (str, os.PathLike)) else list(docs)  # paths or Documents
+        if items and not isinstance(items[0], Document):
+            dirs = [Path(d) for d in items if Path(d).is_dir()]
+            if len(dirs) == 1 and len(items) == 1:
                 r.root = str(dirs[0].resolve())
-            documents = read_documents(docs, root=r.root, prefix=source_prefix)
+            documents = read_documents(items, root=r.root, prefix=source_prefix)
             if not documents:
                 raise RetrievalError(
-                    f"no documents found in {', '.join(map(str, docs))} (looked for *.md, *.markdown, *.txt, *.rst)"
+                    f"no documents found in {', '.join(map(str, items))} (looked for *.md, *.markdown, *.txt, *.rst)"
                 )
         else:
-            documents = docs
+            documents = items
         r.add_documents(documents, progress=progress)
         if output is not None:
             r.save(output, lock_timeout=lock_timeout)
@@ -745,6 +745,8 @@ def _read_manifest(d: Path) -> dict[str, Any] | None:
 
 def _tag(m: dict[str, Any] | None) -> tuple[int, str] | None:
     """What identifies a committed generation: its number and its (randomly tagged) FAISS file name."""
+    if m is None:
+        return None
     try:
         return int(m["generation"]), str(m["files"]["index"]["name"])
     except (TypeError, KeyError, ValueError):

@@ -78,7 +78,11 @@ def read_documents(
         if prefix is None and known and str(f) in known:
             sid = known[str(f)]
         else:
-            rel = f.relative_to(root_p) if root_p is not None and f.is_relative_to(root_p) else f.relative_to(base)
+            if root_p is not None and f.is_relative_to(root_p):
+                rel = f.relative_to(root_p)
+            else:  # f is under an argument outside the root: base is those arguments' common folder
+                assert base is not None
+                rel = f.relative_to(base)
             sid = rel.as_posix() if prefix is None else f"{prefix}/{rel.as_posix()}"
         other = by_id.get(sid)
         if other is not None:

@@ -135,8 +135,12 @@ def leak_checked_model(engine):
     import flowrt as fr
 
     yield fr.Model(engine)
-    gc.collect()
     st = engine.stats()
+    if st["open_sequences"] or st["kv_blocks_used"]:
+        # what only garbage collection releases (handles in reference cycles); a full collection of the test
+        # session's heap takes seconds, so it runs only when something is still held
+        gc.collect()
+        st = engine.stats()
     assert st["open_sequences"] == 0, st
     assert st["kv_blocks_used"] == 0, st
 

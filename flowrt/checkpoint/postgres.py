@@ -20,7 +20,7 @@ from typing import Any, Callable, TypeVar
 
 from .compact import pack
 from .redact import redact_url, scrub
-from .rows import HISTORY_COLUMNS, dumps, history_entry, run_columns, run_record, stored_state
+from .rows import HISTORY_COLUMNS, Row, dumps, history_entry, run_columns, run_record, stored_state
 from .store import (RESUMABLE, CheckpointError, ReadOnlyStoreError, RunRecord, UnknownRunError, check_holder,
                     claim_refusal)
 
@@ -63,6 +63,13 @@ _SCHEMA = [
 ]
 
 T = TypeVar("T")
+
+
+def _by_name(conn: Any) -> Any:
+    """A cursor on ``conn`` whose rows are dicts (read by column name; the connection's own rows stay tuples)."""
+    from psycopg.rows import dict_row
+
+    return conn.cursor(row_factory=dict_row)
 
 
 def is_postgres_url(spec: str) -> bool:
@@ -183,11 +190,13 @@ class PostgresStore:
                 "OR lease_expires <= %s OR lease_holder = %s OR lease_holder = %s)",
                 (holder, now + ttl, now, run_id, ["interrupted"] if waiting else list(RESUMABLE), now, holder,
                  take_over)).rowcount
-            row = c.execute(f"SELECT {self._cols}, state FROM flowrt_runs WHERE run_id = %s", (run_id,)).fetchone()
+            row = _by_name(c).execute(f"SELECT {self._cols}, state FROM flowrt_runs WHERE run_id = %s",
+                                      (run_id,)).fetchone()
             if row is None:
                 raise UnknownRunError(f"no run {run_id!r} in {self.where}")
             if not taken:
-                raise claim_refusal(run_id, row[3], row[9], row[10], holder, take_over, now)
+                raise claim_refusal(run_id, row["status"], row["lease_holder"], row["lease_expires"], holder, take_over,
+                                    now)
             return self._record(c, row, True)
 
         return self._guard("claiming a run", go)
@@ -209,14 +218,14 @@ class PostgresStore:
         now = time.time()
 
         def go(c: Any) -> int:
-            run = c.execute("SELECT state, lease_holder, lease_expires, status FROM flowrt_runs WHERE run_id = %s "
-                            "FOR UPDATE", (run_id,)).fetchone()
+            run = _by_name(c).execute("SELECT state, lease_holder, lease_expires, status FROM flowrt_runs "
+                                      "WHERE run_id = %s FOR UPDATE", (run_id,)).fetchone()
             if run is None:
                 raise UnknownRunError(f"no run {run_id!r} in {self.where}")
-            check_holder(run_id, holder, run[1], run[2], run[3])
+            check_holder(run_id, holder, run["lease_holder"], run["lease_expires"], run["status"])
             seq = int(c.execute("SELECT COALESCE(MAX(seq), 0) FROM flowrt_checkpoints WHERE run_id = %s",
                                 (run_id,)).fetchone()[0]) + 1
-            packed = pack(state, step, visit, seq, result, route, json.loads(run[0]) if run[0] else None)
+            packed = pack(state, step, visit, seq, result, route, json.loads(run["state"]) if run["state"] else None)
             c.execute("INSERT INTO flowrt_checkpoints (run_id, seq, step, visit, status, result, route, created) "
                       "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
                       (run_id, seq, step, visit, step_status, dumps(result), dumps(route), now))
@@ -232,11 +241,10 @@ class PostgresStore:
         self._guard("deleting a run", lambda c: c.execute("DELETE FROM flowrt_runs WHERE run_id = %s", (run_id,)))
 
     # ------------------------------------------------------------------ reading
-    _COLS = run_columns()
-
     @staticmethod
-    def _record(c: Any, row: tuple, with_state: bool) -> RunRecord:
-        run_id, raw = row[0], row[11]
+    def _record(c: Any, row: Row, with_state: bool) -> RunRecord:
+        """The run of a row of ``_cols`` and ``state``."""
+        run_id, raw = row["run_id"], row["state"]
         n = c.execute("SELECT COUNT(*) FROM flowrt_checkpoints WHERE run_id = %s", (run_id,)).fetchone()[0]
         state = stored_state(
             raw,
@@ -248,7 +256,8 @@ class PostgresStore:
 
     def get_run(self, run_id: str, *, with_state: bool = True) -> RunRecord:
         def go(c: Any) -> RunRecord:
-            row = c.execute(f"SELECT {self._cols}, state FROM flowrt_runs WHERE run_id = %s", (run_id,)).fetchone()
+            row = _by_name(c).execute(f"SELECT {self._cols}, state FROM flowrt_runs WHERE run_id = %s",
+                                      (run_id,)).fetchone()
             if row is None:
                 raise UnknownRunError(f"no run {run_id!r} in {self.where}")
             return self._record(c, row, with_state)
@@ -257,16 +266,16 @@ class PostgresStore:
 
     def list_runs(self, limit: int = 50) -> list[RunRecord]:
         def go(c: Any) -> list[RunRecord]:
-            rows = c.execute(f"SELECT {self._cols}, NULL FROM flowrt_runs ORDER BY created DESC LIMIT %s",
-                             (limit,)).fetchall()
+            rows = _by_name(c).execute(f"SELECT {self._cols}, NULL AS state FROM flowrt_runs ORDER BY created DESC "
+                                       f"LIMIT %s", (limit,)).fetchall()
             return [self._record(c, r, False) for r in rows]
 
         return self._guard("listing runs", go, writes=False)
 
     def history(self, run_id: str) -> list[dict[str, Any]]:
         def go(c: Any) -> list[dict[str, Any]]:
-            rows = c.execute(f"SELECT {HISTORY_COLUMNS} FROM flowrt_checkpoints WHERE run_id = %s ORDER BY seq",
-                             (run_id,)).fetchall()
+            rows = _by_name(c).execute(f"SELECT {HISTORY_COLUMNS} FROM flowrt_checkpoints WHERE run_id = %s "
+                                       f"ORDER BY seq", (run_id,)).fetchall()
             return [history_entry(r) for r in rows]
 
         return self._guard("reading a run's history", go, writes=False)

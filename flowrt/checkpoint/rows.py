@@ -1,18 +1,26 @@
 """What the SQL checkpoint stores (SQLite, PostgreSQL) share apart from their SQL dialects: how values are stored
 as JSON text, which runs columns a ``RunRecord`` is read from, and how a run's record, its history entries and its
-latest state are rebuilt from rows. Each store keeps its own SQL (placeholders, table names, locking)."""
+latest state are rebuilt from rows. Rows are read by column name (``sqlite3.Row``, psycopg's ``dict_row``). Each store
+keeps its own SQL (placeholders, table names, locking)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Protocol
 
 from .compact import refs, routes_from_rows, unpack
 from .store import RunRecord
 
-__all__ = ["dumps", "run_columns", "HISTORY_COLUMNS", "run_record", "history_entry", "stored_state"]
+__all__ = ["Row", "dumps", "run_columns", "HISTORY_COLUMNS", "run_record", "history_entry", "stored_state"]
 
-# The checkpoint columns ``history_entry`` reads, in its order.
+
+class Row(Protocol):
+    """A result row whose columns are read by name: ``sqlite3.Row`` or a psycopg ``dict_row``."""
+
+    def __getitem__(self, column: str, /) -> Any: ...
+
+
+# The checkpoint columns ``history_entry`` reads.
 HISTORY_COLUMNS = "seq, step, visit, status, result, route, created"
 
 
@@ -22,27 +30,29 @@ def dumps(v: Any) -> str:
 
 
 def run_columns(lease: bool = True) -> str:
-    """The runs columns ``run_record`` reads, in its order (``lease=False``: NULLs in place of the lease columns,
-    for a database written before they existed)."""
-    lease_cols = "lease_holder, lease_expires" if lease else "NULL, NULL"
+    """The runs columns ``run_record`` reads (``lease=False``: NULLs under the lease columns' names, for a database
+    written before they existed)."""
+    lease_cols = "lease_holder, lease_expires" if lease else "NULL AS lease_holder, NULL AS lease_expires"
     return f"run_id, workflow, file, status, inputs, meta, interrupt, created, updated, {lease_cols}"
 
 
-def run_record(row: Sequence[Any], checkpoints: int, state: dict[str, Any] | None) -> RunRecord:
-    """The run of a row of ``run_columns()`` (extra trailing columns are ignored). A lease given back keeps
-    its last holder's name without an expiry (for ``LeaseLostError``): the run has no holder then."""
-    run_id, workflow, file, status, inputs, meta, interrupt, created, updated, holder, expires = row[:11]
-    return RunRecord(run_id=run_id, workflow=workflow, status=status, inputs=json.loads(inputs), file=file,
-                     meta=json.loads(meta), created=created, updated=updated,
+def run_record(row: Row, checkpoints: int, state: dict[str, Any] | None) -> RunRecord:
+    """The run of a row of ``run_columns()`` (other columns are ignored). A lease given back keeps its last
+    holder's name without an expiry (for ``LeaseLostError``): the run has no holder then."""
+    interrupt, expires = row["interrupt"], row["lease_expires"]
+    return RunRecord(run_id=row["run_id"], workflow=row["workflow"], status=row["status"],
+                     inputs=json.loads(row["inputs"]), file=row["file"], meta=json.loads(row["meta"]),
+                     created=row["created"], updated=row["updated"],
                      interrupt=json.loads(interrupt) if interrupt else None, checkpoints=int(checkpoints),
-                     state=state, holder=holder if expires is not None else None, lease_expires=expires)
+                     state=state, holder=row["lease_holder"] if expires is not None else None, lease_expires=expires)
 
 
-def history_entry(row: Sequence[Any]) -> dict[str, Any]:
+def history_entry(row: Row) -> dict[str, Any]:
     """A checkpoint's entry in ``history`` from a row of ``HISTORY_COLUMNS``."""
-    s, st, v, stat, r, ro, cr = row
-    return {"seq": s, "step": st, "visit": v, "status": stat, "result": json.loads(r) if r else None,
-            "route": json.loads(ro) if ro else None, "created": cr}
+    result, route = row["result"], row["route"]
+    return {"seq": row["seq"], "step": row["step"], "visit": row["visit"], "status": row["status"],
+            "result": json.loads(result) if result else None, "route": json.loads(route) if route else None,
+            "created": row["created"]}
 
 
 def stored_state(raw: str | None, results: Callable[[list[int]], Iterable[tuple[int, str]]],

@@ -165,6 +165,12 @@ class SQLiteStore:
                 f"runs show) can open it; to run or resume, copy it somewhere writable")
 
     def _connect(self, timeout: float, memory: bool) -> sqlite3.Connection:
+        """The connection, its rows ``sqlite3.Row`` (read by column name; by index too)."""
+        conn = self._open(timeout, memory)
+        conn.row_factory = sqlite3.Row
+        return conn
+
+    def _open(self, timeout: float, memory: bool) -> sqlite3.Connection:
         kw: dict[str, Any] = dict(timeout=timeout, isolation_level=None, check_same_thread=False)
         if not self.readonly or memory:
             return sqlite3.connect(self.path, **kw)
@@ -294,7 +300,8 @@ class SQLiteStore:
                 if row is None:
                     raise UnknownRunError(f"no run {run_id!r} in {self.path}")
                 if not taken:
-                    raise claim_refusal(run_id, row[3], row[9], row[10], holder, take_over, now)
+                    raise claim_refusal(run_id, row["status"], row["lease_holder"], row["lease_expires"], holder,
+                                        take_over, now)
                 return self._record(row, True, c)
 
         return self._guard("claiming a run", go)
@@ -327,10 +334,11 @@ class SQLiteStore:
                                 (run_id,)).fetchone()
                 if run is None:
                     raise UnknownRunError(f"no run {run_id!r} in {self.path}")
-                check_holder(run_id, holder, run[1], run[2], run[3])
+                check_holder(run_id, holder, run["lease_holder"], run["lease_expires"], run["status"])
                 row = c.execute("SELECT COALESCE(MAX(seq), 0) FROM checkpoints WHERE run_id = ?", (run_id,)).fetchone()
                 seq = int(row[0]) + 1
-                packed = pack(state, step, visit, seq, result, route, json.loads(run[0]) if run[0] else None)
+                stored = json.loads(run["state"]) if run["state"] else None
+                packed = pack(state, step, visit, seq, result, route, stored)
                 c.execute("INSERT INTO checkpoints (run_id, seq, step, visit, status, result, route, created) "
                           "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                           (run_id, seq, step, visit, step_status, dumps(result), dumps(route), now))
@@ -356,9 +364,9 @@ class SQLiteStore:
         """The runs columns ``_record`` reads (a read-only database of format 2 has no lease columns)."""
         return run_columns(lease=self._version >= 3)
 
-    def _record(self, row: tuple, with_state: bool, conn: sqlite3.Connection | None = None) -> RunRecord:
+    def _record(self, row: sqlite3.Row, with_state: bool, conn: sqlite3.Connection | None = None) -> RunRecord:
         """The run of a row of ``_cols``; ``conn``: inside a transaction that holds the lock already."""
-        run_id = row[0]
+        run_id = row["run_id"]
         with self._lock if conn is None else contextlib.nullcontext():
             c = conn or self._conn
             n = c.execute("SELECT COUNT(*) FROM checkpoints WHERE run_id = ?", (run_id,)).fetchone()[0]
@@ -368,7 +376,7 @@ class SQLiteStore:
     @staticmethod
     def _state(c: sqlite3.Connection, run_id: str) -> dict[str, Any] | None:
         """The run's latest state, its references to checkpoint rows resolved (flowrt.checkpoint.compact)."""
-        raw = c.execute("SELECT state FROM runs WHERE run_id = ?", (run_id,)).fetchone()[0]
+        raw = c.execute("SELECT state FROM runs WHERE run_id = ?", (run_id,)).fetchone()["state"]
         return stored_state(
             raw,
             lambda seqs: c.execute(f"SELECT seq, result FROM checkpoints WHERE run_id = ? AND seq IN "

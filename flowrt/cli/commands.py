@@ -150,19 +150,20 @@ def _print_result_human(result: Any, show_tb: bool) -> None:
             out.print(label, Text(printable(value)) if isinstance(value, str) else Pretty(value))
         except Exception as e:  # noqa: BLE001 - any value's rendering error is shown, not fatal
             out.print(label, Text(unrenderable(value, e)))
-    for name, e in result.errors.items():
-        style = "magenta" if e.kind == "skipped" else "bold red"
-        message = e.message.removeprefix(f"{e.kind}: ")  # "x skipped: depends on ...", not "skipped: skipped:"
-        err.print(Text(f"{name} {e.kind}", style=style) + Text(f": {printable(message)}"), highlight=False)
-        if e.traceback and e.kind != "skipped":
-            tb = e.traceback.rstrip().splitlines()
+    for name, failure in result.errors.items():
+        style = "magenta" if failure.kind == "skipped" else "bold red"
+        # "x skipped: depends on ...", not "skipped: skipped:"
+        message = failure.message.removeprefix(f"{failure.kind}: ")
+        err.print(Text(f"{name} {failure.kind}", style=style) + Text(f": {printable(message)}"), highlight=False)
+        if failure.traceback and failure.kind != "skipped":
+            tb = failure.traceback.rstrip().splitlines()
             shown = tb if show_tb else tb[-6:]
             if not show_tb and len(tb) > 6:
                 err.print("  ... (--traceback shows all)", style="dim")
             for line in shown:
                 err.print("  " + printable(line), style="dim", markup=False, highlight=False)
-    for name, e in getattr(result, "skipped", {}).items():  # routes not chosen: not failures
-        err.print(Text(f"{name} skipped", style="dim") + Text(f": {printable(e.message)}", style="dim"))
+    for name, skip in getattr(result, "skipped", {}).items():  # routes not chosen: not failures
+        err.print(Text(f"{name} skipped", style="dim") + Text(f": {printable(skip.message)}", style="dim"))
 
 
 class _LoadFailed(Exception):
@@ -443,6 +444,7 @@ def _stored_run(args: argparse.Namespace, cmd: str, *, with_state: bool) -> Any:
 
     try:
         store = open_store(args.checkpoint, create=False)
+        assert store is not None  # --checkpoint is required
         try:
             return store.get_run(args.run_id, with_state=with_state)
         finally:
@@ -516,6 +518,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
         return cmd_gc(args)
     try:
         store = open_store(args.checkpoint, readonly=True)   # reading: never creates or changes the file
+        assert store is not None  # --checkpoint is required
         if args.action == "list":
             runs = store.list_runs(args.limit)
             if args.json:

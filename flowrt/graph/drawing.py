@@ -7,6 +7,7 @@ that take that input, an edge out of it leaves from its result step.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -90,12 +91,36 @@ def _exit(wf: Workflow, path: str, step: str) -> str:
     return _exit(s.sub, path + step + "/", output)
 
 
-class _Draw:
+class _Draw(ABC):
     """One walk over the graph; the dialects say how a node, an edge and a cluster are written."""
 
     def __init__(self, wf: Workflow) -> None:
         self.wf = wf
         self.lines: list[str] = []
+
+    @abstractmethod
+    def header(self) -> list[str]: ...
+
+    @abstractmethod
+    def footer(self) -> list[str]: ...
+
+    @abstractmethod
+    def input_node(self, n: str) -> str: ...
+
+    @abstractmethod
+    def step_node(self, path: str, label: str) -> str: ...
+
+    @abstractmethod
+    def open_cluster(self, path: str, label: str) -> str: ...
+
+    @abstractmethod
+    def close_cluster(self) -> str: ...
+
+    @abstractmethod
+    def edge(self, u: str, v: str, order_only: bool) -> str: ...
+
+    @abstractmethod
+    def route(self, u: str, v: str, loop: bool) -> str: ...
 
     def draw(self) -> str:
         self.lines = self.header()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
+from types import GenericAlias
 from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -53,7 +54,7 @@ def _expected(wf: "Workflow", name: str) -> list[tuple[str, Any]]:
     for step in wf.steps.values():
         for p in step.params:
             if p.name == name and not p.resource and p.annotation is not inspect.Parameter.empty:
-                out.append((step.name, list[p.annotation] if step.map == name else p.annotation))
+                out.append((step.name, GenericAlias(list, (p.annotation,)) if step.map == name else p.annotation))
     return out
 
 

@@ -30,11 +30,12 @@ _KINDS: dict[str, ResourceKind] = {}
 def register_resource(name: str, matches: type | Callable[[Any], bool], hint: str = "") -> ResourceKind:
     """Register a resource kind. ``matches`` is a type (annotations that are it or a subclass match) or
     a predicate over annotations."""
+    pred: Callable[[Any], bool]
     if isinstance(matches, type):
         cls = matches
 
-        def pred(ann: Any, _cls: type = cls) -> bool:
-            return isinstance(ann, type) and issubclass(ann, _cls)
+        def pred(ann: Any) -> bool:
+            return isinstance(ann, type) and issubclass(ann, cls)
     else:
         pred = matches
     kind = ResourceKind(name, pred, hint)

@@ -98,7 +98,7 @@ def _resolved_hints(fn: Callable[..., Any]) -> dict[str, Any]:
 def _is_async_callable(fn: Callable[..., Any]) -> bool:
     if inspect.iscoroutinefunction(fn):
         return True
-    call = fn.__call__ if callable(fn) else None
+    call = type(fn).__call__ if callable(fn) else None  # an instance with an async __call__ is awaited too
     return call is not None and inspect.iscoroutinefunction(call)
 
 

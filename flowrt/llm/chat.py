@@ -4,7 +4,7 @@ the tool loop (``assistant(tools=...)``); see ``ChatThread``."""
 from __future__ import annotations
 
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Iterable
 
 from .thread import Thread
 
@@ -220,7 +220,7 @@ class ChatThread(Thread):
     async def gen(self, **sampling: Any) -> str:  # a chat thread's generation is the assistant turn
         return await self.assistant(**sampling)
 
-    async def stream(self, **sampling: Any) -> AsyncIterator[str]:
+    async def stream(self, **sampling: Any) -> AsyncGenerator[str, None]:
         self._check_usable()
         self._sync(add_generation_prompt=True)
         parts: list[str] = []

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Iterable
 
 import anyio
 
@@ -218,7 +218,7 @@ class Model:
         return out
 
     async def stream(self, seq: SequenceHandle, params: SamplingParams, *, kind: str = "stream",
-                     uncomputed: int = 0, thread_id: Any = None) -> AsyncIterator[RequestOutput]:
+                     uncomputed: int = 0, thread_id: Any = None) -> AsyncGenerator[RequestOutput, None]:
         """Like ``run``, yielding the engine's cumulative outputs as they come. Closing the iterator
         early aborts the engine request (the tokens generated so far stay in ``seq``)."""
         rid = f"flowrt-{self._pid}-{next(_request_ids)}"

@@ -18,7 +18,10 @@ from __future__ import annotations
 import json as _json
 import re
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel, TypeAdapter
 
 __all__ = ["Constraint", "IncompleteOutputError", "split_constraint", "KEYWORDS"]
 
@@ -42,8 +45,9 @@ class Constraint:
         from ..engine import StructuredOutputsParams
 
         self.keyword, self.value = keyword, value
-        self._adapter = None
-        self._model = None
+        self._adapter: TypeAdapter[Any] | None = None
+        self._model: type[BaseModel] | None = None
+        spec: dict | list | str
         try:
             if keyword == "json":
                 spec = self._json_schema(value)
@@ -71,8 +75,9 @@ class Constraint:
             self._model = value
             return value.model_json_schema()
         try:
-            self._adapter = TypeAdapter(value)
-            return self._adapter.json_schema()
+            adapter: TypeAdapter[Any] = TypeAdapter(value)
+            self._adapter = adapter
+            return adapter.json_schema()
         except Exception as e:  # noqa: BLE001 - PydanticSchemaGenerationError, PydanticUserError, ...
             raise ValueError(f"cannot make a JSON schema of {value!r} (give a pydantic model class, a type, "
                              f"or a JSON schema dict): {e}") from None

@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import math
 from contextlib import aclosing, contextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Iterable, Iterator
 
 import anyio
 
@@ -387,7 +387,7 @@ class Thread:
             self._record_generation(out, params)
             return out.outputs[0].text
 
-    async def stream(self, **sampling: Any) -> AsyncIterator[str]:
+    async def stream(self, **sampling: Any) -> AsyncGenerator[str, None]:
         """Generate onto the thread, yielding text as it is produced (same keywords as ``gen``).
 
         Leaving the loop early aborts the request (when the event loop finalizes the stream, at once

@@ -27,7 +27,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal, overload
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_CALLS = 8  # calls in one response unless the caller says otherwise (max_tool_calls): a response ends
@@ -44,7 +44,7 @@ class ToolSpec:
     strict: bool | None = None  # OpenAI's function.strict: False lets objects take keys their schema omits
 
     def to_openai(self) -> dict:
-        fn = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        fn: dict[str, Any] = {"name": self.name, "description": self.description, "parameters": self.parameters}
         if self.strict is not None:
             fn["strict"] = self.strict
         return {"type": "function", "function": fn}
@@ -228,6 +228,12 @@ def skip_ws(text: str, i: int) -> int:
     return i
 
 
+@overload
+def read_block(text: str, start: int, final: Literal[True] = ...) -> Block: ...
+@overload
+def read_block(text: str, start: int, final: bool) -> Block | None: ...
+
+
 def read_block(text: str, start: int, final: bool = True) -> Block | None:
     """The block whose open tag starts at `start`. Its JSON is decoded structurally from the tag on (a
     string value may hold ``</tool_call>``); the closing tag after it (or a prefix of it at the very end) is
@@ -326,7 +332,7 @@ def render_tools_for_template(tools: Iterable[Any]) -> list[dict]:
 
 def template_supports_tools(template: str | None) -> bool:
     """Whether a chat template renders the `tools` it is given (else the caller must describe them)."""
-    return bool(template) and re.search(r"\btools\b", template) is not None
+    return template is not None and re.search(r"\btools\b", template) is not None
 
 
 def tools_system_prompt(tools: Iterable[Any]) -> str:

@@ -19,7 +19,7 @@ class BackgroundServer:
     """
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 timeout_graceful_shutdown: float | None = 5.0) -> None:
+                 timeout_graceful_shutdown: int | None = 5) -> None:
         if host not in LOOPBACK:
             raise ValueError(f"BackgroundServer binds loopback addresses only, not {host!r}")
         self.app = app

@@ -6,7 +6,7 @@ import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -81,7 +81,7 @@ def _body(c: _Chat, job: Job, finals: dict[int, Any]) -> dict[str, Any]:
             "choices": choices, "usage": usage_of(finals, [job])}
 
 
-async def _events(c: _Chat, sub: Submission) -> AsyncIterator[str]:
+async def _events(c: _Chat, sub: Submission) -> AsyncGenerator[str, None]:
     req, job = c.req, sub.jobs[0]
     delta = Delta(stop_holdback(req.stop))
     builders: dict[int, ChatLogprobs] = {}

@@ -7,7 +7,7 @@ import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -126,7 +126,7 @@ async def _beam_search(st: ServerState, request: Request, c: _Completion, jobs: 
         return await asyncio.gather(*(search({"prompt_token_ids": j.prompt_ids}, params) for j in jobs))
 
     done, outs = await until_disconnect(st, request, searches())
-    if not done:
+    if not done or outs is None:   # outs is None only when not done
         return Response(status_code=499)
     choices, completion = [], 0
     for job, out in zip(jobs, outs):
@@ -156,7 +156,7 @@ def _choices(c: _Completion, jobs: list[Job], finals: dict[int, Any]) -> list[di
     return sorted(choices, key=lambda ch: ch["index"])
 
 
-async def _events(c: _Completion, sub: Submission) -> AsyncIterator[str]:
+async def _events(c: _Completion, sub: Submission) -> AsyncGenerator[str, None]:
     req = c.req
     delta = Delta(stop_holdback(req.stop))
     builders: dict[int, CompletionLogprobs] = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -74,7 +74,7 @@ def _loc_to_param(loc: tuple | list) -> str | None:
     return ".".join(parts) or None
 
 
-def from_validation_errors(errors: list[dict[str, Any]]) -> OpenAIError:
+def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
     """One 400 error from a list of pydantic error dicts (the first one names `param`)."""
     if not errors:
         return bad_request("Invalid request.")

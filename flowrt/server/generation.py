@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -59,7 +59,7 @@ class Submission:
         self.st = st
         self.jobs = jobs
         self.t0 = t0
-        self._streams: list[AsyncIterator[Any]] = []
+        self._streams: list[AsyncGenerator[Any, None]] = []
         try:
             for job in jobs:
                 self._streams.append(st.engine.stream(job.prompt_ids, params, request_id=job.request_id,
@@ -82,7 +82,7 @@ class Submission:
         self.abort()
         self.st.stoppers.discard(self.abort)
 
-    async def outputs(self) -> AsyncIterator[tuple[Job, Any]]:
+    async def outputs(self) -> AsyncGenerator[tuple[Job, Any], None]:
         """Snapshots of all requests, interleaved as they arrive."""
         if len(self.jobs) == 1:
             async with contextlib.aclosing(self._measured(0)) as it:
@@ -129,7 +129,7 @@ class Submission:
                     final[job.index] = out
         return final
 
-    async def _measured(self, i: int) -> AsyncIterator[Any]:
+    async def _measured(self, i: int) -> AsyncGenerator[Any, None]:
         """One request's snapshots, recording TTFT, inter-token latency and token counts."""
         job, m, t0 = self.jobs[i], self.st.metrics, self.t0
         prev_counts: list[int] = []
@@ -160,7 +160,7 @@ class Submission:
                 return
 
 
-async def answer(st: ServerState, request: Request, sub: Submission, events: AsyncIterator[str] | None,
+async def answer(st: ServerState, request: Request, sub: Submission, events: AsyncGenerator[str, None] | None,
                  what: str, build: Any) -> Response:
     """The HTTP answer to a submission: `events` as Server-Sent Events when streaming, otherwise `build(finals)`
     as JSON once every request finished (499 when the client left first). The submission is closed either way."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 import hmac
 from typing import Any, Callable
 
+from starlette.types import Message
+
 from .errors import OpenAIError, RequestTooLarge, bad_request
 from .state import ServerState
 from .streaming import ABORTED_KEY
@@ -43,7 +45,7 @@ class Guard:
         st = self.st
         status = {"code": 500}
 
-        async def counting_send(message: dict) -> None:
+        async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
             await send(message)

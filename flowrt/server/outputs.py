@@ -12,7 +12,7 @@ from . import protocol as P
 from .generation import Job
 
 
-def clean_logprob(x: float) -> float:
+def clean_logprob(x: float | None) -> float:
     return -9999.0 if (x is None or math.isinf(x) or math.isnan(x)) else float(x)
 
 
@@ -61,7 +61,10 @@ class CompletionLogprobs:
         self.offset = 0
 
     def build(self, token_ids: list[int], lps: list[dict[int, Any] | None]) -> dict[str, Any]:
-        tokens, values, tops, offsets = [], [], [], []
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         for tid, d in zip(token_ids, lps):
             s = self.text.piece(tid)
             tokens.append(s)

@@ -14,7 +14,7 @@ import logging
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncGenerator, Iterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -165,7 +165,7 @@ async def create_response(req: ResponsesRequest, request: Request, st: State) ->
     return await answer(st, request, sub, events, f"response stream {rid}", turn.finish)
 
 
-async def _events(turn: _Turn, sub: Submission) -> AsyncIterator[str]:
+async def _events(turn: _Turn, sub: Submission) -> AsyncGenerator[str, None]:
     es = EventStream()
     yield es.response("response.created", turn.body("in_progress", []))
     yield es.response("response.in_progress", turn.body("in_progress", []))
@@ -177,7 +177,8 @@ async def _events(turn: _Turn, sub: Submission) -> AsyncIterator[str]:
             async for _, out in outputs:
                 o = out.outputs[0]
                 done = o.finish_reason is not None
-                text, call_deltas = delta.text(0, o.text, done), []
+                text = delta.text(0, o.text, done)
+                call_deltas: list[dict[str, Any]] = []
                 if calls is not None:
                     text, call_deltas = calls.feed(text, done)
                 for e in es.text(text) + es.calls(call_deltas):

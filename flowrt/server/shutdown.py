@@ -25,7 +25,8 @@ from .state import ServerState
 
 logger = logging.getLogger("flowrt.server")
 
-STOP_FLUSH_SECONDS = 5.0  # after stop_all: time for the ended requests to send their last bytes
+# whole seconds (uvicorn's graceful-shutdown timeout takes an int)
+STOP_FLUSH_SECONDS = 5  # after stop_all: time for the ended requests to send their last bytes
 _HANDLED = (signal.SIGINT, signal.SIGTERM)
 
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncGenerator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from . import protocol as P
 from .errors import OpenAIError, from_exception
@@ -64,7 +65,7 @@ def _failure_event(e: Exception, what: str) -> str:
     return err.sse()
 
 
-async def guarded(st: Any, request: Request, events: AsyncIterator[str], what: str) -> AsyncIterator[str]:
+async def guarded(st: Any, request: Request, events: AsyncGenerator[str, None], what: str) -> AsyncGenerator[str, None]:
     """`events` as the body of an SSE response: a client disconnect counts as an abort, and a failure
     mid-stream becomes an error event followed by ``[DONE]`` instead of a cut connection."""
     try:
@@ -83,12 +84,12 @@ class SSEResponse(StreamingResponse):
     """A text/event-stream response that runs `on_close` however it ends (finished, client gone,
     cancelled), even when the body never started: that is where work started for it is released."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], None] | None = None) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:

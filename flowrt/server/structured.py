@@ -250,7 +250,8 @@ class ToolStream:
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         self.buf += text
-        content, deltas = "", []
+        content = ""
+        deltas: list[dict[str, Any]] = []
         while True:
             if not self.in_call:
                 i = self.buf.find(TC.OPEN)

@@ -38,7 +38,7 @@ import asyncio
 import json
 import threading
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -139,8 +139,9 @@ class _Run:
         try:
             result = await self.task
         except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if self.stopped and not (current is not None and current.cancelling()):
+            # Task.cancelling() is Python 3.11's: on 3.10 no cancellation is told apart (none is pending)
+            cancelling = getattr(asyncio.current_task(), "cancelling", None)
+            if self.stopped and not (cancelling is not None and cancelling()):
                 raise OpenAIError("The server shut down before the workflow run finished.", 503) from None
             raise
         except WorkflowError as e:
@@ -156,7 +157,8 @@ class _Run:
             raise
         self.run_id = result.run_id
         store = getattr(_runtime(self.st), "checkpointer", None)
-        if result.run_id and not result.interrupted and getattr(store, "path", None) == ":memory:":
+        if (result.run_id and not result.interrupted and store is not None
+                and getattr(store, "path", None) == ":memory:"):
             store.delete_run(result.run_id)   # in memory, only runs waiting for an answer are kept
         return result.to_dict()
 
@@ -328,7 +330,7 @@ def _forward(queue: asyncio.Queue, ev: Any) -> None:
     queue.put_nowait((kind, data))
 
 
-async def _events(wf: Any, run: _Run, queue: asyncio.Queue) -> AsyncIterator[str]:
+async def _events(wf: Any, run: _Run, queue: asyncio.Queue) -> AsyncGenerator[str, None]:
     yield _event("run", {"type": "run", "workflow": wf.name, "steps": list(wf.steps)})
     while not run.task.done():
         getter = asyncio.create_task(queue.get())

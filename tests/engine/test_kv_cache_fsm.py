@@ -179,10 +179,13 @@ for _machine in MACHINES.values():
     _machine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
                                           derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 TestKVMachine = KVMachine.TestCase
-TestProgramKVMachine = ProgramKVMachine.TestCase
+# 200 random programs take seconds: the program policy's run is in the slow tier (the fast tier drives that
+# policy through the machine in test_preemption_through_the_machine)
+TestProgramKVMachine = pytest.mark.slow(ProgramKVMachine.TestCase)
+POLICIES = [pytest.param("fcfs"), pytest.param("program", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("policy", list(MACHINES))
+@pytest.mark.parametrize("policy", POLICIES)
 def test_the_machine_reaches_the_interesting_states(policy):
     """Guards the test itself: copy-on-write and prefix hits happened in the random runs above. Preemption
     is rarer and Hypothesis' generation varies with the machine's load, so it is driven deterministically

@@ -35,8 +35,11 @@ def run(model, prompts, params, **kw):
     return outs, stats
 
 
-@pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 24}, {"num_kv_blocks": 30, "block_size": 8}],
-                         ids=["batched", "chunked", "preempt"])
+@pytest.mark.parametrize("engine_kw", [  # chunked prefill and preemption: slow (the fast tier tests them unconstrained)
+    pytest.param({}, id="batched"),
+    pytest.param({"max_num_batched_tokens": 24}, id="chunked", marks=pytest.mark.slow),
+    pytest.param({"num_kv_blocks": 30, "block_size": 8}, id="preempt", marks=pytest.mark.slow),
+])
 def test_draft_tokens_rejected_by_a_constraint_greedy_identical(stories_path, engine_kw):
     """Constrained requests draft; drafted tokens their grammar forbids are cut (counted), and the greedy
     outputs (regex, json, choice, grammar, next to an unconstrained request and n=2) equal those without

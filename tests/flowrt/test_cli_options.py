@@ -6,6 +6,8 @@ import argparse
 import subprocess
 import sys
 
+import pytest
+
 # the engine and replica flags of `flowrt run` / `resume` / `serve` before the builder moved into engine/, plus
 # the EngineArgs fields added since
 ENGINE_FLAGS = {
@@ -49,6 +51,7 @@ def test_help_comes_from_the_field_descriptions():
     assert engine_kwargs_from_args(args) == {"max_wait_steps": 7, "enforce_eager": False}
 
 
+@pytest.mark.slow  # a fresh interpreter importing the server's stack
 def test_server_builds_its_options_without_the_cli():
     code = ("import argparse, sys\n"
             "import flowrt.server.cli as c\n"

@@ -1,4 +1,5 @@
-"""Layering and the typed contract between the layers (DESIGN.md, "Layers and layout").
+"""Layering and the typed contract between the layers (DESIGN.md, "Layers and layout": it lives in the shared/
+folder beside the repository, ../shared/DESIGN.md from its root).
 
 Dependencies point one way: flowrt (runtime) -> engine -> kernels. Importing ``flowrt.engine`` or
 ``flowrt.kernels`` must not load the runtime above them (``flowrt/__init__`` imports lazily); engine/ and
@@ -25,25 +26,29 @@ RUNTIME_MODULES = ["flowrt.runner.executor", "flowrt.llm.thread", "flowrt.graph.
                    "networkx", "anyio", "fastapi"]
 
 
-def _loaded_after(code: str) -> list[str]:
-    """Modules of RUNTIME_MODULES in sys.modules after running ``code`` in a fresh interpreter."""
-    probe = "\n".join(["import json, sys", textwrap.dedent(code),
-                       f"print(json.dumps(sorted(m for m in {RUNTIME_MODULES!r} if m in sys.modules)))"])
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300)
+def _loaded_after(*steps: str) -> list[list[str]]:
+    """Runs the code ``steps`` one after the other in one fresh interpreter: for each, the modules of
+    RUNTIME_MODULES in sys.modules once it has run."""
+    report = f"print(json.dumps(sorted(m for m in {RUNTIME_MODULES!r} if m in sys.modules)))"
+    lines = ["import json, sys"]
+    for code in steps:
+        lines += [textwrap.dedent(code), report]
+    proc = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(steps):]]
 
 
-def test_import_engine_loads_only_the_engine():
-    assert _loaded_after("import flowrt.engine\nfrom flowrt.engine import AsyncLLM, EngineClient") == []
-
-
-def test_import_kernels_loads_only_the_kernels():
-    assert _loaded_after("import flowrt.kernels") == []
+def test_import_kernels_then_engine_loads_only_them():
+    """The kernels alone first, then the engine on top, in one interpreter (a fresh one costs torch's import)."""
+    kernels, engine = _loaded_after("import flowrt.kernels",
+                                    "import flowrt.engine\nfrom flowrt.engine import AsyncLLM, EngineClient")
+    assert kernels == [], "flowrt.kernels loaded the runtime"
+    assert engine == [], "flowrt.engine loaded the runtime"
 
 
 def test_import_flowrt_is_lazy_and_every_public_name_resolves():
-    assert _loaded_after("import flowrt") == []
+    assert _loaded_after("import flowrt") == [[]]
     import flowrt as fr
 
     assert fr.Workflow.__module__ == "flowrt.graph.workflow"

@@ -53,6 +53,7 @@ def test_prefix_index_match():
     assert idx.match(hs, [0, 1]) == {0: 0, 1: 1}
 
 
+@pytest.mark.slow  # a fresh interpreter importing the runtime and the CLI
 def test_single_process_never_imports_ray():
     import subprocess
     import sys

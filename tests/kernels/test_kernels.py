@@ -37,6 +37,12 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DT_ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+def dtype_params(fast: torch.dtype) -> list:
+    """DTYPES as parameters, all but ``fast`` marked slow (the interpreter takes seconds per launch; the other
+    dtypes of each kernel run in the fast tier through other tests)."""
+    return [pytest.param(dt, id=DT_ID[dt], marks=() if dt == fast else pytest.mark.slow) for dt in DTYPES]
+
+
 def close(out, ref, dtype, what=""):
     tol = TOL[dtype]
     assert torch.isfinite(out.float()).all(), f"{what}: non-finite output"
@@ -88,9 +94,14 @@ class Batch:
 
 
 # ----------------------------------------------------------------------------------------------- write_kv
-@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
-@pytest.mark.parametrize("hkv,d,bs", [(1, 64, 16), (3, 80, 32), (8, 128, 16)])
-def test_write_kv(dtype, hkv, d, bs):
+WRITE_KV_SHAPES = [(1, 64, 16), (3, 80, 32), (8, 128, 16)]
+
+
+@pytest.mark.parametrize("hkv,d,bs,dtype", [
+    pytest.param(*shape, dt, id=f"{'-'.join(map(str, shape))}-{DT_ID[dt]}", marks=() if i == j else pytest.mark.slow)
+    for i, shape in enumerate(WRITE_KV_SHAPES) for j, dt in enumerate(DTYPES)
+])  # the fast tier: each shape once and each dtype once (the diagonal)
+def test_write_kv(hkv, d, bs, dtype):
     g = torch.Generator().manual_seed(1)
     num_blocks, t = 40, 37
     kc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype).to(DEVICE)
@@ -140,7 +151,7 @@ def test_paged_decode(gqa, hkv, d, bs, dtype, num_splits):
     close(out, ref, dtype, f"decode splits={num_splits}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
+@pytest.mark.parametrize("dtype", dtype_params(fast=torch.bfloat16))
 def test_paged_decode_dtypes_out_and_max_seq_len(dtype):
     bt = Batch([(1, c) for c in (700, 16, 95)], 8, 2, 64, 16, dtype, seed=3, pad_blocks=40)
     args = (bt.q, bt.k_cache, bt.v_cache, bt.block_tables, bt.seq_lens, bt.scale)
@@ -229,7 +240,7 @@ def test_paged_prefill_mixed_batch(gqa, hkv, d, bs, dtype):
     close(out, ref, dtype, "prefill")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
+@pytest.mark.parametrize("dtype", dtype_params(fast=torch.bfloat16))
 def test_paged_prefill_dtypes_and_padding_rows(dtype):
     seqs = [(3, 50), (24, 24), (1, 300)]
     bt = Batch(seqs, 8, 2, 64, 32, dtype, seed=5)
