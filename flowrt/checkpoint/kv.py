@@ -224,6 +224,7 @@ class KVCheckpoint:
                 h = bytes.fromhex(x)
                 data, why = self.blocks.read(self.fingerprint, h, self.block_bytes)
                 if data is None:
+                    assert why is not None   # read gives a reason with no data
                     why = Rejection.UNSAVED if why is Rejection.MISSING and x in queued else why
                     out.rejected[why.value] = out.rejected.get(why.value, 0) + 1
                     break

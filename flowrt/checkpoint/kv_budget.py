@@ -56,6 +56,7 @@ class KVBudget:
             return
         if self.used is None or (self.used + nbytes > self.max_bytes and time.monotonic() >= self._next_scan):
             self._evict(nbytes)
+        assert self.used is not None   # _evict scans the directory
         if self.used + nbytes > self.max_bytes:
             raise OverBudget(errno.ENOSPC, f"over the KV disk budget of {self.max_bytes} bytes "
                                            f"(--checkpoint-kv-max-bytes), every block in use by a run", self.root)

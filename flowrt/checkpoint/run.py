@@ -231,7 +231,7 @@ class RunCheckpoint:
     async def kv_flushed(self) -> None:
         """The KV blocks queued so far are on disk (waited for off the event loop; those of this run that
         could not be written are counted): the run's last checkpoint, saved next, waits only for what it adds."""
-        if self.saves_kv:
+        if self.saves_kv and self.kv is not None:
             import anyio
 
             self.kv_save_failed += await anyio.to_thread.run_sync(self.kv.settle, self.run_id)

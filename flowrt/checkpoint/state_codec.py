@@ -56,6 +56,11 @@ class StoredState(TypedDict, total=False):
     subruns: dict[str, StoredState]               # subgraphs in flight, by their path below this state's
     held_threads: dict[str, list[list[int]]]      # the run's, with KV checkpoints
     kv: dict[str, Any]                            # the run's saved KV blocks (flowrt.checkpoint.kv)
+    # what the run did besides its results, for the run viewer (flowrt.runner.activity)
+    llm_calls: dict[str, list[dict[str, Any]]]    # by step
+    llm_totals: dict[str, int] | None
+    forks: list[dict[str, Any]]
+    block_size: int | None
 
 
 def dump(st: RunState, *, answers: dict[str, list[Any]] | None = None, held_threads: bool = False) -> StoredState:

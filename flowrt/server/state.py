@@ -34,7 +34,7 @@ class ServerState:
     shutting_down: bool = False
     in_flight: int = 0  # /v1 requests being served (the drain waits for it to reach 0)
     # Called when the server stops waiting for in-flight work: each ends its request early (abort).
-    stoppers: set[Callable[[], None]] = field(default_factory=set)
+    stoppers: set[Callable[[], object]] = field(default_factory=set)   # what each returns is not used
 
     @property
     def tokenizer(self) -> Any:

@@ -43,6 +43,7 @@ from typing import Any, AsyncGenerator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from ..runner.state import StepStatus
 from . import protocol as P
 from .errors import OpenAIError, bad_request
 from .state import ServerState, State
@@ -93,7 +94,7 @@ def _observer_class() -> type:
             self._loop = loop
             self._loop_thread = threading.get_ident()
 
-        def on_status(self, step: str, status: str) -> None:
+        def on_status(self, step: str, status: StepStatus) -> None:
             super().on_status(step, status)
             event: dict[str, Any] = {"type": "step", "step": step, "status": status,
                                      "time": round(time.perf_counter() - self.t0, 6)}

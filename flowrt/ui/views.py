@@ -93,7 +93,7 @@ def _state_at(state: dict[str, Any], path: str,
 def step_states(wf: Workflow | None, record: RunRecord, history: list[dict[str, Any]] | None = None) -> dict[str, str]:
     """Each step's state (one of ``STEP_STATES``) by path (``history``: the run's checkpoints, for the steps of
     a subgraph that has ended)."""
-    state = load(record.state) or {}
+    state: dict[str, Any] = dict(load(record.state) or {})
     out: dict[str, str] = {}
     for path in _steps_of(wf, state):
         at, name = _state_at(state, path, history)
@@ -130,7 +130,7 @@ def _calls_by_step(state: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
 
 def detail(record: RunRecord, wf: Workflow | None, history: list[dict[str, Any]]) -> dict[str, Any]:
     """A run's page."""
-    state = load(record.state) or {}
+    state: dict[str, Any] = dict(load(record.state) or {})
     states = step_states(wf, record, history)
     calls = _calls_by_step(state)
     steps = []
