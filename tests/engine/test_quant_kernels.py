@@ -11,7 +11,8 @@ import torch
 
 from cpu_variants import cpu_variant
 from flowrt.engine import cpu_build, cpu_ops
-from flowrt.engine.quant import NATIVE_TYPES, ConcatLinear, QuantLinear, QuantType, block_shape, concat, dequant, kernels, reference
+from flowrt.engine.quant import (NATIVE_TYPES, ConcatLinear, QuantLinear, QuantType, block_shape, concat, dequant,
+                                 kernels, reference)
 
 TYPES = sorted(NATIVE_TYPES, key=int)
 # byte offsets of each block's float16 fields (scales, minimums)
