@@ -21,7 +21,7 @@ import torch
 
 from . import detokenizer, structured_output
 from .model_runner import ModelRunnerOutput
-from .outputs import CompletionOutput, Logprob, RequestOutput
+from .outputs import CompletionOutput, FinishReason, Logprob, RequestOutput
 from .sampler import SampleResult
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, SampleState, Sequence, SeqStatus
@@ -78,7 +78,7 @@ class OutputProcessor:
             self.abort(req)
         seq.sample.request = None
 
-    def finish_seq(self, seq: Sequence, reason: str | None = None) -> None:
+    def finish_seq(self, seq: Sequence, reason: FinishReason | None = None) -> None:
         """A sample is done (its finish_reason set, or `reason`): final text, and it leaves the batch."""
         sample = seq.sample
         if reason is not None:
@@ -89,6 +89,7 @@ class OutputProcessor:
             if seq.kv.num_computed_tokens > seq.num_tokens - 1:
                 kv.truncate_computed(seq, max(0, seq.num_tokens - 1))
         req = sample.request
+        assert req is not None  # a sequence in the batch samples for a request
         if not req.needs_text_each_step and sample.finish_reason != "abort":
             detokenizer.update(self.tokenizer, seq, req.params.skip_special_tokens)
         structured_output.release(seq)
@@ -137,6 +138,7 @@ class OutputProcessor:
             decode = (n == 1 and seq.kv.num_computed_tokens - 1 >= seq.sample.prompt_len) or seq.seq_id in drafting
             self.counters["decode_tokens_computed" if decode else "prefill_tokens_computed"] += n
             req = seq.sample.request
+            assert req is not None
             touched[req.request_id] = req
         for seq, first_row, pos in so.prompt_logprob_rows:
             if seq.sched.status is SeqStatus.RUNNING:
@@ -145,6 +147,7 @@ class OutputProcessor:
             now = time.monotonic()
             for i, (seq, tok) in enumerate(zip(sampled, result.token_ids)):
                 req = seq.sample.request
+                assert req is not None
                 if req.first_token_time is None:
                     req.first_token_time = now
                 v = verified.get(i) if verified else None
@@ -177,6 +180,7 @@ class OutputProcessor:
         self.counters["generated_tokens"] += 1
         sample = seq.sample
         if sample.output_logprobs is not None:
+            assert logprobs is not None and sample.request is not None  # logprobs are computed when requested
             sample.output_logprobs.append(self._logprob_entry(logprobs, tok, sample.request.params.logprobs))
             sample.cumulative_logprob += float(logprobs[tok])
         if seq.grammar is not None:
@@ -186,6 +190,7 @@ class OutputProcessor:
     # ---- structured outputs ------------------------------------------------------------------------
     def _consume(self, seq: Sequence, tok: int) -> None:
         if not structured_output.consume(seq, tok):
+            assert seq.grammar is not None
             logger.warning("structured output: sequence %d: token %d rejected by its grammar: %s", seq.seq_id, tok,
                            seq.grammar.matcher.get_error())
 
@@ -214,6 +219,7 @@ class OutputProcessor:
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         sample = seq.sample
         req = sample.request
+        assert req is not None
         p = req.params
         n_out = seq.num_output_tokens
         may_stop = n_out >= p.min_tokens  # no stop of any kind before min_tokens
@@ -250,7 +256,7 @@ class OutputProcessor:
             self.finish_seq(seq)
 
     # ---- logprobs --------------------------------------------------------------------------------
-    def _logprob_entry(self, row: torch.Tensor, tok: int, k: int) -> dict[int, Logprob]:
+    def _logprob_entry(self, row: torch.Tensor, tok: int, k: int | None) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}
         if k:
             vals, idx = torch.topk(row, k)
@@ -264,6 +270,7 @@ class OutputProcessor:
 
     def _record_prompt_logprobs(self, seq: Sequence, logits, first_row: int, pos: int) -> None:
         req = seq.sample.request
+        assert req is not None and req.prompt_logprobs is not None  # scored rows are for prompt_logprobs requests
         k = req.params.prompt_logprobs
         hi = min(seq.kv.num_computed_tokens, seq.sample.prompt_len - 1)
         lps = torch.log_softmax(logits[first_row : first_row + (hi - pos)], dim=-1)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
-from .outputs import Logprob
+from .outputs import FinishReason, Logprob
 from .program import ProgramContext
 
 if TYPE_CHECKING:  # sampling_params -> structured_output -> this module
@@ -88,7 +88,7 @@ class SampleState:
     generator: torch.Generator | None = None
     output_logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
 
 
