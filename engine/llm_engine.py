@@ -147,7 +147,8 @@ class LLMEngine:
         `program`: the workflow run / step / thread it belongs to (engine/program.py); a sequence keeps it.
         `_matcher`: the grammar state to continue from (beam search), instead of a fresh matcher."""
         program = as_program_context(program)
-        params = params if params is not None else SamplingParams()
+        # (mypy without the pydantic plugin takes SamplingParams' positional Field(None, ...) defaults as required)
+        params = params if params is not None else SamplingParams()  # type: ignore[call-arg]
         if isinstance(params, dict):
             params = SamplingParams(**params)
         if not isinstance(prompt, Sequence) and _resolved is None:
@@ -162,14 +163,16 @@ class LLMEngine:
                 self.open_seqs.check_can_generate(prompt, params)
                 seq, text, ids = prompt, None, list(prompt.token_ids)
             else:
+                assert _resolved is not None  # validated above
                 text, ids = _resolved
                 seq = Sequence(list(ids))
             req = Request(rid, params, text, ids, [seq], on_output=on_output, on_error=on_error,
                           needs_text_each_step=stream or bool(params.stop))
             self.kv_manager.truncate_computed(seq, self.outputs.add(req))
             structured_output.constrain(seq, matcher)
-            if program is not None or seq.sched.program is not None:
-                self.scheduler.set_program(seq, (program or seq.sched.program).with_state("generating"))
+            ctx = program if program is not None else seq.sched.program
+            if ctx is not None:
+                self.scheduler.set_program(seq, ctx.with_state("generating"))
             self.scheduler.add(seq)
             return req
 
@@ -266,19 +269,23 @@ class LLMEngine:
         """A decode step's cost (every sequence computes one token, or its pending token and drafts), for the
         speculator's adaptive rule."""
         rows = sum(so.num_new_tokens)
+        assert self.spec is not None  # called only with speculative decoding on
         if rows == len(so.seqs) + sum(m for _, _, m in so.spec_rows):
             self.spec.observe_step(rows, seconds)
 
     def _verify_drafts(self, so: SchedulerOutput, mo, live: list[Sequence], result) -> dict[int, Verified]:
         """Speculative decoding: each drafting sequence's drafts checked against its rows (spec_decode.py);
         {index in live: what it emits}."""
+        assert self.spec is not None and result is not None  # spec rows: drafting is on and the drafters sample
         index = {seq.seq_id: i for i, seq in enumerate(live)}
         out = {}
         for seq, first, m in so.spec_rows:
             i = index.get(seq.seq_id)
             if i is None or seq.spec.num_draft_tokens != m:  # aborted while the model ran (finishing stripped it)
                 continue
-            want = seq.sample.request.params.logprobs is not None
+            req = seq.sample.request
+            assert req is not None
+            want = req.params.logprobs is not None
             out[i] = self.spec.verify(seq, mo.logits[first:first + m + 1], result.token_ids[i], want, self.generator)
         return out
 
@@ -290,6 +297,7 @@ class LLMEngine:
             if seq.sched.status is not SeqStatus.RUNNING:
                 continue
             req = seq.sample.request
+            assert req is not None  # a running sequence samples for a request
             if req.params.n > 1 and not req.forked:
                 req.forked = True
                 for i in range(1, req.params.n):
