@@ -32,7 +32,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -40,6 +40,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from . import json_bounds
 from .sequence import GrammarState, Matcher, Sequence
+
+if TYPE_CHECKING:
+    import llguidance
+    from llguidance._lib import JsonCompileOptions
 
 logger = logging.getLogger("flowrt.engine")
 
@@ -97,7 +101,10 @@ class StructuredOutputsParams(BaseModel):
         kind = self.kind
         if kind == "json":
             v = self.json_
-            return json.dumps(v, separators=(",", ":")) if isinstance(v, dict) else v
+            if isinstance(v, dict):
+                return json.dumps(v, separators=(",", ":"))
+            assert v is not None  # the validator: exactly one kind is given
+            return v
         if kind == "choice":
             return json.dumps(self.choice)
         if kind == "json_object":
@@ -125,16 +132,20 @@ def _grammar(p: StructuredOutputsParams) -> str:
             if json_bounds.needs_lark(schema):
                 return llguidance.LLMatcher.grammar_from_lark(
                     json_bounds.lark_grammar(schema, compact=p.disable_any_whitespace))
-        opts: dict = {"whitespace_flexible": not p.disable_any_whitespace}
+        opts: JsonCompileOptions = {"whitespace_flexible": not p.disable_any_whitespace}
         if p.disable_any_whitespace:
-            opts.update(item_separator=", ", key_separator=": ")
+            opts["item_separator"] = ", "
+            opts["key_separator"] = ": "
         else:
             opts["whitespace_pattern"] = json_bounds.WHITESPACE
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=opts)
     if kind == "regex":
+        assert p.regex is not None
         return llguidance.LLMatcher.grammar_from_regex(p.regex)
     if kind == "choice":
+        assert p.choice is not None
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in p.choice))
+    assert p.grammar is not None
     return llguidance.LLMatcher.grammar_from_lark(p.grammar)
 
 
@@ -171,7 +182,7 @@ class StructuredOutputManager:
         self._cache: collections.OrderedDict[tuple[str, str, bool, bool, bool], Any] = collections.OrderedDict()
         self._cache_size = cache_size
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._executor = None
+        self._executor: llguidance.LLExecutor | None = None  # made with the tokenizer
         self.width = (vocab_size + 31) // 32  # int32 words per mask row (set again once the tokenizer is built)
         self.compile_seconds: list[float] = []  # uncached compiles (bench)
         self.mask_seconds = 0.0
@@ -248,7 +259,10 @@ class StructuredOutputManager:
             row = mask[0]
             grammars[0].matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
         else:
-            self._executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
+            assert self._executor is not None  # matchers exist only once the tokenizer (and executor) does
+            # (GrammarState holds the Matcher protocol; every matcher this manager compiles is an LLMatcher)
+            jobs = cast("list[tuple[llguidance.LLMatcher, int]]", [(g.matcher, i) for i, g in enumerate(grammars)])
+            self._executor.unsafe_compute_mask_ptr(jobs,
                                                    mask.data_ptr(), self.width * 4, len(seqs))
         for i, g in enumerate(grammars):
             g.mask = mask[i]
@@ -294,6 +308,7 @@ class StructuredOutputManager:
             jobs.append((g.matcher, k, seq.token_ids[seq.num_tokens - m:]))
             k += m + 1
         # each matcher consumes its drafts one by one, writing the mask of every state, and rolls them back
+        assert self._executor is not None
         self._executor.unsafe_compute_mask_ptr_with_draft_token(jobs, mask.data_ptr(), self.width * 4, n)
         allowed = unpack_mask(mask, logits.shape[1])
         k = 0
