@@ -106,9 +106,11 @@ class BlockPool:
         elif self._free_cached or self._free_cold:
             bid = self._pop_evictable()
             blk = self.blocks[bid]
-            del self.cached[blk.hash]
-            self._event(False, blk.hash)
-            self.evicted_hashes[blk.hash] = None
+            h = blk.hash
+            assert h is not None  # evictable blocks are cached, so named
+            del self.cached[h]
+            self._event(False, h)
+            self.evicted_hashes[h] = None
             if len(self.evicted_hashes) > self.max_evicted_hashes:
                 self.evicted_hashes.popitem(last=False)
             blk.hash = None
@@ -178,8 +180,10 @@ class BlockPool:
         while self._free_cached or self._free_cold:
             bid, _ = (self._free_cold or self._free_cached).popitem(last=False)
             blk = self.blocks[bid]
-            del self.cached[blk.hash]
-            self._event(False, blk.hash)
+            h = blk.hash
+            assert h is not None  # evictable blocks are cached, so named
+            del self.cached[h]
+            self._event(False, h)
             blk.hash = None
             self._free_uncached.append(bid)
             n += 1

@@ -25,9 +25,9 @@ def token_id_list(ids, what: str, vocab_size: int) -> list[int]:
         ids = ids.tolist()
     out = []
     for t in ids:
-        if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab_size:
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= (i := int(t)) < vocab_size:
             raise ValueError(f"{what} contains token id {t!r}, outside the vocabulary (0..{vocab_size - 1})")
-        out.append(int(t))
+        out.append(i)
     return out
 
 
@@ -73,6 +73,7 @@ class InputProcessor:
 
     def resolve_prompt(self, prompt, what: str = "prompt") -> tuple[str | None, list[int]]:
         """A str, a list/tuple/1-D array of token ids, or a dict with 'prompt' or 'prompt_token_ids'."""
+        text: str | None
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"{what} is empty")

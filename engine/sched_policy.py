@@ -149,7 +149,10 @@ class ProgramPolicy(FcfsPolicy):
                 key = (1, tracker.expected_return_s(waited))
             if best_key is None or key > best_key:
                 best, best_key = seq, key
-        return None if best is None else Release(best, best_key[0] == 2)
+        if best is None:
+            return None
+        assert best_key is not None  # set with best
+        return Release(best, best_key[0] == 2)
 
     def admission_may_take_retained(self, alone: bool) -> bool:
         """New work never takes KV that will be used again, unless nothing runs."""

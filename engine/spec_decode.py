@@ -195,7 +195,9 @@ class NgramSpeculator:
         `fallback`) of its last token alone, at most fallback_tokens. A sampled request with its own seed drafts from
         its own tokens by prompt_lookup_min..max only: its random draws (consumed per draft) must not depend on other
         requests' outputs or on measured times. Returns the draft and its source."""
-        cfg, p = self.cfg, seq.sample.request.params
+        req = seq.sample.request
+        assert req is not None  # a running sequence samples for a request
+        cfg, p = self.cfg, req.params
         room = min(cfg.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1)
         if room <= 0:
@@ -239,8 +241,13 @@ class NgramSpeculator:
         ids = {s.seq_id for s in running}
         for acc in self._acceptance.values():
             acc.keep_only(ids)
-        fixed = [f for f in found if f[0].sample.generator is not None and not f[0].sample.request.params.greedy]
-        rest = [f for f in found if f[0].sample.generator is None or f[0].sample.request.params.greedy]
+        assert self.budget is not None  # called only with the adaptive rule on
+        fixed: list[tuple[Sequence, list[int], str]] = []
+        rest: list[tuple[Sequence, list[int], str]] = []
+        for f in found:
+            req = f[0].sample.request
+            assert req is not None
+            (fixed if f[0].sample.generator is not None and not req.params.greedy else rest).append(f)
         extra = sum(len(d) for _, d, _ in fixed)
         rows, tokens = base[0] + extra, base[1] + extra
         keep = self.budget.plan([(len(d), self._acceptance[src].rate(seq.seq_id)) for seq, d, src in rest],
@@ -268,7 +275,9 @@ class NgramSpeculator:
         KV rolled back to the pending token and the accepted drafts."""
         m = seq.spec.num_draft_tokens
         drafts = seq.token_ids[seq.num_tokens - m:]
-        p = seq.sample.request.params
+        req = seq.sample.request
+        assert req is not None
+        p = req.params
         accepted: list[int] = []
         final = sampled
         if p.greedy:
