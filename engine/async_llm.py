@@ -161,10 +161,7 @@ class AsyncLLM:
                        program: ProgramContext | dict | str | None = None) -> RequestOutput:
         """Runs one request to completion and returns its final output. `program`: the workflow run, step
         and thread the request belongs to (a ProgramContext, a dict of its fields, or a run id)."""
-        out = None
-        async for out in self._submit(prompt, params, request_id, stream=False, program=program):  # noqa: B007
-            pass  # the last snapshot is the final output
-        return out
+        return await _final(self._submit(prompt, params, request_id, stream=False, program=program))
 
     def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                program: ProgramContext | dict | str | None = None) -> AsyncIterator[RequestOutput]:
@@ -206,10 +203,7 @@ class AsyncLLM:
             search.close()
 
     async def _beam_round(self, seq: Sequence, params: SamplingParams, matcher) -> RequestOutput:
-        out = None
-        async for out in self._submit(seq, params, None, stream=False, matcher=matcher):  # noqa: B007
-            pass
-        return out
+        return await _final(self._submit(seq, params, None, stream=False, matcher=matcher))
 
     def _submit(self, prompt, params, request_id, stream: bool, program=None,
                 matcher=None) -> AsyncIterator[RequestOutput]:
@@ -254,3 +248,13 @@ class AsyncLLM:
     # ---- open sequences ---------------------------------------------------------------------------
     def open(self, token_ids=(), program: ProgramContext | dict | str | None = None) -> EngineSequence:
         return EngineSequence(self.engine, self.engine.open(token_ids, program))
+
+
+async def _final(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The last snapshot of a request's outputs: its final output (every request ends with one)."""
+    out = None
+    async for out in outputs:  # noqa: B007
+        pass
+    if out is None:
+        raise RuntimeError("the request ended without an output")
+    return out

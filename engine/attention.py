@@ -188,7 +188,9 @@ def _decode_rows(meta: AttentionMetadata, qsl: list[int]) -> DecodeRows:
     if meta.max_query_len == 1:  # a pure decode step: row b is sequence b's one token (no per-row loop)
         every = list(range(len(meta.query_lens_list)))
         return DecodeRows(every, every, list(meta.seq_lens_list))
-    rows, seqs, lens = [], [], []
+    rows: list[int] = []
+    seqs: list[int] = []
+    lens: list[int] = []
     for b, (q, ctx) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
         if q == 1 or b in meta.verify:
             rows.extend(range(qsl[b], qsl[b] + q))
@@ -279,6 +281,12 @@ def _chunk_plan(meta: AttentionMetadata, qsl: list[int], b: int, first_block: in
     return ChunkPlan(s, s + q, blocks, causal, _span(blocks.tolist()))
 
 
+def _bias_of(mask: torch.Tensor | None, dev: torch.device) -> torch.Tensor:
+    """The additive attention bias of a cascade member's mask: 0 where it attends, -inf elsewhere."""
+    assert mask is not None  # _chunk_plan sets every member's mask
+    return torch.zeros(mask.shape, device=dev).masked_fill_(~mask, float("-inf"))
+
+
 class TorchAttentionBackend:
     """Reads K/V of the paged pool on CPU; computes attention in float32.
 
@@ -343,8 +351,8 @@ class TorchAttentionBackend:
                 tables = meta.block_tables[torch.tensor(seqs, dtype=torch.long, device=dev), :nblk]
                 lens = torch.tensor([d.lens[i] for i in plain], dtype=torch.int32, device=dev)
             valid = torch.arange(nblk * bs, device=dev)[None, :] < lens.long()[:, None]
-            rows = None if all_rows else torch.tensor([d.rows[i] for i in plain], dtype=torch.long, device=dev)
-            p["decode"] = DecodePlan(rows, tables.contiguous(), lens.contiguous(), tables.long().reshape(-1), nblk,
+            picked = None if all_rows else torch.tensor([d.rows[i] for i in plain], dtype=torch.long, device=dev)
+            p["decode"] = DecodePlan(picked, tables.contiguous(), lens.contiguous(), tables.long().reshape(-1), nblk,
                                      valid[:, None, None, :])
         cascade_prefill = []
         multi = [b for b, q in enumerate(qlens) if q > 1 and b not in meta.verify]
@@ -360,14 +368,14 @@ class TorchAttentionBackend:
         else:
             alone.update(chunks)
         p["cascade_prefill"] = tuple(cascade_prefill)  # (members, shared blocks); the torch plans on first use
-        alone = sorted(alone)
-        p["alone"] = alone  # their SDPA plans ("prefill") are built by the first layer that needs them
+        alone_rows = sorted(alone)
+        p["alone"] = alone_rows  # their SDPA plans ("prefill") are built by the first layer that needs them
         cpu = dev.type == "cpu"
         own = tuple(_flash_plan(meta, qsl, m, key_start=n * bs) for m, n in cascade_prefill) if cpu else ()
         p["cascade_prefill_own"] = own
         p["cascade_prefill_prefixes"] = _prefixes_flash_plan(
             [(o.rows, meta.block_tables[m[0], :n]) for o, (m, n) in zip(own, cascade_prefill)], bs)
-        p["prefill_flash"] = _flash_plan(meta, qsl, alone) if alone and cpu else None
+        p["prefill_flash"] = _flash_plan(meta, qsl, alone_rows) if alone_rows and cpu else None
 
     @staticmethod
     def _cascade_prefill_plans(meta: AttentionMetadata) -> tuple[CascadePrefillPlan, ...]:
@@ -379,7 +387,7 @@ class TorchAttentionBackend:
             plans = []
             for members, n_common in p["cascade_prefill"]:
                 own = tuple(_chunk_plan(meta, qsl, b, first_block=n_common) for b in members)
-                biases = tuple(torch.zeros(o.mask.shape, device=dev).masked_fill_(~o.mask, float("-inf")) for o in own)
+                biases = tuple(_bias_of(o.mask, dev) for o in own)
                 rows = torch.cat([torch.arange(o.start, o.end, device=dev) for o in own])
                 common = meta.block_tables[members[0], :n_common].long()
                 plans.append(CascadePrefillPlan(rows, common, own, biases, _span(common.tolist())))
@@ -532,6 +540,7 @@ class TorchAttentionBackend:
             if c.blocks is None:
                 ks, vs = k[s:e], v[s:e]
             else:  # whole blocks (contiguous rows) gathered, then cut to the context
+                assert c.mask is not None  # a chunk with blocks has its mask
                 ctx = c.mask.shape[1]
                 ks = _blocks(k_cache, c.blocks, c.span)[:ctx]
                 vs = _blocks(v_cache, c.blocks, c.span)[:ctx]
@@ -581,6 +590,7 @@ class TorchAttentionBackend:
             s, e = c.start, c.end
             n, L = e - s, bias.shape[-1]
             bias = bias.repeat_interleave(G, dim=0)  # rows are (token, query head of the KV head) pairs, token-major
+            assert c.blocks is not None  # a cascade member reads its own keys' blocks
             ko = _blocks(k_cache, c.blocks, c.span)[:L].float().transpose(0, 1)[None]
             vo = _blocks(v_cache, c.blocks, c.span)[:L].float().transpose(0, 1)[None]
             qo = qg[r0 : r0 + n].permute(1, 0, 2, 3).reshape(1, Hkv, n * G, D)

@@ -66,12 +66,23 @@ def beam_score(cum_logprob: float, num_generated: int, length_penalty: float) ->
 
 @dataclass(eq=False)
 class _Beam:
-    seq: Sequence | None  # None once finished without keeping its sequence
+    """A live beam: its open sequence (the last token not yet computed)."""
+
+    seq: Sequence
     cum: np.float32
     logprobs: list[dict[int, Logprob]]
     matcher: Any = None  # structured outputs: the grammar state after this beam's tokens
-    tokens: list[int] | None = None  # set when finished
-    finish_reason: str | None = None
+
+
+@dataclass(eq=False)
+class _Finished:
+    """A finished beam: its tokens, and its sequence while the search keeps it (keep=True)."""
+
+    seq: Sequence | None
+    cum: np.float32
+    logprobs: list[dict[int, Logprob]]
+    tokens: list[int]
+    finish_reason: str
 
 
 class BeamSearch:
@@ -88,7 +99,7 @@ class BeamSearch:
         W = params.beam_width
         matcher = engine.inputs.constraint_matcher(SamplingParams(structured_outputs=params.structured_outputs))
         self.beams = [_Beam(root, np.float32(0.0), [], matcher)]
-        self.finished: list[_Beam] = []
+        self.finished: list[_Finished] = []
         self.rounds = 0
         self.peak_blocks = 0
         self.step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * W, ignore_eos=True,
@@ -111,16 +122,18 @@ class BeamSearch:
             self._advance(outs)
 
     def _advance(self, outs: list[RequestOutput]) -> None:
+        last: list[dict[int, Logprob]] = []  # each beam's top 2W next tokens
         for o in outs:
             co = o.outputs[0]
             if co.finish_reason == "abort" or not co.logprobs:
                 raise RuntimeError(f"beam search step aborted: {co.stop_reason or 'aborted by the engine'}")
+            last.append(co.logprobs[-1])
         self._count_blocks()
         p, W = self.params, self.params.beam_width
         eos = () if p.ignore_eos else self.engine.eos_ids
         cands = []
-        for i, (b, o) in enumerate(zip(self.beams, outs)):
-            for tok, lp in o.outputs[0].logprobs[-1].items():
+        for i, (b, top) in enumerate(zip(self.beams, last)):
+            for tok, lp in top.items():
                 if lp.logprob == float("-inf"):
                     continue
                 cands.append((np.float32(b.cum + np.float32(lp.logprob)), i, tok, lp))
@@ -179,21 +192,20 @@ class BeamSearch:
             seq = self.engine.fork(parent.seq, 1)[0]
             self._set_last_token(seq, tok)
         tokens = parent.seq.token_ids[:-1] + [tok]
-        self.finished.append(_Beam(seq, score, parent.logprobs + [{tok: lp}], tokens=tokens, finish_reason="stop"))
+        self.finished.append(_Finished(seq, score, parent.logprobs + [{tok: lp}], tokens, "stop"))
 
     def _finish(self, b: _Beam, reason: str) -> None:
-        b.tokens, b.finish_reason, b.matcher = list(b.seq.token_ids), reason, None
+        tokens = list(b.seq.token_ids)
         if not self.keep:
             self.engine.close(b.seq)
-            b.seq = None
-        self.finished.append(b)
+        self.finished.append(_Finished(b.seq if self.keep else None, b.cum, b.logprobs, tokens, reason))
 
     def _finish_all(self) -> None:
         for b in self.beams:
             self._finish(b, "length")
         self.beams = []
 
-    def _score(self, b: _Beam) -> float:
+    def _score(self, b: _Finished) -> float:
         n = len(b.tokens) - self.prompt_len
         return beam_score(float(b.cum), n, self.params.length_penalty)
 
@@ -220,7 +232,7 @@ class BeamSearch:
         return all(float(b.cum) / (best_len ** lp) <= worst for b in self.beams)
 
     def _count_blocks(self) -> None:
-        held = set()
+        held: set[int] = set()
         for b in self.beams + self.finished:
             if b.seq is not None:
                 held.update(b.seq.kv.block_table)
@@ -248,8 +260,11 @@ class BeamSearch:
             self._close()
 
     def _close(self) -> None:
-        for b in self.beams + self.finished:
-            if b.seq is not None:
-                self.engine.close(b.seq)
-                b.seq = None
-        self.beams, self.finished = [], []
+        for b in self.beams:
+            self.engine.close(b.seq)
+        self.beams = []
+        for f in self.finished:
+            if f.seq is not None:
+                self.engine.close(f.seq)
+                f.seq = None
+        self.finished = []

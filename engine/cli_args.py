@@ -47,6 +47,7 @@ def option_help(field: FieldInfo) -> tuple[str, str | None]:
     """(help, metavar) of one field: its description, then its type, bounds and default."""
     ann = _unwrap_optional(field.annotation)
     kind = ""
+    metavar: str | None
     if typing.get_origin(ann) is typing.Literal:
         metavar = "{" + ",".join(str(c) for c in typing.get_args(ann)) + "}"
     elif isinstance(ann, type) and issubclass(ann, enum.Enum):
@@ -73,7 +74,7 @@ def _value(name: str) -> Callable[[str], Any]:
 
     def convert(raw: str) -> Any:
         try:
-            value = getattr(EngineArgs(**{name: raw}), name)
+            value = getattr(EngineArgs.model_validate({name: raw}), name)
             return raw if value is None else value  # an explicit off (--speculative-config off) stays given
         except ValidationError as e:
             raise argparse.ArgumentTypeError(f"{raw!r}: {e.errors()[0]['msg']}") from None
@@ -82,7 +83,7 @@ def _value(name: str) -> Callable[[str], Any]:
     return convert
 
 
-def add_cli_args(group: Any) -> None:
+def add_cli_args(group: argparse._ActionsContainer) -> None:
     """One option per EngineArgs field (but ``model``) on an argparse parser or argument group."""
     fields = _fields()
     for name, field in fields.items():

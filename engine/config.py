@@ -48,38 +48,38 @@ class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
 
     model: str | None = None
-    tokenizer: str | None = Field(None, description="defaults to the model's own tokenizer")
+    tokenizer: str | None = Field(default=None, description="defaults to the model's own tokenizer")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Quantization = Field(Quantization.AUTO, description=(
+    quantization: Quantization = Field(default=Quantization.AUTO, description=(
         '"auto": a GGUF file keeps its quantized formats in memory and multiplies with them (CPU; dequantized on '
         'other devices), a Hugging Face directory loads as dtype. "none" (or None): dequantize every weight to '
         'dtype. "int8" / "int4": quantize a Hugging Face directory\'s weights at load (Q8_0 / Q4_1 blocks of 32; '
         "an error for a GGUF file, which is already quantized)"))
-    block_size: int = Field(16, ge=1, le=256)
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    kv_cache_memory: int | None = Field(None, ge=1, description="bytes")
-    num_kv_blocks: int | None = Field(None, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
+    block_size: int = Field(default=16, ge=1, le=256)
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    kv_cache_memory: int | None = Field(default=None, ge=1, description="bytes")
+    num_kv_blocks: int | None = Field(default=None, ge=1)
+    max_model_len: int | None = Field(default=None, ge=1)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = Field(0, ge=0, le=2**63 - 1)
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
     enable_prefix_caching: bool = True
-    num_threads: int | None = Field(None, ge=1)
-    adaptive_threads: bool = Field(True, description=(
+    num_threads: int | None = Field(default=None, ge=1)
+    adaptive_threads: bool = Field(default=True, description=(
         "CPU: while other processes take the cores the steps' threads need, run with fewer threads, and probe back "
         "up when they free (engine/cpu_threads.py); never more than the count the engine started with"))
-    scheduling_policy: Literal["fcfs", "program"] = Field("program", description=(
+    scheduling_policy: Literal["fcfs", "program"] = Field(default="program", description=(
         '"fcfs": request by request (vLLM). "program": uses requests\' ProgramContext (run, step, thread, state) '
         "to rank work and keep KV (engine/program.py, engine/scheduler.py); plain requests work the same."))
-    max_wait_steps: int = Field(256, ge=1, description="program policy: no request waits more steps than this")
-    enable_forced_tokens: bool = Field(True, description=(
+    max_wait_steps: int = Field(default=256, ge=1, description="program policy: no request waits more steps than this")
+    enable_forced_tokens: bool = Field(default=True, description=(
         "structured outputs: append the tokens a grammar forces (the only one its mask allows) without sampling"))
-    enforce_eager: bool = Field(False, description=(
+    enforce_eager: bool = Field(default=False, description=(
         "True: never capture CUDA graphs (every step runs eagerly). False: on CUDA with the triton backend, pure "
         "decode steps replay a graph captured per batch-size bucket on first use (engine/cuda_graphs.py)."))
-    speculative_config: dict | None = Field(DEFAULT_SPECULATIVE_CONFIG, description=(
+    speculative_config: dict | None = Field(default=DEFAULT_SPECULATIVE_CONFIG, description=(
         'speculative decoding from the context (engine/spec_decode.py), vLLM\'s keys: {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}, and flowrt\'s "adaptive" '
         "(true: draft only as much as the measured step cost and acceptance rate say pays, engine/spec_policy.py); "

@@ -62,11 +62,12 @@ def build(force: bool = False) -> Path:
     return cpu_build.build(cpu_build.choose(), force=force)
 
 
-def _sync_threads() -> None:
+def _sync_threads(kernels: ctypes.CDLL) -> None:
+    """The loaded library's thread count follows torch's."""
     global _threads
     n = torch.get_num_threads()
     if n != _threads:
-        _lib.flowrt_set_num_threads(n)
+        kernels.flowrt_set_num_threads(n)
         _threads = n
 
 
@@ -78,7 +79,7 @@ def lib() -> ctypes.CDLL | None:
         if _lib is None or _disabled:
             return None
         if torch.get_num_threads() != _threads:
-            _sync_threads()
+            _sync_threads(_lib)
         return _lib
     with _lock:
         if not _tried:
@@ -89,7 +90,7 @@ def lib() -> ctypes.CDLL | None:
                 try:
                     _lib = cpu_build.load(isa)
                     _isa = isa.name
-                    _sync_threads()
+                    _sync_threads(_lib)
                 except Exception as exc:  # noqa: BLE001 - no compiler, failed build, unloadable library: use torch
                     _error = str(exc)
                     logger.warning("flowrt CPU kernels unavailable, using plain torch: %s", exc)
@@ -111,13 +112,13 @@ def use_isa(name: str):
     variant = cpu_build.load(cpu_build.choose(name))
     _lib, _isa, _threads, _tried = variant, name, 0, True
     try:
-        _sync_threads()
+        _sync_threads(variant)
         yield variant
     finally:
         _lib, _isa, _tried = saved
         _threads = 0
         if _lib is not None:
-            _sync_threads()
+            _sync_threads(_lib)
 
 
 def set_enabled(enabled: bool) -> None:
@@ -243,7 +244,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, out, scale: float,
 
 def flash_supported(head_dim: int) -> bool:
     """Whether paged_flash runs here for this head size (the kernels are loaded, with AVX2 + FMA)."""
-    return head_dim % 16 == 0 and head_dim <= 256 and lib() is not None and bool(_lib.gemm_packed_available())
+    return head_dim % 16 == 0 and head_dim <= 256 and (kernels := lib()) is not None \
+        and bool(kernels.gemm_packed_available())
 
 
 @_profiled("paged_flash")
@@ -381,7 +383,8 @@ class StepGlue:
         self._keep = (positions, cos_table, sin_table, slots)
         self._slots = _p(slots)
         self._head_dim = head_dim
-        self._cache = None  # (shape, dtype) of the first KV pool rope_kv_ writes: every layer's is the same
+        # (shape, dtype, kv heads, token slots) of the first KV pool rope_kv_ writes: every layer's is the same
+        self._cache: tuple[torch.Size, torch.dtype, int, int] | None = None
         self._rope_args = (T, rot_heads, head_dim, cos_table.data_ptr(), sin_table.data_ptr(), positions.data_ptr())
         self._rows = {"delta": ((T, E), (E, 1)), "qkv": ((T, qkv_width), (qkv_width, 1)),
                       "gate_up": ((T, 2 * inter), (2 * inter, 1))}

@@ -970,7 +970,7 @@ def _quantized(f, info: GGUFTensorInfo, unpermute_heads: int | None, path) -> Qu
 
 def _read_into(f, info: GGUFTensorInfo, buf: torch.Tensor, path) -> torch.Tensor:
     """Read ``info``'s bytes from the open file ``f`` into the uint8 tensor ``buf``; returns ``buf``."""
-    view = memoryview(buf.numpy()).cast("B")
+    view = buf.numpy().data.cast("B")
     f.seek(info.offset)
     done = 0
     while done < info.nbytes:

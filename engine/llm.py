@@ -67,7 +67,7 @@ class LLM:
         bar = None
         if use_tqdm:
             try:
-                from tqdm import tqdm
+                from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
 
                 bar = tqdm(total=len(resolved), desc="generate", unit="req")
             except ImportError:

@@ -10,6 +10,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,12 +19,15 @@ from .models.llama import LlamaModel
 from .quant.mode import Quantization
 from .weights_report import WeightsReport, weights_report
 
+if TYPE_CHECKING:
+    from .tokenizer import TokenizerLike  # (imported at load: the module pulls in the tokenizers package)
+
 
 @dataclass
 class LoadedModel:
     config: ModelConfig
     model: LlamaModel
-    tokenizer: object
+    tokenizer: TokenizerLike
     load_seconds: float
     weights: WeightsReport
 

@@ -86,9 +86,9 @@ class ModelRunner:
         if batch.plan.copies:
             src, dst = zip(*batch.plan.copies)
             copies = (torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
-        bucket = None if eager or self.graphs is None else self.graphs.bucket(batch)
-        if bucket is not None:
-            return self._stage(batch, bucket, logit_rows, copies)
+        graphs = None if eager else self.graphs
+        if graphs is not None and (bucket := graphs.bucket(batch)) is not None:
+            return self._stage(graphs, batch, bucket, logit_rows, copies)
         bs = self.block_size
         ids: list[int] = []
         pos_parts: list[np.ndarray] = []  # decode tokens gather in plain int lists, one array per run of them
@@ -145,8 +145,8 @@ class ModelRunner:
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
         )
 
-    def _stage(self, batch: SchedulerOutput, bucket: int, logit_rows: list[int], copies) -> StepInputs:
-        g = self.graphs
+    def _stage(self, g: DecodeGraphs, batch: SchedulerOutput, bucket: int, logit_rows: list[int],
+               copies) -> StepInputs:
         step = g.stage(batch, bucket, logit_rows)
         rows = g.rows[: len(logit_rows)] if step.all_rows else torch.tensor(logit_rows, dtype=torch.long,
                                                                               device=self.device)
@@ -162,8 +162,10 @@ class ModelRunner:
         if inp.copies is not None:
             self.backend.copy_blocks(self.kv, *inp.copies)  # outside the graph, before it writes KV
         if inp.graph is not None:
-            self.graphs.stats["copies"] += inp.copies is not None
-            return self.graphs.replay(inp.graph, inp.logit_rows)
+            graphs = self.graphs
+            assert graphs is not None  # a staged step was staged in them
+            graphs.stats["copies"] += inp.copies is not None
+            return graphs.replay(inp.graph, inp.logit_rows)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, self.backend)
         if inp.logit_rows.numel() == 0:
             return torch.empty(0, self.model.cfg.vocab_size)

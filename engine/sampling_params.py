@@ -12,23 +12,23 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
-    n: int = Field(1, ge=1, le=1024)
-    max_tokens: int = Field(16, ge=0)
-    min_tokens: int = Field(0, ge=0)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)  # per-request generator seed (sample i uses seed + i)
+    n: int = Field(default=1, ge=1, le=1024)
+    max_tokens: int = Field(default=16, ge=0)
+    min_tokens: int = Field(default=0, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)  # per-request generator seed (sample i uses seed + i)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
 
@@ -68,11 +68,11 @@ class BeamSearchParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    beam_width: int = Field(4, ge=1, le=MAX_BEAM_WIDTH)
-    max_tokens: int = Field(16, ge=1)
+    beam_width: int = Field(default=4, ge=1, le=MAX_BEAM_WIDTH)
+    max_tokens: int = Field(default=16, ge=1)
     ignore_eos: bool = False
     temperature: float = 0.0
-    length_penalty: float = Field(1.0, allow_inf_nan=False)   # NaN or inf would make every score NaN
+    length_penalty: float = Field(default=1.0, allow_inf_nan=False)   # NaN or inf would make every score NaN
     structured_outputs: StructuredOutputsParams | None = None  # every beam follows the constraint
 
     @field_validator("temperature")

@@ -18,7 +18,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, overload
 
 import tokenizers
 
@@ -78,6 +78,13 @@ def _clean_up_tokenization(text: str) -> str:
     return text
 
 
+class TokenizerLike(Protocol):
+    """What the engine itself calls on its tokenizer: flowrt's :class:`Tokenizer`, or the transformers tokenizer
+    :func:`load_tokenizer` falls back to (both decode a row of ids to its text)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+
 class Tokenizer:
     """A fast tokenizer with the Hugging Face calling conventions flowrt relies on.
 
@@ -106,8 +113,8 @@ class Tokenizer:
             model_tokens.update(extra)
             extra = []
         for name, value in model_tokens.items():
-            if isinstance(value, (str, dict)) and _token_str(value) is not None:
-                self.special[name] = _token_str(value)
+            if isinstance(value, (str, dict)) and (token := _token_str(value)) is not None:
+                self.special[name] = token
         self.extra_special_tokens: list[str] = [t for t in (_token_str(x) for x in extra) if t is not None]
         self._add_missing_tokens(cfg.get("added_tokens_decoder") or {})
         backend.encode_special_tokens = bool(cfg.get("split_special_tokens", False))
@@ -117,7 +124,7 @@ class Tokenizer:
         self.clean_up_tokenization_spaces = bool(cfg.get("clean_up_tokenization_spaces", False))
         mml = cfg.get("model_max_length")
         self.model_max_length = int(mml) if mml is not None else VERY_LARGE_INTEGER
-        self._special_ids: list[int] | None = None
+        self._special_ids: list[int | None] | None = None
 
     def _add_missing_tokens(self, added_tokens_decoder: Mapping[str, Any]) -> None:
         """Tokens the config declares but tokenizer.json lacks become added tokens, as in transformers:
@@ -181,12 +188,20 @@ class Tokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self._tokenizer.get_vocab(with_added_tokens=True)
 
+    @overload
+    def convert_tokens_to_ids(self, tokens: str) -> int | None: ...
+    @overload
+    def convert_tokens_to_ids(self, tokens: list[str]) -> list[int | None]: ...
+
     def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
         """Unknown tokens map to the unk token's id (None without one), as in transformers."""
         if isinstance(tokens, str):
-            i = self._tokenizer.token_to_id(tokens)
-            return i if i is not None else self.unk_token_id
-        return [self.convert_tokens_to_ids(t) for t in tokens]
+            return self._token_id(tokens)
+        return [self._token_id(t) for t in tokens]
+
+    def _token_id(self, token: str) -> int | None:
+        i = self._tokenizer.token_to_id(token)
+        return i if i is not None else self.unk_token_id
 
     def convert_ids_to_tokens(self, ids: Any, skip_special_tokens: bool = False) -> str | None | list[str | None]:
         ids = _to_ids(ids)
@@ -224,7 +239,8 @@ class Tokenizer:
         return list(dict.fromkeys([*self.special.values(), *self.extra_special_tokens]))
 
     @property
-    def all_special_ids(self) -> list[int]:
+    def all_special_ids(self) -> list[int | None]:
+        """The special tokens' ids (None for one outside the vocabulary where there is no unk token)."""
         if self._special_ids is None:
             self._special_ids = [self.convert_tokens_to_ids(t) for t in self.all_special_tokens]
         return list(self._special_ids)
@@ -257,13 +273,25 @@ class Tokenizer:
             return _tensors(out, return_tensors)
         return out if batched else Encoding({k: v[0] for k, v in out.items()})
 
+    @overload
+    def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool | None = None, **_ignored: Any) -> str: ...
+    @overload
+    def decode(self, token_ids: Any, skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool | None = None, **_ignored: Any) -> str | list[str]: ...
+
     def decode(self, token_ids: Any, skip_special_tokens: bool = False,
                clean_up_tokenization_spaces: bool | None = None, **_ignored: Any) -> str | list[str]:
+        """The text of a row of ids (a list of texts for a batch of rows; tensors and arrays accepted)."""
         ids = _to_ids(token_ids)
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            return [self._text(s, skip_special_tokens, clean_up_tokenization_spaces) for s in ids]
+        return self._text(ids, skip_special_tokens, clean_up_tokenization_spaces)
+
+    def _text(self, ids: int | list[int], skip_special_tokens: bool, clean_up_tokenization_spaces: bool | None) -> str:
+        """The text of one row of token ids (or of one id)."""
         if isinstance(ids, int):
             ids = [ids]
-        if ids and isinstance(ids[0], list):
-            return [self.decode(s, skip_special_tokens, clean_up_tokenization_spaces) for s in ids]
         text = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         clean = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None \
             else clean_up_tokenization_spaces
@@ -273,22 +301,22 @@ class Tokenizer:
         return text
 
     def batch_decode(self, sequences: Any, skip_special_tokens: bool = False, **kwargs: Any) -> list[str]:
-        return [self.decode(s, skip_special_tokens, **kwargs) for s in _to_ids(sequences)]
+        clean = kwargs.get("clean_up_tokenization_spaces")
+        return [self._text(s, skip_special_tokens, clean) for s in _to_ids(sequences)]
 
     # ---------------------------------------------------------------- chat
     def get_chat_template(self, chat_template: str | None = None, tools: list | None = None) -> str:
         """The template to render: an explicit one (or the name of one of several), else the tokenizer's."""
         own = self.chat_template
         if isinstance(own, dict):
-            if chat_template is not None and chat_template in own:
-                return own[chat_template]
-            if chat_template is None:
-                if tools is not None and "tool_use" in own:
-                    return own["tool_use"]
-                if "default" in own:
-                    return own["default"]
-                raise ValueError("This model has several chat templates and none named 'default'; pass "
-                                 f"chat_template= with one of {sorted(own)}.")
+            if chat_template is not None:
+                return own.get(chat_template, chat_template)
+            if tools is not None and "tool_use" in own:
+                return own["tool_use"]
+            if "default" in own:
+                return own["default"]
+            raise ValueError("This model has several chat templates and none named 'default'; pass "
+                             f"chat_template= with one of {sorted(own)}.")
         if chat_template is not None:
             return chat_template
         if own is None:

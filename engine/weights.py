@@ -140,7 +140,7 @@ def load_safetensors_dir(path: PathLike, dtype: Union[torch.dtype, str, None] = 
     if Path(path).is_dir() and index.is_file():
         expected = json.loads(index.read_text())["weight_map"]
 
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | QuantLinear] = {}
     where: dict[str, str] = {}
     for file in files:
         size = file.stat().st_size
@@ -165,7 +165,8 @@ def load_safetensors_dir(path: PathLike, dtype: Union[torch.dtype, str, None] = 
                 # leave this process, so converting a whole checkpoint never holds both copies.
                 with safe_open(str(file), framework="pt", device="cpu") as g:
                     stored = g.get_tensor(name)
-                    tensors[name] = quantizer(name, stored) if name in quantized else stored.to(target)
+                    tensors[name] = (quantizer(name, stored) if quantizer is not None and name in quantized
+                                     else stored.to(target))
         except SafetensorError as exc:
             raise ValueError(f"cannot read {file}: truncated or corrupt safetensors file ({exc})") from exc
         except (OSError, RuntimeError) as exc:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,8 @@ Weight = torch.Tensor | QuantLinear
 Quantized = (QuantLinear, ConcatLinear)
 #: the (fused) projections of a layer: its attribute names and its ``mm`` keys
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+#: a projection's multiply: x [T, in] -> [T, out] (a float matmul, a packed kernel, a QuantLinear)
+Multiply = Callable[[torch.Tensor], torch.Tensor]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,11 +100,13 @@ class LlamaLayer(nn.Module):
             self.k_norm = nn.Parameter(torch.ones(D, dtype=dtype), requires_grad=False)
         self.gate_up = projection("gate_up")
         self.down = projection("down")
-        self.mm = {
-            "qkv": lambda x: F.linear(x, self.qkv, self.qkv_bias),
-            "o": lambda x: F.linear(x, self.o),
-            "gate_up": lambda x: F.linear(x, self.gate_up),
-            "down": lambda x: F.linear(x, self.down),
+        # each a float parameter whenever its plain multiply below is the one in mm (load_hf_state_dict replaces
+        # the multiply of a quantized one): mypy cannot follow that, hence the ignores
+        self.mm: dict[str, Multiply] = {
+            "qkv": lambda x: F.linear(x, self.qkv, self.qkv_bias),  # type: ignore[arg-type]  # see above
+            "o": lambda x: F.linear(x, self.o),  # type: ignore[arg-type]  # see above
+            "gate_up": lambda x: F.linear(x, self.gate_up),  # type: ignore[arg-type]  # see above
+            "down": lambda x: F.linear(x, self.down),  # type: ignore[arg-type]  # see above
         }
 
     def forward(self, h, delta, rope: "_Rope", k_cache, v_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +174,17 @@ class _Rope:
         return (qk * cos + rotate_half(qk) * sin).view(T, -1)
 
 
+class _Layers(nn.ModuleList):
+    """The model's layers: an nn.ModuleList of LlamaLayer (the subclass only tells the type checker so)."""
+
+    if TYPE_CHECKING:
+        def __iter__(self) -> Iterator[LlamaLayer]: ...
+
+
 class LlamaModel(nn.Module):
+    cos_table: torch.Tensor  # buffers (register_buffer)
+    sin_table: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
                  quantized: frozenset[str] = frozenset()):
         """``quantized``: the weights that arrive quantized ("embed", "lm_head" and PROJECTIONS names): no float
@@ -178,20 +194,22 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.embed = None if "embed" in quantized else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(LlamaLayer(cfg, dtype, quantized) for _ in range(cfg.num_layers))
+        self.layers = _Layers(LlamaLayer(cfg, dtype, quantized) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed
         else:
             self.lm_head = None if "lm_head" in quantized else nn.Parameter(
                 torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.mm = {"lm_head": lambda x: F.linear(x, self.lm_head)}
+        # a float parameter whenever this multiply is the one in mm (see LlamaLayer's)
+        self.mm: dict[str, Multiply] = {"lm_head": lambda x: F.linear(x, self.lm_head)}  # type: ignore[arg-type]
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_table", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin_table", emb.sin().to(dtype), persistent=False)
         self._norms_checked = False
-        self._table_cache = None
+        # (key, the FrLayer table or None, the row limit, the multiplies the key's ids are of): see _layer_table
+        self._table_cache: tuple[tuple[int, ...], ctypes.Array | None, int | None, list[Multiply]] | None = None
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
@@ -207,7 +225,7 @@ class LlamaModel(nn.Module):
     def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The token embedding rows of ``ids`` in the model dtype; a quantized table dequantizes only those rows."""
         if not isinstance(self.embed, QuantLinear):
-            return F.embedding(ids, self.embed)
+            return F.embedding(ids, self.embed)  # type: ignore[arg-type]  # a float parameter unless quantized
         return self.embed.rows(ids.reshape(-1), self.dtype).view(*ids.shape, self.embed.k)
 
     @torch.inference_mode()
@@ -254,7 +272,8 @@ class LlamaModel(nn.Module):
         attend = functools.partial(backend.forward, kv_written=True) if write_kv else backend.forward
         heads, scale = [H, Hkv, Hkv], D**-0.5
         program = backend.decode_program(meta, H, D) if write_kv and hasattr(backend, "decode_program") else None
-        if program is not None and D <= 256 and not cpu_ops.profiling():  # profiled: per kernel, so it sees each
+        # (profiled: per kernel, so the profile sees each)
+        if program is not None and kc0 is not None and D <= 256 and not cpu_ops.profiling():
             table = self._layer_table(kv_caches, T)
             if table is not None:
                 glue.decode_layers(table, kc0, kv_caches[0][1], program, H, scale)
@@ -282,22 +301,24 @@ class LlamaModel(nn.Module):
                *(w.data_ptr() for layer in self.layers for w in (layer.input_norm, layer.post_norm)))
         if self._table_cache is None or self._table_cache[0] != key:
             kind = cpu_ops.PackedLinearBF16 if self.dtype == torch.bfloat16 else cpu_ops.PackedLinear
-            rows, limit = [], None
+            rows: list[ctypes.Structure] = []
+            limit, fits = None, True
             for layer, (kc, vc) in zip(self.layers, kv_caches):
                 mms = [layer.mm[n] for n in ("qkv", "o", "gate_up", "down")]
                 projections = [_decode_projection(f, kind) for f in mms]
                 if None in projections:
-                    rows = None
+                    fits = False
                     break
-                limit = min([f.rows for f in mms if not isinstance(f, Quantized) and f.rows is not None]
-                            + ([limit] if limit else []), default=None)
+                # (a packed kernel's multiply: _with_kernel's rows)
+                kernel_rows = [getattr(f, "rows", None) for f in mms if not isinstance(f, Quantized)]
+                limit = min([r for r in kernel_rows if r is not None] + ([limit] if limit else []), default=None)
                 qkv, o, gate_up, down = projections
                 rows.append(cpu_ops.FrLayer(input_norm=layer.input_norm.data_ptr(),
                                             post_norm=layer.post_norm.data_ptr(), qkv=qkv, o=o, gate_up=gate_up,
                                             down=down, k_cache=kc.data_ptr(), v_cache=vc.data_ptr()))
-            table = None if rows is None else (cpu_ops.FrLayer * len(rows))(*rows)
+            table = (cpu_ops.FrLayer * len(rows))(*rows) if fits else None
             self._table_cache = (key, table, limit, fns)
-        _, table, limit = self._table_cache[:3]
+        _, table, limit, _ = self._table_cache
         return None if table is None or (limit is not None and T > limit) else table
 
     @torch.inference_mode()
@@ -375,6 +396,12 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             return t
 
+        def get_float(name: str) -> torch.Tensor:
+            t = get(name)
+            if isinstance(t, QuantLinear):
+                raise ValueError(f"tensor {name!r} is quantized where flowrt reads it as float")
+            return t
+
         def take(name: str) -> torch.Tensor:
             t = get(name)
             return t.dequantize(self.dtype) if isinstance(t, QuantLinear) else t.to(self.dtype)
@@ -393,21 +420,23 @@ class LlamaModel(nn.Module):
             if (rows, parts[0].shape[1]) != shape or any(p.shape[1] != shape[1] for p in parts):
                 got = [tuple(p.shape) for p in parts]
                 raise ValueError(f"tensor {name!r} has shapes {got}, expected {shape} in all")
-            bias = None if biases is None else [get(b).float() for b in biases]
+            bias = None if biases is None else [get_float(b).float() for b in biases]
             param = getattr(owner, attr)
-            if param is None and all(isinstance(p, QuantLinear) for p in parts):
+            quant = [p for p in parts if isinstance(p, QuantLinear)]
+            if param is None and len(quant) == len(parts):
                 if bias is not None:
-                    parts = [QuantLinear(p.qtype, p.data, p.n, p.k, b) for p, b in zip(parts, bias)]
-                setattr(owner, attr, parts[0] if len(parts) == 1 else concat(parts))
+                    quant = [QuantLinear(p.qtype, p.data, p.n, p.k, b) for p, b in zip(quant, bias)]
+                setattr(owner, attr, quant[0] if len(quant) == 1 else concat(quant))
                 return
             if param is None:
                 param = nn.Parameter(torch.empty(shape, dtype=self.dtype), requires_grad=False)
                 setattr(owner, attr, param)
             torch.cat([take(n) for n in names], out=param.data)
             if bias is not None:
-                if getattr(owner, "qkv_bias", None) is None:
-                    owner.qkv_bias = nn.Parameter(torch.empty(rows, dtype=self.dtype), requires_grad=False)
-                put(owner.qkv_bias, torch.cat(bias).to(self.dtype), name.replace(".weight", ".bias"))
+                qkv_bias = getattr(owner, "qkv_bias", None)
+                if qkv_bias is None:
+                    qkv_bias = owner.qkv_bias = nn.Parameter(torch.empty(rows, dtype=self.dtype), requires_grad=False)
+                put(qkv_bias, torch.cat(bias).to(self.dtype), name.replace(".weight", ".bias"))
 
         E, V = cfg.hidden_size, cfg.vocab_size
         weight(self, "embed", ["model.embed_tokens.weight"], "model.embed_tokens.weight", (V, E))
@@ -530,7 +559,7 @@ def _weight_kind(hf_name: str) -> str | None:
 def _packed(weight, bias, batch_hint: int):
     w = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
     fn = lambda x: torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")  # noqa: E731
-    fn.resident = (w,)  # the packed copy, for the resident weight bytes (stats' weights_bytes)
+    fn.resident = (w,)  # type: ignore[attr-defined]  # a function attribute: the packed copy, for the resident weight bytes (stats' weights_bytes)
     return fn
 
 
@@ -559,7 +588,7 @@ def _packed_bf16(weight, bias, batch_hint: int):
     return _with_kernel(lambda x: kernel(x) if cpu_ops.enabled() else off(x), kernel, None)
 
 
-def _decode_projection(f, kind: type) -> ctypes.Structure | None:
+def _decode_projection(f, kind: type[cpu_ops.PackedLinear] | type[cpu_ops.PackedLinearBF16]) -> ctypes.Structure | None:
     """A projection as the cpu_ops.FrProjection decode_layers calls, or None where it would not run one of the kernels
     that calls: packed float (a `kind` kernel: cpu_ops.PackedLinear / PackedLinearBF16, one part) or quantized (a
     QuantLinear on the kernels, one part of its ggml type; a ConcatLinear of them, a part each)."""
@@ -587,5 +616,5 @@ def _with_kernel(fn, kernel, rows: int | None):
 
 def _by_rows(small, large, limit: int):
     fn = lambda x: small(x) if x.shape[0] <= limit else large(x)  # noqa: E731
-    fn.resident = getattr(small, "resident", ())
+    fn.resident = getattr(small, "resident", ())  # type: ignore[attr-defined]  # a function attribute
     return fn

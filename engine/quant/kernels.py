@@ -99,7 +99,10 @@ def gemm_projection(x: torch.Tensor, proj: ctypes.Structure, n: int) -> torch.Te
 
 def float_rows() -> int:
     """The row count from which the products run in float32 on the dequantized operands (int16 madd below)."""
-    return int(cpu_ops.lib().quant_gemm_float_rows())
+    kernels = cpu_ops.lib()
+    if kernels is None:
+        raise RuntimeError("the CPU kernels are not loaded")
+    return int(kernels.quant_gemm_float_rows())
 
 
 @cpu_ops._profiled("quant_dequant")

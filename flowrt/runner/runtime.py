@@ -139,8 +139,9 @@ class Runtime:
         if self._replicas is not None:
             from ..replicas.client import ReplicaSet, RouterClient
 
+            assert path is None or isinstance(path, str)  # __init__ takes replicas= only with a model path
             rs = ReplicaSet(path, self._replicas or 1, **self._replica_options, **self._engine_kwargs)
-            return RouterClient(rs, owns=True)  # type: ignore[return-value]
+            return RouterClient(rs, owns=True)
         return AsyncLLM(model=path, **self._engine_kwargs)
 
     async def get_resource(self, name: str) -> Any:
