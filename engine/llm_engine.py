@@ -147,8 +147,7 @@ class LLMEngine:
         `program`: the workflow run / step / thread it belongs to (engine/program.py); a sequence keeps it.
         `_matcher`: the grammar state to continue from (beam search), instead of a fresh matcher."""
         program = as_program_context(program)
-        # (mypy without the pydantic plugin takes SamplingParams' positional Field(None, ...) defaults as required)
-        params = params if params is not None else SamplingParams()  # type: ignore[call-arg]
+        params = params if params is not None else SamplingParams()
         if isinstance(params, dict):
             params = SamplingParams(**params)
         if not isinstance(prompt, Sequence) and _resolved is None:

@@ -223,8 +223,10 @@ class Runtime:
         takeovers = 0
         while rs is not None and lost_to_replica(result) and takeovers < rs.max_takeovers:
             takeovers += 1   # its replica died: a live one continues it from its last checkpoint (takeover.py)
-            await wait_for_replica(rs, result.run_id)
-            wf, run = self.claim(result.run_id, workflow=wf)
+            run_id = result.run_id
+            assert run_id is not None  # a checkpointed run (run is not None) has its id
+            await wait_for_replica(rs, run_id)
+            wf, run = self.claim(run_id, workflow=wf)
             from .activity import RunActivity
 
             run.activity = RunActivity(kw["tracer"], run.record.state if run.record is not None else None)
