@@ -9,10 +9,14 @@ probability exceeds it. One draw per token instead of one per vocabulary entry.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .sampling_params import SamplingParams
 
 
 @dataclass
@@ -21,10 +25,17 @@ class SampleResult:
     logprobs: torch.Tensor | None  # [R, V] log-softmax of the processed logits (rows that asked), else None
 
 
+def _params(seq: Sequence) -> SamplingParams:
+    """The sampling parameters of a sequence that samples (it always has its request)."""
+    req = seq.sample.request
+    assert req is not None
+    return req.params
+
+
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     V = logits.shape[1]
     for r, seq in enumerate(seqs):
-        p = seq.sample.request.params
+        p = _params(seq)
         if p.repetition_penalty != 1.0:
             ids = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
             ids = ids[ids < V]
@@ -39,7 +50,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 def mask_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> None:
     for r, seq in enumerate(seqs):
-        p = seq.sample.request.params
+        p = _params(seq)
         if seq.num_output_tokens < p.min_tokens:
             banned = [*(() if p.ignore_eos else eos_ids), *p.stop_token_ids]
             if banned:
@@ -48,7 +59,7 @@ def mask_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[i
 
 def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p for random rows (in place where possible)."""
-    params = [s.sample.request.params for s in seqs]
+    params = [_params(s) for s in seqs]
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     logits = logits / temps[:, None]
     top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
@@ -115,14 +126,14 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 def sample(
     logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...], generator: torch.Generator
 ) -> SampleResult:
-    if any(s.sample.request.params.repetition_penalty != 1.0 or s.sample.request.params.presence_penalty
-           or s.sample.request.params.frequency_penalty for s in seqs):
+    params = [_params(s) for s in seqs]
+    if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
         apply_penalties(logits, seqs)
     mask_min_tokens(logits, seqs, eos_ids)
     logprobs = None
-    if any(s.sample.request.params.logprobs is not None for s in seqs):
+    if any(p.logprobs is not None for p in params):
         logprobs = torch.log_softmax(logits, dim=-1)
-    rand = [r for r, s in enumerate(seqs) if not s.sample.request.params.greedy]
+    rand = [r for r, p in enumerate(params) if not p.greedy]
     tokens = greedy_tokens(logits) if len(rand) < len(seqs) else torch.zeros(len(seqs), dtype=torch.long)
     if rand:
         # every row random: filter_logits makes its own tensor, no gathered copy needed
