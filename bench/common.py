@@ -50,7 +50,7 @@ def ensure_smollm2_hf_dir() -> str:
     from transformers import GenerationConfig, LlamaForCausalLM
 
     from flowrt.engine import default_model_path
-    from flowrt.engine.gguf_loader import load_gguf
+    from flowrt.engine.model.gguf_loader import load_gguf
 
     ck = load_gguf(default_model_path(), torch.float32, quantization=None)
     model = LlamaForCausalLM(ck.config).to(torch.float32)

@@ -1,14 +1,14 @@
 #!/usr/bin/env python
-"""Per-op: flowrt.engine.cpu_ops kernels vs the plain-torch code they replace, side by side, interleaved,
+"""Per-op: flowrt.engine.cpu.ops kernels vs the plain-torch code they replace, side by side, interleaved,
 best of --reps (noisy machines). SmolLM2-135M shapes, float32.   python bench/cpu_ops_micro.py"""
 import argparse
 import time
 
 import torch
 
-from flowrt.engine import cpu_ops
-from flowrt.engine.attention import AttentionMetadata, TorchAttentionBackend
-from flowrt.engine.models.llama import rms_norm, rotate_half
+from flowrt.engine.cpu import ops as cpu_ops
+from flowrt.engine.model.attention import AttentionMetadata, TorchAttentionBackend
+from flowrt.engine.model.models.llama import rms_norm, rotate_half
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--reps", type=int, default=7)

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sysinfo import banner  # noqa: E402
 
-from flowrt.engine import cpu_build, cpu_ops  # noqa: E402
+from flowrt.engine.cpu import build as cpu_build, ops as cpu_ops  # noqa: E402
 
 SMOLLM = dict(Hkv=3, G=3, D=64)  # SmolLM2-135M: 9 query heads, 3 KV heads, head size 64
 SHAPES = ((32, 200), (32, 600), (8, 1000), (1, 2000))  # (sequences, context)

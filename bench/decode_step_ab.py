@@ -42,7 +42,8 @@ def main():
     ap.add_argument("--threads", type=int, default=None, help="compute threads (1: CPU time is the step's own)")
     ap.add_argument("--attention-only", action="store_true", help="replay one step's paged_decode calls only")
     a = ap.parse_args()
-    from flowrt.engine import LLM, SamplingParams, cpu_ops
+    from flowrt.engine import LLM, SamplingParams
+    from flowrt.engine.cpu import ops as cpu_ops
 
     llm = LLM(a.model, dtype=a.dtype, num_threads=a.threads)
     engine = next(e for e in (getattr(llm, "engine", None), getattr(llm, "llm_engine", None), llm)
@@ -83,8 +84,8 @@ def main():
 def replay_attention(engine, libs, rounds):
     """One step run layer by layer (the one-call decode step switched off for it), its paged_decode calls captured,
     then replayed through each library in turn (best and median CPU and wall ms for the step's calls)."""
-    from flowrt.engine import cpu_ops
-    from flowrt.engine.models import llama
+    from flowrt.engine.cpu import ops as cpu_ops
+    from flowrt.engine.model.models import llama
 
     calls = []
     orig_decode, orig_table = cpu_ops.paged_decode, llama.LlamaModel._layer_table

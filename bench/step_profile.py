@@ -153,7 +153,7 @@ class EngineAdapter:
                                                                    low.startswith("apply_rope")) else None
                 if kind:
                     self._marker(mmod, fname, f"kind::{kind}")
-        packed = getattr(sys.modules.get("flowrt.engine.cpu_ops"), "PackedLinear", None)
+        packed = getattr(sys.modules.get("flowrt.engine.cpu.ops"), "PackedLinear", None)
         if packed is not None:  # flowrt's own projection kernel: a ctypes call, no aten op names it
             self._marker(packed, "__call__", "kind::matmul")
         backend = getattr(runner, "backend", None) or getattr(runner, "attn_backend", None)
@@ -312,7 +312,7 @@ def run_prefill(ad: EngineAdapter, SP, args, profile: bool):
 
 def kernel_costs(r0, steps: int) -> dict:
     """Minor page faults and kernel (system) seconds per step since the rusage snapshot r0: memory that a step
-    faults in afresh instead of reusing shows up here (engine/cpu_memory.py)."""
+    faults in afresh instead of reusing shows up here (engine/cpu/memory.py)."""
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     return {"_minflt": (r1.ru_minflt - r0.ru_minflt) / steps, "_sys": (r1.ru_stime - r0.ru_stime) / steps}
 

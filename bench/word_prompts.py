@@ -17,7 +17,7 @@ _WORD = re.compile(r"^[\u0120\u2581]([a-z]{3,9})$")  # Ġ (byte-level space) or 
 
 
 def vocabulary_words(gguf_path: Path) -> list[str]:
-    from flowrt.engine.gguf_loader import read_gguf_header
+    from flowrt.engine.model.gguf_loader import read_gguf_header
 
     header = read_gguf_header(gguf_path, keep_string_arrays=("tokenizer.ggml.tokens",))
     tokens = header.metadata["tokenizer.ggml.tokens"]

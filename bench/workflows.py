@@ -184,7 +184,7 @@ def load_hf(args):
         from transformers import LlamaForCausalLM
 
         from flowrt.engine import default_model_path
-        from flowrt.engine.gguf_loader import load_gguf
+        from flowrt.engine.model.gguf_loader import load_gguf
 
         ck = load_gguf(args.model or default_model_path(), dtype, quantization=None)
         model = LlamaForCausalLM(ck.config).to(dtype)

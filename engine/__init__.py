@@ -2,15 +2,15 @@
 
 from .async_llm import AsyncLLM, EngineSequence
 from .beam_search import BeamSearchOutput, BeamSearchSequence
-from .block_pool import hash_block  # the prefix hash that names a KV block (flowrt/replicas routes by it)
+from .kv.block_pool import hash_block  # the prefix hash that names a KV block (flowrt/replicas routes by it)
 from .config import EngineArgs, default_model_path
 from .llm import LLM
 from .llm_engine import LLMEngine
-from .outputs import CompletionOutput, Logprob, RequestOutput
-from .program import ProgramContext, ProgramState
-from .protocol import EngineClient, KVTransfer, SequenceHandle  # the typed contract the runtime and server use
-from .sampling_params import BeamSearchParams, SamplingParams
-from .structured_output import StructuredOutputsParams
+from .request.outputs import CompletionOutput, Logprob, RequestOutput
+from .request.program import ProgramContext, ProgramState
+from .interfaces import EngineClient, KVTransfer, SequenceHandle  # the typed contract the runtime and server use
+from .core.sampling_params import BeamSearchParams, SamplingParams
+from .decoding.structured_output import StructuredOutputsParams
 
 __all__ = [
     "LLM",

@@ -17,10 +17,10 @@ from typing import Any, AsyncIterator
 from .beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from .config import EngineArgs
 from .llm_engine import LLMEngine
-from .outputs import RequestOutput
-from .program import ProgramContext
-from .sampling_params import SamplingParams
-from .sequence import Request, Sequence, SeqStatus
+from .request.outputs import RequestOutput
+from .request.program import ProgramContext
+from .core.sampling_params import SamplingParams
+from .request.sequence import Request, Sequence, SeqStatus
 
 logger = logging.getLogger("flowrt.engine")
 
@@ -107,7 +107,7 @@ class AsyncLLM:
     def run_stats(self, run_id: str | None = None) -> dict | None:
         return self.engine.run_stats(run_id)
 
-    # ---- KV blocks in and out (protocol.KVTransfer; engine/kv_transfer.py) -------------------------
+    # ---- KV blocks in and out (protocol.KVTransfer; engine/kv/transfer.py) -------------------------
     def kv_fingerprint(self) -> str:
         return self.engine.kv_fingerprint()
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from .outputs import Logprob, RequestOutput
-from .sampling_params import MAX_BEAM_WIDTH, BeamSearchParams, SamplingParams
+from .request.outputs import Logprob, RequestOutput
+from .core.sampling_params import MAX_BEAM_WIDTH, BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
-    from .sequence import Sequence
+    from .request.sequence import Sequence
 
 __all__ = ["BeamSearch", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "MAX_BEAM_WIDTH"]
 

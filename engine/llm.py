@@ -7,10 +7,10 @@ from typing import Any, Sequence as Seq
 
 from .beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from .config import EngineArgs
-from .input_processor import is_token_ids
+from .core.input_processor import is_token_ids
 from .llm_engine import LLMEngine
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .request.outputs import RequestOutput
+from .core.sampling_params import SamplingParams
 
 
 class LLM:

@@ -21,27 +21,30 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import kv_transfer, structured_output
-from .block_pool import BlockPool
-from .cpu_threads import StepClock, ThreadGovernor
+from .kv import transfer as kv_transfer
+from .decoding import structured_output
+from .kv.block_pool import BlockPool
+from .cpu.threads import StepClock, ThreadGovernor
 from .config import EngineArgs
-from .cpu_memory import tune_malloc
-from .cuda_graphs import GraphConfig
-from .input_processor import InputProcessor
-from .kv_cache import allocate_kv_cache
-from .kv_cache_manager import KVCacheManager
-from .model_loader import load_model
-from .model_runner import ModelRunner, make_backend
-from .open_sequences import OpenSequences
-from .program import ProgramContext, as_program_context
-from .output_processor import OutputProcessor
-from .outputs import RequestOutput
-from .sampler import sample
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
-from .spec_decode import NgramSpeculator, SpeculativeConfig, Verified
-from .sequence import Matcher, Request, Sequence, SeqStatus
-from .structured_output import StructuredOutputManager
+from .cpu.memory import tune_malloc
+from .model.cuda_graphs import GraphConfig
+from .core.input_processor import InputProcessor
+from .kv.cache import allocate_kv_cache
+from .kv.cache_manager import KVCacheManager
+from .model.loader import load_model
+from .model.runner import ModelRunner, make_backend
+from .core.open_sequences import OpenSequences
+from .request.program import ProgramContext, as_program_context
+from .core.output_processor import OutputProcessor
+from .request.outputs import RequestOutput
+from .decoding.sampler import sample
+from .core.sampling_params import SamplingParams
+from .core.scheduler import Scheduler
+from .core.sampling_rows import sampling_rows
+from .engine_stats import engine_stats
+from .decoding.spec_decode import NgramSpeculator, SpeculativeConfig
+from .request.sequence import Matcher, Request, Sequence
+from .decoding.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("flowrt.engine")
 
@@ -144,7 +147,7 @@ class LLMEngine:
         _matcher: Matcher | None = None,
     ) -> Request:
         """Queues a request. `prompt` may be an open Sequence: it generates onto it (its KV is kept).
-        `program`: the workflow run / step / thread it belongs to (engine/program.py); a sequence keeps it.
+        `program`: the workflow run / step / thread it belongs to (engine/request/program.py); a sequence keeps it.
         `_matcher`: the grammar state to continue from (beam search), instead of a fresh matcher."""
         program = as_program_context(program)
         params = params if params is not None else SamplingParams()
@@ -189,7 +192,7 @@ class LLMEngine:
             for req in list(self.requests.values()):
                 self.outputs.fail(req, exc)
 
-    # ---- open sequences (KV that outlives a call; see open_sequences.py) ----------------------------------
+    # ---- open sequences (KV that outlives a call; see core/open_sequences.py) ----------------------------------
     def open(self, token_ids, program: ProgramContext | dict | str | None = None) -> Sequence:
         seq = self.open_seqs.open(token_ids)
         self.scheduler.set_program(seq, as_program_context(program))
@@ -208,11 +211,7 @@ class LLMEngine:
         """What a workflow run got (service_tokens, queue_time_s, requests, prefill_tokens_recomputed,
         preemptions); None if unknown. Without run_id: {run_id: that dict} for the newest runs (1024)."""
         with self.lock:
-            runs = self.scheduler.tracker.runs
-            if run_id is None:
-                return {k: r.as_dict() for k, r in runs.items()}
-            rec = runs.get(str(run_id))
-            return rec.as_dict() if rec is not None else None
+            return self.scheduler.tracker.stats(run_id)
 
     def append(self, seq: Sequence, token_ids: Iterable[int]) -> None:
         self.open_seqs.append(seq, token_ids)
@@ -249,7 +248,7 @@ class LLMEngine:
                 mo = self.runner.execute(inputs)
             with self.lock:
                 computed = self.scheduler.update_from_output(so)
-                live, rows = self._sampling_rows(so)
+                live, rows = sampling_rows(so, self.kv_manager, self.outputs, self.scheduler)
                 if so.spec_rows:
                     self.structured.apply_drafts(mo.logits, so.spec_rows)  # constrained drafts' rows
                 result = None
@@ -258,61 +257,12 @@ class LLMEngine:
                     if any(s.grammar is not None for s in live):
                         self.structured.apply(lg, live)  # grammar masks, before penalties and sampling
                     result = sample(lg, live, self.eos_ids, self.generator)
-                verified = self._verify_drafts(so, mo, live, result) if so.spec_rows else None
+                verified = (self.spec.verify_step(so, mo.logits, live, result, self.generator)
+                            if self.spec is not None and so.spec_rows else None)
                 done = self.outputs.process(so, computed, mo, live, result, verified)
                 if self.spec is not None:
-                    self._observe_step(so, time.perf_counter() - t0)
+                    self.spec.observe_schedule(so, time.perf_counter() - t0)
                 return done
-
-    def _observe_step(self, so: SchedulerOutput, seconds: float) -> None:
-        """A decode step's cost (every sequence computes one token, or its pending token and drafts), for the
-        speculator's adaptive rule."""
-        rows = sum(so.num_new_tokens)
-        assert self.spec is not None  # called only with speculative decoding on
-        if rows == len(so.seqs) + sum(m for _, _, m in so.spec_rows):
-            self.spec.observe_step(rows, seconds)
-
-    def _verify_drafts(self, so: SchedulerOutput, mo, live: list[Sequence], result) -> dict[int, Verified]:
-        """Speculative decoding: each drafting sequence's drafts checked against its rows (spec_decode.py);
-        {index in live: what it emits}."""
-        assert self.spec is not None  # spec rows: drafting is on
-        if result is None:  # nothing samples this step: every drafting sequence was aborted while the model ran
-            return {}
-        index = {seq.seq_id: i for i, seq in enumerate(live)}
-        out = {}
-        for seq, first, m in so.spec_rows:
-            i = index.get(seq.seq_id)
-            if i is None or seq.spec.num_draft_tokens != m:  # aborted while the model ran (finishing stripped it)
-                continue
-            req = seq.sample.request
-            assert req is not None
-            want = req.params.logprobs is not None
-            out[i] = self.spec.verify(seq, mo.logits[first:first + m + 1], result.token_ids[i], want, self.generator)
-        return out
-
-    def _sampling_rows(self, so: SchedulerOutput) -> tuple[list[Sequence], list[int]]:
-        """The sequences that sample this step and their logit rows; n > 1 forks its samples here, once
-        the prompt is computed (each child samples from the parent's row)."""
-        live, rows = [], []
-        for seq, r in so.sample_rows:
-            if seq.sched.status is not SeqStatus.RUNNING:
-                continue
-            req = seq.sample.request
-            assert req is not None  # a running sequence samples for a request
-            if req.params.n > 1 and not req.forked:
-                req.forked = True
-                for i in range(1, req.params.n):
-                    child = Sequence(list(seq.token_ids))
-                    self.kv_manager.fork(seq, child)
-                    self.outputs.attach(req, child, i)
-                    structured_output.fork(seq, child)  # each sample continues the grammar from the shared state
-                    self.scheduler.add_running(child, after=req.seqs[-1])
-                    req.seqs.append(child)
-                    live.append(child)
-                    rows.append(r)
-            live.append(seq)
-            rows.append(r)
-        return live, rows
 
     def note_beam_peak(self, blocks: int) -> None:
         self.beam_peak_blocks = max(self.beam_peak_blocks, blocks)
@@ -322,45 +272,16 @@ class LLMEngine:
         return self.outputs.make_output(req)
 
     def stats(self) -> dict:
+        """The engine's counters (engine/engine_stats.py names each)."""
         with self.lock:
             self.open_seqs.drain()
-            pool, kvs = self.pool, self.kv_manager.stats
-            return {
-                "num_kv_blocks": pool.num_blocks,
-                "kv_blocks_used": pool.num_used,
-                "kv_blocks_peak": pool.peak_used,
-                "kv_blocks_shared": pool.num_shared,
-                "kv_blocks_cached": len(pool.cached),
-                "block_size": self.block_size,
-                **self.counters,
-                "preemptions": self.scheduler.preemptions,
-                "prefix_cache_hit_tokens": kvs.prefix_cache_hit_tokens,
-                "prefix_cache_queries": kvs.prefix_cache_queries,
-                "prefix_cache_query_tokens": kvs.prefix_cache_query_tokens,
-                "cow_copies": kvs.cow_copies,
-                "evictions": pool.evictions,
-                "num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting),
-                "open_sequences": len(self.open_seqs),
-                "prefill_tokens_recomputed": kvs.prefill_tokens_recomputed,
-                "kv_evicted_in_use_later": kvs.kv_evicted_in_use_later,
-                "program_runs": len(self.scheduler.tracker.runs),
-                "beam_peak_blocks": self.beam_peak_blocks,
-                "spec_draft_tokens": self.spec.draft_tokens if self.spec is not None else 0,
-                "spec_accepted_tokens": self.spec.accepted_tokens if self.spec is not None else 0,
-                "spec_acceptance_rate": self.spec.acceptance_rate if self.spec is not None else 0.0,
-                "spec_draft_rejected_by_grammar": self.spec.grammar_rejected_tokens if self.spec is not None else 0,
-                "cpu_threads": self.threads.threads if self.threads is not None else torch.get_num_threads(),
-                "cpu_thread_changes": self.threads.changes if self.threads is not None else 0,
-                "weights_bytes": self.weights.bytes,
-                "weights_formats": dict(self.weights.formats),
-            }
+            return engine_stats(self)
 
     def reset_prefix_cache(self) -> int:
         with self.lock:
             return self.pool.evict_all_cached()
 
-    # ---- KV blocks in and out (kv_transfer.py) ---------------------------------------------------------
+    # ---- KV blocks in and out (kv/transfer.py) ---------------------------------------------------------
     def kv_fingerprint(self) -> str:
         """What exported KV bytes depend on (weights, dtypes, block size, backend, version), hashed."""
         if self._kv_fingerprint is None:

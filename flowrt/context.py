@@ -39,7 +39,7 @@ class RunThreads:
     """Weak references to the threads opened while a run's steps execute."""
 
     def __init__(self, run_id: str | None = None) -> None:
-        # what the engine's program-aware scheduler knows the run by (engine/program.py)
+        # what the engine's program-aware scheduler knows the run by (engine/request/program.py)
         self.run_id = run_id or f"run-{os.getpid()}-{next(_run_ids)}"
         self._threads: weakref.WeakSet[Any] = weakref.WeakSet()
         self._steps: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()

@@ -86,7 +86,7 @@ def random_state(config, seed: int = SEED) -> dict[str, torch.Tensor]:
 
 
 def tensor_types(path: Path) -> dict[str, str]:
-    from flowrt.engine.gguf_loader import read_gguf_header
+    from flowrt.engine.model.gguf_loader import read_gguf_header
 
     return {name: t.type_name for name, t in read_gguf_header(path).tensors.items()}
 

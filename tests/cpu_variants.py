@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from flowrt.engine import cpu_build, cpu_ops
+from flowrt.engine.cpu import build as cpu_build, ops as cpu_ops
 
 HAVE_CXX = shutil.which(os.environ.get("CXX") or "g++") is not None
 SUPPORTED = [i.name for i in cpu_build.supported()]

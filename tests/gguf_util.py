@@ -10,7 +10,7 @@ layout (``llama`` architecture only), quantized 2-D weights with F32 norms, Llam
 ``rope_freqs.weight`` tensor, and the tokenizer as ``tokenizer.ggml.*`` metadata (``llama``
 SentencePiece-style or ``gpt2`` byte-level BPE) plus an optional chat template.
 
-Only test code uses this; it is written independently of ``flowrt.engine.gguf_loader`` (numpy, the
+Only test code uses this; it is written independently of ``flowrt.engine.model.gguf_loader`` (numpy, the
 ``gguf`` package's writer and quantizers).
 """
 
@@ -223,7 +223,7 @@ def write_gguf(source, out_path, qtype: str = "F32", *, config=None, tokenizer=N
 
     if isinstance(source, (str, Path)):
         from transformers import AutoConfig
-        from flowrt.engine.weights import load_safetensors_dir
+        from flowrt.engine.model.weights import load_safetensors_dir
 
         src = Path(source)
         config = config or AutoConfig.from_pretrained(src)

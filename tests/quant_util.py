@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 
 from flowrt.engine import LLM, SamplingParams
-from flowrt.engine.gguf_loader import read_gguf_header
+from flowrt.engine.model.gguf_loader import read_gguf_header
 
 PROMPTS = ["Once upon a time", "The little girl", "One day, a dog", "Tom and Sam went", "The sun was"]
 

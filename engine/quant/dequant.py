@@ -22,6 +22,6 @@ def dequantize(data: torch.Tensor, qtype: QuantType | int, n: int, k: int,
         known = None
     if known is not None and dtype in (torch.float32, torch.bfloat16) and kernels.usable(known):
         return kernels.dequantize(data.reshape(-1).contiguous(), known, n, k, None, dtype)
-    from ..gguf_loader import dequantize as loader_dequantize
+    from ..model.gguf_loader import dequantize as loader_dequantize
 
     return loader_dequantize(data.reshape(-1), ggml_type, (n, k), dtype)

@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from .. import cpu_ops
+from ..cpu import ops as cpu_ops
 from .formats import QuantType, row_bytes
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import cpu_ops
+from ..cpu import ops as cpu_ops
 from . import dequant, kernels, reference
 from .formats import QuantType, block_shape, row_bytes
 

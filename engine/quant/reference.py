@@ -38,7 +38,7 @@ def dequantize_activations(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 def dequantize_rows(data: torch.Tensor, qtype, n: int, k: int) -> torch.Tensor:
     """The float32 [n, k] values of a weight stored as ``data`` (uint8 [n, row_bytes]) in ``qtype``."""
-    from ..gguf_loader import dequantize
+    from ..model.gguf_loader import dequantize
 
     return dequantize(data.reshape(-1), int(qtype), (n, k), torch.float32)
 

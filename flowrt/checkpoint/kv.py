@@ -100,7 +100,7 @@ class KVCheckpoint:
     def bind(self, engine: Any) -> None:
         if self._engine is engine:
             return
-        from ..engine.protocol import KVTransfer
+        from ..engine.interfaces import KVTransfer
 
         if not isinstance(engine, KVTransfer):
             raise CheckpointError(f"checkpoint_kv needs an engine that exports its KV blocks (AsyncLLM); "

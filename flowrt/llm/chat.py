@@ -71,7 +71,7 @@ class ChatThread(Thread):
     def message(self, role: str, content: str) -> "ChatThread":
         if not isinstance(content, str):
             raise TypeError(f"message content must be a str, got {type(content).__name__}")
-        from ..engine.tokenizer import check_text
+        from ..engine.model.tokenizer import check_text
 
         check_text(content, f"{role} message content")
         self._check_usable()

@@ -134,7 +134,7 @@ class Model:
 
     @staticmethod
     def program_context(thread_id: Any = None) -> Any:
-        """What the engine's scheduler is told about a call (engine/program.py): the executing run, the
+        """What the engine's scheduler is told about a call (engine/request/program.py): the executing run, the
         step (flowrt.context.current_step) and the thread; None outside a workflow run."""
         run = current_run_threads.get()
         step = current_step.get()

@@ -225,7 +225,7 @@ class Thread:
     def append(self, text: str) -> "Thread":
         if not isinstance(text, str):
             raise TypeError(f"can only append str to a thread, got {type(text).__name__}")
-        from ..engine.tokenizer import check_text
+        from ..engine.model.tokenizer import check_text
 
         check_text(text, "text appended to the thread")  # fails here, not at the next model call
         self._check_usable()

@@ -111,8 +111,8 @@ def _specs(tools: Iterable[Any]) -> list[ToolSpec]:
 
 def _args_schema(spec: ToolSpec, bound_numbers: bool = True) -> dict:
     """The arguments' schema as generated: objects take only the keys they name (unless the tool says
-    ``strict: false``) and numbers are bounded (engine/json_bounds.py), as for response_format schemas."""
-    from flowrt.engine import json_bounds
+    ``strict: false``) and numbers are bounded (engine/decoding/json_bounds.py), as for response_format schemas."""
+    from flowrt.engine.decoding import json_bounds
 
     s = dict(spec.parameters) if spec.parameters else {}
     if not s or ("type" not in s and not any(k in s for k in ("anyOf", "oneOf", "allOf", "$ref", "enum", "const"))):
@@ -126,7 +126,7 @@ def _args_schema(spec: ToolSpec, bound_numbers: bool = True) -> dict:
 
 def _args_rule(spec: ToolSpec, i: int, bound_numbers: bool) -> tuple[str, str]:
     """(the Lark expression for one tool's arguments, rules it needs)."""
-    from flowrt.engine import json_bounds
+    from flowrt.engine.decoding import json_bounds
 
     s = _args_schema(spec, bound_numbers)
     if bound_numbers and json_bounds.needs_lark(s):

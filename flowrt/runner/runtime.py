@@ -96,7 +96,7 @@ class Runtime:
         if isinstance(model, Model):
             self._resources.setdefault("llm", model)
         elif model is not None and not isinstance(model, (str, bytes, os.PathLike)):
-            from ..engine.protocol import EngineClient  # only here: a path must not load the engine yet
+            from ..engine.interfaces import EngineClient  # only here: a path must not load the engine yet
 
             if not isinstance(model, EngineClient):
                 raise TypeError(f"model must be a path, an engine (flowrt.engine.EngineClient, e.g. AsyncLLM) "

@@ -47,7 +47,7 @@ _ENGINE_STATS: dict[str, tuple[str, str, str]] = {
     "spec_acceptance_rate": ("flowrt_engine_spec_acceptance_rate", "Accepted over verified draft tokens.", "gauge"),
     "spec_draft_rejected_by_grammar": ("flowrt_engine_spec_draft_rejected_by_grammar",
                                        "Drafted tokens cut because the sequence's grammar forbids them.", "counter"),
-    "cpu_threads": ("flowrt_engine_cpu_threads", "Compute threads the CPU steps run with now (engine/cpu_threads.py).",
+    "cpu_threads": ("flowrt_engine_cpu_threads", "Compute threads the CPU steps run with now (engine/cpu/threads.py).",
                     "gauge"),
     "weights_bytes": ("flowrt_engine_weights_bytes",
                       "Resident bytes of the model's weights (quantized blocks, float parameters, packed copies).",

@@ -2,7 +2,7 @@
 // or quantized projections, rotary + KV write, paged decode attention, SiLU x up) that the model otherwise drives from Python,
 // ~10 calls a layer. The same kernels in the same order as LlamaModel._forward_glued, so the same bits; it only
 // removes the Python and ctypes overhead between them (at batch 1 about a tenth of a step). The attention is the
-// backend's decode program (engine/attention.py DecodeProgram): one paged decode over every row for a step of
+// backend's decode program (engine/model/attention.py DecodeProgram): one paged decode over every row for a step of
 // independent sequences; for rows that share prefixes (forks, prefix-cache hits: the cascade), each group's own keys
 // with their log-sum-exp, then every shared prefix once for all its members (paged flash, merged), in the backend's
 // order. Its arguments are the structs of flowrt_cpu.h (FrDecodeStep: the layers' FrLayer, the FrDecodeProgram).

@@ -1,5 +1,5 @@
 // Every function the CPU kernel library exports, and the structs they take: the one list the Python side
-// (engine/cpu_build.py) reads to declare the ctypes signatures and to generate the ctypes mirrors of the structs, and
+// (engine/cpu/build.py) reads to declare the ctypes signatures and to generate the ctypes mirrors of the structs, and
 // that each .cpp includes so a definition that drifts from it fails to compile. Kept to the plain C types the loader
 // maps: void, int, int32_t, int64_t, float, pointers (and const char*), the structs declared here (by value or
 // pointer) and fixed arrays of these (a literal or #define'd length), one field a line. The loader compares each
@@ -68,7 +68,7 @@ struct FrFlashCall {
     int32_t key_start;
 };
 
-// A step's attention, in the backend's order (engine/attention.py DecodeProgram): the decode calls, then the flash
+// A step's attention, in the backend's order (engine/model/attention.py DecodeProgram): the decode calls, then the flash
 // call.
 struct FrDecodeProgram {
     const FrDecodeCall* calls;  // [n_calls]
@@ -107,7 +107,7 @@ int flowrt_get_num_threads();
 const char* flowrt_cpu_isa();
 // The layout of the struct `name` of this header as compiled: index -1 its size, index i >= 0 the offset of its i-th
 // field (in declaration order) with *field set to the field's name; -1 past its last field or for an unknown name.
-// Generated from this header by engine/cpu_build.py at build time.
+// Generated from this header by engine/cpu/build.py at build time.
 int64_t flowrt_struct_layout(const char* name, int index, const char** field);
 
 // ---- projections (gemm.cpp)

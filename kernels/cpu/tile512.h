@@ -1,6 +1,6 @@
 // AVX-512 micro-kernels of the bf16 flash attention kernel (attention.cpp): the score product S^T = K Q^T and the
 // value product O = P V of one work item, 16 query vectors to a register. Two forms, chosen at compile time by the
-// library variant (engine/cpu_build.py): with AVX512-BF16, bf16 operands packed in (d, d+1) or (t, t+1) pairs and
+// library variant (engine/cpu/build.py): with AVX512-BF16, bf16 operands packed in (d, d+1) or (t, t+1) pairs and
 // one _mm512_dpbf16_ps per 32 products (float32 accumulation, P rounded to bf16 for the value product as
 // FlashAttention does); with plain AVX-512, bf16 widened to float32 and 16-lane FMAs (P stays float32).
 //

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flowrt.engine import LLM, cpu_build, cpu_ops
+from flowrt.engine import LLM
+from flowrt.engine.cpu import build as cpu_build, ops as cpu_ops
 
 pytestmark = pytest.mark.skipif(cpu_ops.lib() is None, reason=f"CPU kernels unavailable: {cpu_ops._error}")
 

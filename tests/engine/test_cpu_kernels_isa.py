@@ -1,4 +1,4 @@
-"""The CPU kernel library per instruction-set variant (engine/cpu_build.py, kernels/cpu/): every variant the CPU runs
+"""The CPU kernel library per instruction-set variant (engine/cpu/build.py, kernels/cpu/): every variant the CPU runs
 is built and checked against the torch references in float32 and bfloat16 (variants the CPU lacks skip, saying
 so); each lower variant can be forced on a higher CPU; the header, the build's lock and cache key, the wrappers'
 input checks, the thread count and the profiler labels."""
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from support import ROOT
 from cpu_variants import HAVE_CXX, SUPPORTED, cpu_variant
-from flowrt.engine import cpu_build, cpu_ops
-from flowrt.engine.models.llama import rms_norm, rotate_half
+from flowrt.engine.cpu import build as cpu_build, ops as cpu_ops
+from flowrt.engine.model.models.llama import rms_norm, rotate_half
 from flowrt.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 
 needs_kernels = pytest.mark.skipif(cpu_ops.lib() is None, reason=f"CPU kernels unavailable: {cpu_ops._error}")
@@ -218,7 +218,8 @@ def test_lower_variant_forced_by_env(name):
     process, as a deployment would set it."""
     if name not in SUPPORTED or not HAVE_CXX:
         pytest.skip("needs a C++ compiler and a CPU that runs the variant")
-    code = "from flowrt.engine import cpu_ops; lib = cpu_ops.lib(); print(cpu_ops.isa(), lib.flowrt_cpu_isa().decode())"
+    code = ("from flowrt.engine.cpu import ops as cpu_ops; lib = cpu_ops.lib(); print(cpu_ops.isa(), "
+            "lib.flowrt_cpu_isa().decode())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env={**os.environ, cpu_build.ENV_ISA: name})
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -287,7 +288,7 @@ def test_concurrent_processes_build_once(tmp_path):
     cxx.write_text(f'#!/bin/sh\ncase "$*" in *--version*) ;; *) echo "$*" >> {log} ;; esac\nexec {real} "$@"\n')
     cxx.chmod(0o755)
     env = {**os.environ, "CXX": str(cxx), "FLOWRT_CACHE_DIR": str(tmp_path / "cache")}
-    code = "from flowrt.engine import cpu_build; print(cpu_build.build(cpu_build.get_isa('generic')))"
+    code = "from flowrt.engine.cpu import build as cpu_build; print(cpu_build.build(cpu_build.get_isa('generic')))"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(3)]
     outs = [p.communicate(timeout=600) for p in procs]

@@ -1,4 +1,4 @@
-"""engine/cpu_memory.py: the malloc thresholds that keep a step's activation memory mapped between steps. Each
+"""engine/cpu/memory.py: the malloc thresholds that keep a step's activation memory mapped between steps. Each
 check runs in a fresh interpreter (malloc's configuration is process-wide and set once)."""
 
 import json
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ve
 PROBE = r"""
 import ctypes, json, sys
 import torch
-from flowrt.engine import cpu_memory
+from flowrt.engine.cpu import memory as cpu_memory
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -91,7 +91,7 @@ def test_kv_pool_is_lazy_zero_memory_without_huge_page_advice():
     memory inside the engine's steps (3 s per GiB on a 2-core VM, against 0.3 s with 4 KiB pages)."""
     import torch
 
-    from flowrt.engine.kv_cache import zeros_lazy
+    from flowrt.engine.kv.cache import zeros_lazy
 
     pool = zeros_lazy((4, 2, 256, 16, 2, 64), torch.float32, torch.device("cpu"))  # 64 MiB
     assert pool.is_contiguous() and pool.shape == (4, 2, 256, 16, 2, 64)

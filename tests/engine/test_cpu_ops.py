@@ -1,4 +1,4 @@
-"""flowrt.engine.cpu_ops (the fused float32 CPU kernels) against plain-torch references, and the engine's
+"""flowrt.engine.cpu.ops (the fused float32 CPU kernels) against plain-torch references, and the engine's
 fallback when the kernels cannot be built (no compiler): same greedy tokens either way."""
 
 import json
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from support import hf_greedy
-from flowrt.engine import LLM, SamplingParams, cpu_ops
-from flowrt.engine.models.llama import rms_norm, rotate_half
+from flowrt.engine import LLM, SamplingParams
+from flowrt.engine.cpu import ops as cpu_ops
+from flowrt.engine.model.models.llama import rms_norm, rotate_half
 from flowrt.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 
 pytestmark = pytest.mark.skipif(cpu_ops.lib() is None, reason=f"CPU kernels unavailable: {cpu_ops._error}")
@@ -395,7 +396,7 @@ def test_no_compiler_falls_back_to_torch(stories_path, tmp_path):
     same greedy tokens through plain torch."""
     code = (
         "import json, sys\n"
-        "from flowrt.engine import LLM, SamplingParams, cpu_ops\n"
+        "from flowrt.engine import LLM, SamplingParams; from flowrt.engine.cpu import ops as cpu_ops\n"
         "llm = LLM(sys.argv[1], dtype='float32')\n"
         "out = llm.generate('Once upon a time', SamplingParams(max_tokens=12, temperature=0))[0]\n"
         "print(json.dumps({'lib': cpu_ops.lib() is not None, 'error': cpu_ops._error,"

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from flowrt.engine import cpu_ops
+from flowrt.engine.cpu import ops as cpu_ops
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from flowrt.engine import cpu_build, cpu_ops
+from flowrt.engine.cpu import build as cpu_build, ops as cpu_ops
 
 needs_kernels = pytest.mark.skipif(cpu_ops.lib() is None, reason=f"CPU kernels unavailable: {cpu_ops._error}")
 

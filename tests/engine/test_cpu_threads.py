@@ -1,7 +1,7 @@
-"""The CPU thread governor (engine/cpu_threads.py): fewer threads while steps are starved of cores, back up after a
+"""The CPU thread governor (engine/cpu/threads.py): fewer threads while steps are starved of cores, back up after a
 probe that was not starved; driven by a fake clock (no timing in the test)."""
 
-from flowrt.engine.cpu_threads import ThreadGovernor
+from flowrt.engine.cpu.threads import ThreadGovernor
 
 
 class Sim:

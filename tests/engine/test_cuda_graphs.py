@@ -1,4 +1,4 @@
-"""Decode graphs (engine/cuda_graphs.py) through their CPU emulation: the same staging, padding and bucket logic
+"""Decode graphs (engine/model/cuda_graphs.py) through their CPU emulation: the same staging, padding and bucket logic
 as on CUDA, with "replays" that run the forward eagerly on the static buffers (Triton kernels interpreted).
 
 A padded graph step must give the eager step's logits, write K/V only at its real rows' slots, and every step
@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from flowrt import kernels  # noqa: E402
 from flowrt.engine import LLMEngine, SamplingParams  # noqa: E402
-from flowrt.engine.cuda_graphs import GraphConfig, batch_buckets, bucket_for  # noqa: E402
+from flowrt.engine.model.cuda_graphs import GraphConfig, batch_buckets, bucket_for  # noqa: E402
 from flowrt.kernels import _dispatch  # noqa: E402
 from support import make_tiny_model  # noqa: E402
 
@@ -57,8 +57,8 @@ def test_graph_config_from_env(monkeypatch):
 
 
 def test_only_graph_capable_backends_and_devices(engine):
-    from flowrt.engine.attention import TorchAttentionBackend
-    from flowrt.engine.model_runner import ModelRunner
+    from flowrt.engine.model.attention import TorchAttentionBackend
+    from flowrt.engine.model.runner import ModelRunner
 
     r = engine.runner
     assert ModelRunner(r.model, r.kv, 16, TorchAttentionBackend(), r.device, GraphConfig(emulate=True)).graphs is None

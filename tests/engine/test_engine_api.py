@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from flowrt.engine import LLM, SamplingParams
-from flowrt.engine.sampler import filter_logits
-from flowrt.engine.sequence import Request, SampleState, Sequence
+from flowrt.engine.decoding.sampler import filter_logits
+from flowrt.engine.request.sequence import Request, SampleState, Sequence
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_top_k_top_p_min_p_restrict_support():
 def test_top_p_keeps_the_same_tokens_as_a_full_sort():
     """Top-p looks among each row's largest logits first; rows whose nucleus is bigger (flat rows, top_p near 1) fall
     back to a full sort. Both keep exactly the tokens the full-sort definition keeps, with their logits."""
-    from flowrt.engine import sampler
+    from flowrt.engine.decoding import sampler
 
     torch.manual_seed(0)
     V = 3 * sampler.TOP_P_CANDIDATES
@@ -89,7 +89,7 @@ def test_top_p_keeps_the_same_tokens_as_a_full_sort():
 def test_greedy_tokens_are_argmax():
     """The chunked greedy pick returns torch.argmax's indices: ties (the first maximum, within a chunk and across
     chunks), a maximum in the last entry, NaN, rows all -inf, vocabularies no chunk size divides, bf16."""
-    from flowrt.engine.sampler import greedy_tokens
+    from flowrt.engine.decoding.sampler import greedy_tokens
 
     torch.manual_seed(0)
     for V in (49152, 512, 320, 1000):
@@ -110,7 +110,7 @@ def test_sampled_tokens_stay_in_top_k(llm):
 
 
 def test_penalties_change_logits_as_specified():
-    from flowrt.engine.sampler import apply_penalties
+    from flowrt.engine.decoding.sampler import apply_penalties
 
     seq = _req(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
     seq.token_ids = [0, 1, 1]  # prompt [0], outputs [1, 1]
@@ -239,7 +239,7 @@ def test_model_errors(tmp_path, stories_path):
 
 
 def test_random_sampling_follows_the_distribution():
-    from flowrt.engine.sampler import sample
+    from flowrt.engine.decoding.sampler import sample
 
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
     seqs = [_req(temperature=1.0) for _ in range(4000)]

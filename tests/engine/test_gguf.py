@@ -1,4 +1,4 @@
-"""Loading GGUF checkpoints (flowrt.engine.gguf_loader).
+"""Loading GGUF checkpoints (flowrt.engine.model.gguf_loader).
 
 transformers' model classes appear here only as an independent reference (test-only).
 """
@@ -13,9 +13,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, quants
 
-from flowrt.engine import gguf_loader
-from flowrt.engine.gguf_loader import dequantize, load_gguf, read_gguf_header
-from flowrt.engine.weights import load_safetensors_dir
+from flowrt.engine.model import gguf_loader
+from flowrt.engine.model.gguf_loader import dequantize, load_gguf, read_gguf_header
+from flowrt.engine.model.weights import load_safetensors_dir
 from gguf_util import CHATML_TEMPLATE, STORIES_DIR, write_gguf
 
 QUANT_TOL = {"F16": 1e-3, "BF16": 8e-3, "Q8_0": 1e-2, "Q5_0": 6e-2, "Q4_1": 1.2e-1, "Q4_0": 1.5e-1}
@@ -444,8 +444,8 @@ def test_smollm2_gguf_greedy_matches_reference():
 def test_checkpoint_config_dict_and_cached_tokenizer(tmp_path, llama_dir, monkeypatch):
     """load_gguf gives the config as a plain dict (what the engine reads, no transformers) plus the same
     transformers config as before on request, and flowrt's tokenizer, converted once and then cached."""
-    from flowrt.engine.model_config import hf_config_from_dict, model_config_from_hf
-    from flowrt.engine.tokenizer import Tokenizer
+    from flowrt.engine.model.model_config import hf_config_from_dict, model_config_from_hf
+    from flowrt.engine.model.tokenizer import Tokenizer
 
     monkeypatch.setenv("FLOWRT_CACHE_DIR", str(tmp_path / "cache"))
     path = write_gguf(llama_dir, tmp_path / "m.gguf", "Q8_0", chat_template=CHATML_TEMPLATE)

@@ -9,12 +9,12 @@ import pytest
 from support import STORIES
 
 from flowrt.engine import StructuredOutputsParams
-from flowrt.engine.structured_output import StructuredOutputManager
+from flowrt.engine.decoding.structured_output import StructuredOutputManager
 
 
 @pytest.fixture(scope="module")
 def mgr():
-    from flowrt.engine.tokenizer import load_tokenizer
+    from flowrt.engine.model.tokenizer import load_tokenizer
 
     return StructuredOutputManager(load_tokenizer(STORIES), vocab_size=512, eos_ids=(2,))
 

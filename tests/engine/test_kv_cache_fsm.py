@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from flowrt.engine.block_pool import BlockPool
-from flowrt.engine.kv_cache_manager import KVCacheManager
-from flowrt.engine.scheduler import Scheduler
-from flowrt.engine.sequence import Sequence, SeqStatus
+from flowrt.engine.kv.block_pool import BlockPool
+from flowrt.engine.kv.cache_manager import KVCacheManager
+from flowrt.engine.core.scheduler import Scheduler
+from flowrt.engine.request.sequence import Sequence, SeqStatus
 
 BS = 4
 NUM_BLOCKS = 8

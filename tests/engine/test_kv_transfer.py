@@ -1,4 +1,4 @@
-"""KV blocks out of one engine and into another (engine/kv_transfer.py): the second engine finds them in its
+"""KV blocks out of one engine and into another (engine/kv/transfer.py): the second engine finds them in its
 prefix cache, computes only the last partial block, and generates the same greedy tokens."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def test_llm_generate_refuses_a_lone_surrogate(llm):
 
 
 def test_tokenizer_names_the_problem():
-    from flowrt.engine.tokenizer import load_tokenizer
+    from flowrt.engine.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(STORIES)
     with pytest.raises(ValueError, match="lone surrogate"):

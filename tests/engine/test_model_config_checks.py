@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from support import STORIES
-from flowrt.engine import model_loader
-from flowrt.engine.model_loader import load_model
+from flowrt.engine.model import loader as model_loader
+from flowrt.engine.model.loader import load_model
 
 
 @pytest.fixture(autouse=True)

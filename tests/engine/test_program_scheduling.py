@@ -1,4 +1,4 @@
-"""Program-aware scheduling and KV retention (engine/program.py, engine/scheduler.py "program" policy).
+"""Program-aware scheduling and KV retention (engine/request/program.py, engine/core/scheduler.py "program" policy).
 
 Random agent-like programs (runs of threads that generate, wait on a pretend tool for some steps, append
 and generate again, sometimes fork) run under both policies on a small KV pool: greedy outputs are the
@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flowrt.engine import AsyncLLM, EngineArgs, LLMEngine, ProgramContext, SamplingParams
-from flowrt.engine.block_pool import BlockPool
-from flowrt.engine.program import ProgramTracker, as_program_context
+from flowrt.engine.kv.block_pool import BlockPool
+from flowrt.engine.request.program import ProgramTracker, as_program_context
 
 BS = 8
 BLOCKS = 32
@@ -239,8 +239,8 @@ def test_wait_estimate_prefers_evicting_the_farthest_return():
 
 
 def _sched_with(policy):
-    from flowrt.engine.kv_cache_manager import KVCacheManager
-    from flowrt.engine.scheduler import Scheduler
+    from flowrt.engine.kv.cache_manager import KVCacheManager
+    from flowrt.engine.core.scheduler import Scheduler
 
     kv = KVCacheManager(BlockPool(32), 4)
     return Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, policy=policy)
@@ -263,7 +263,7 @@ def test_admission_reserves_room_for_the_growth_of_resident_threads(policy):
     take a waiting thread's KV. The program policy keeps it out, and admits it once a long thread closes;
     fcfs admits it at once. Before the reservation, program admitted it too (nothing closed yet to learn
     from)."""
-    from flowrt.engine.sequence import Sequence
+    from flowrt.engine.request.sequence import Sequence
 
     sched = _sched_with(policy)
     threads = []

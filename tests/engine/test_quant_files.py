@@ -25,7 +25,7 @@ from support import ROOT, TESTS
 
 from flowrt.engine import LLM
 from flowrt.engine.quant import NATIVE_TYPES
-from flowrt.engine.gguf_loader import read_gguf_header
+from flowrt.engine.model.gguf_loader import read_gguf_header
 
 QUANT_DIR = TESTS / "models" / "quant"
 PPL_TOKENS = 1024  # of README.md: enough for a stable perplexity, short enough for two engines per file

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrt.engine.gguf_loader import read_gguf_header
+from flowrt.engine.model.gguf_loader import read_gguf_header
 
 QUANT_DIR = Path(__file__).resolve().parents[1] / "models" / "quant"
 MANIFEST = json.loads((QUANT_DIR / "manifest.json").read_text())

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cpu_variants import cpu_variant
-from flowrt.engine import cpu_build, cpu_ops
+from flowrt.engine.cpu import build as cpu_build, ops as cpu_ops
 from flowrt.engine.quant import (NATIVE_TYPES, ConcatLinear, QuantLinear, QuantType, block_shape, concat, dequant,
                                  kernels, reference)
 

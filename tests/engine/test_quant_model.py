@@ -20,7 +20,7 @@ import torch
 from gguf_util import STORIES_DIR, write_gguf
 from quant_util import PROMPTS, flips, perplexity, prompt_logprobs, set_tensor_type, tensor_bytes
 from flowrt.engine import LLM, EngineArgs
-from flowrt.engine.gguf_loader import load_gguf
+from flowrt.engine.model.gguf_loader import load_gguf
 from flowrt.engine.quant import ConcatLinear, QuantLinear, QuantType
 from flowrt.engine.quant.quantize import quantize
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from flowrt.engine.block_pool import BlockPool
-from flowrt.engine.kv_cache_manager import KVCacheManager, SlotPlan
-from flowrt.engine.scheduler import Alloc, Scheduler
-from flowrt.engine.sequence import Sequence, SeqStatus
+from flowrt.engine.kv.block_pool import BlockPool
+from flowrt.engine.kv.cache_manager import KVCacheManager, SlotPlan
+from flowrt.engine.core.scheduler import Alloc, Scheduler
+from flowrt.engine.request.sequence import Sequence, SeqStatus
 
 
 def _run(sched: Scheduler, seq: Sequence) -> None:

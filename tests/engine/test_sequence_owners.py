@@ -1,4 +1,4 @@
-"""Each part of an engine Sequence has one writer (engine/sequence.py's module docstring).
+"""Each part of an engine Sequence has one writer (engine/request/sequence.py's module docstring).
 
 A static check over engine/: outside a part's owning module, no statement assigns, augments or deletes the
 part, one of its fields, or an item of one, directly or through a local name bound to the part, nor calls a
@@ -13,10 +13,10 @@ from pathlib import Path
 
 from support import ROOT
 
-from flowrt.engine import sequence
+from flowrt.engine.request import sequence
 
-OWNERS = {"sched": "scheduler", "kv": "kv_cache_manager", "sample": "output_processor", "detok": "detokenizer",
-          "spec": "spec_decode", "grammar": "structured_output"}
+OWNERS = {"sched": "core.scheduler", "kv": "kv.cache_manager", "sample": "core.output_processor",
+          "detok": "core.detokenizer", "spec": "decoding.spec_decode", "grammar": "decoding.structured_output"}
 PART_TYPES = {"sched": sequence.SchedState, "kv": sequence.KVState, "sample": sequence.SampleState,
               "detok": sequence.DetokState, "spec": sequence.SpecState, "grammar": sequence.GrammarState}
 FIELDS = {part: {f.name for f in dataclasses.fields(t)} for part, t in PART_TYPES.items()}
@@ -62,7 +62,7 @@ def violations(source: str, module: str) -> list[str]:
             part, name = "", "token_ids"
         else:
             return
-        if (OWNERS[part] if part else "sequence") != module:
+        if (OWNERS[part] if part else "request.sequence") != module:
             found.add((line, f"{what} {name}"))
 
     def visit(body: list[ast.stmt]) -> None:
@@ -96,17 +96,17 @@ def f(seq, kv):
     self.kv = kv
     n = seq.kv.num_computed_tokens
 """
-    assert [v.split(": ", 1)[1] for v in violations(src, "scheduler")] == [
+    assert [v.split(": ", 1)[1] for v in violations(src, "core.scheduler")] == [
         "writes kv.num_computed_tokens", "writes kv.block_hashes", "calls append on kv.block_table",
         "calls append on token_ids", "writes sample.finish_reason", "writes grammar"]
-    assert [v.split(": ", 1)[1] for v in violations(src, "kv_cache_manager")] == [
+    assert [v.split(": ", 1)[1] for v in violations(src, "kv.cache_manager")] == [
         "calls append on token_ids", "writes sample.finish_reason", "writes grammar"]
 
 
 def test_no_engine_module_writes_another_modules_part_of_a_sequence():
     bad = {}
     for path in sorted((ROOT / "engine").rglob("*.py")):
-        found = violations(path.read_text(), Path(path).stem)
+        found = violations(path.read_text(), ".".join(Path(path).relative_to(ROOT / "engine").with_suffix("").parts))
         if found:
             bad[str(path.relative_to(ROOT))] = found
     assert bad == {}

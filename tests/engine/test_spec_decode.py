@@ -7,12 +7,12 @@ import torch
 
 from support import hf_greedy, make_tiny_model
 from flowrt.engine import LLM, SamplingParams
-from flowrt.engine.block_pool import BlockPool
+from flowrt.engine.kv.block_pool import BlockPool
 from flowrt.engine.config import EngineArgs
-from flowrt.engine.kv_cache_manager import KVCacheManager
-from flowrt.engine.sequence import Request, SampleState, Sequence
-from flowrt.engine.ngram_index import NgramIndex
-from flowrt.engine.spec_decode import NgramSpeculator, SpeculativeConfig
+from flowrt.engine.kv.cache_manager import KVCacheManager
+from flowrt.engine.request.sequence import Request, SampleState, Sequence
+from flowrt.engine.decoding.ngram_index import NgramIndex
+from flowrt.engine.decoding.spec_decode import NgramSpeculator, SpeculativeConfig
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 STORY_PROMPTS = [

@@ -8,7 +8,7 @@ import torch
 
 from support import make_tiny_model
 from flowrt.engine import LLM, SamplingParams
-from flowrt.engine import cpu_ops
+from flowrt.engine.cpu import ops as cpu_ops
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
         "adaptive": False}  # every draft found: as many checked rows as possible

@@ -1,4 +1,5 @@
-"""What speculative decoding proposes (engine/ngram_index.py, NgramSpeculator._draft): the incremental n-gram index,
+"""What speculative decoding proposes (engine/decoding/ngram_index.py, NgramSpeculator._draft): the incremental n-gram
+index,
 the suffix cache of earlier outputs, the one-token fallback. Verification is unchanged: outputs stay identical."""
 
 import random
@@ -7,12 +8,12 @@ import numpy as np
 import torch
 
 from flowrt.engine import LLM, SamplingParams
-from flowrt.engine.block_pool import BlockPool
-from flowrt.engine.kv_cache_manager import KVCacheManager
-from flowrt.engine.ngram_index import NgramIndex, SuffixCache
-from flowrt.engine.sequence import Request, SampleState, Sequence
-from flowrt.engine.spec_decode import NgramSpeculator, SpeculativeConfig
-from flowrt.engine.spec_policy import DraftBudget
+from flowrt.engine.kv.block_pool import BlockPool
+from flowrt.engine.kv.cache_manager import KVCacheManager
+from flowrt.engine.decoding.ngram_index import NgramIndex, SuffixCache
+from flowrt.engine.request.sequence import Request, SampleState, Sequence
+from flowrt.engine.decoding.spec_decode import NgramSpeculator, SpeculativeConfig
+from flowrt.engine.decoding.spec_policy import DraftBudget
 
 
 def ngram_draft(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:

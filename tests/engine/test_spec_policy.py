@@ -1,10 +1,11 @@
-"""The adaptive rule of speculative decoding (engine/spec_policy.py): drafts where a row is cheap next to the step,
+"""The adaptive rule of speculative decoding (engine/decoding/spec_policy.py): drafts where a row is cheap next to the
+step,
 none where it is not, a cost fit from measured steps, acceptance per sequence; and the default is on, with an off."""
 
 import argparse
 
 from flowrt.engine import EngineArgs
-from flowrt.engine.spec_policy import Acceptance, DraftBudget, StepCost
+from flowrt.engine.decoding.spec_policy import Acceptance, DraftBudget, StepCost
 
 
 def _fitted(fixed: float, per_row: float) -> StepCost:
@@ -78,7 +79,7 @@ def test_prefill_steps_take_no_drafts_and_stalls_do_not_teach_the_fit():
 def test_seeded_samples_do_not_depend_on_the_measured_cost(stories_path, monkeypatch):
     """The adaptive rule reads wall times; a request with its own seed drafts the same whatever they say."""
     from flowrt.engine import LLM, SamplingParams
-    from flowrt.engine.spec_policy import StepCost
+    from flowrt.engine.decoding.spec_policy import StepCost
 
     params = SamplingParams(max_tokens=60, temperature=0.8, seed=123)
     prompts = ["Once upon a time", "Lily and Tom"]

@@ -83,8 +83,8 @@ def test_regex_cuts_the_copied_continuation(stories_path):
 def test_draft_masks_are_the_grammar_states_after_each_draft(stories_path):
     """apply_drafts masks row j by the matcher's state after j drafts (as consuming them one by one gives),
     the sample row's mask becomes the sequence's grammar_mask, and the matcher is left where it was."""
-    from flowrt.engine.sequence import GrammarState, Sequence
-    from flowrt.engine.structured_output import draft_prefix, unpack_mask
+    from flowrt.engine.request.sequence import GrammarState, Sequence
+    from flowrt.engine.decoding.structured_output import draft_prefix, unpack_mask
 
     llm = LLM(stories_path, dtype="float32")
     so = llm.engine.structured
@@ -136,10 +136,10 @@ def test_sampled_verification_keeps_the_constrained_distribution(stories_path):
     grammar-masked p of row 0, whatever the (allowed) draft (chi-square over the allowed tokens, 2,000 draws)."""
     import collections
 
-    from flowrt.engine.block_pool import BlockPool
-    from flowrt.engine.kv_cache_manager import KVCacheManager
-    from flowrt.engine.sequence import GrammarState, Request, SampleState, Sequence
-    from flowrt.engine.spec_decode import NgramSpeculator, SpeculativeConfig
+    from flowrt.engine.kv.block_pool import BlockPool
+    from flowrt.engine.kv.cache_manager import KVCacheManager
+    from flowrt.engine.request.sequence import GrammarState, Request, SampleState, Sequence
+    from flowrt.engine.decoding.spec_decode import NgramSpeculator, SpeculativeConfig
 
     llm = LLM(stories_path, dtype="float32")
     matcher = llm.engine.structured.compile(StructuredOutputsParams(regex=r"(a|b|c|ab)(a|b|c)"))
@@ -173,7 +173,7 @@ def test_sampled_verification_keeps_the_constrained_distribution(stories_path):
 def test_sequences_with_pending_forced_tokens_draft(stories_path, monkeypatch):
     """A sequence whose grammar forced tokens (not yet computed) drafts after them; outputs equal those without
     drafts. (The choice grammar forces the rest of the option once its first word decides it.)"""
-    from flowrt.engine.spec_decode import NgramSpeculator
+    from flowrt.engine.decoding.spec_decode import NgramSpeculator
 
     seen = []
     propose = NgramSpeculator.propose

@@ -6,8 +6,9 @@ import torch
 
 from cpu_variants import cpu_variant
 from support import make_tiny_model
-from flowrt.engine import LLM, SamplingParams, cpu_build, cpu_ops
-from flowrt.engine.models.llama import _Rope
+from flowrt.engine import LLM, SamplingParams
+from flowrt.engine.cpu import build as cpu_build, ops as cpu_ops
+from flowrt.engine.model.models.llama import _Rope
 
 pytestmark = pytest.mark.skipif(cpu_ops.lib() is None, reason=f"CPU kernels unavailable: {cpu_ops._error}")
 
@@ -125,7 +126,7 @@ def test_glued_cascade_decode_matches_layer_by_layer(tmp_path, monkeypatch, dtyp
     """Decode steps of sequences sharing a cached prefix (the cascade: each member's own keys, then the shared prefix
     once for all by the flash kernel, or each member's whole context below the threshold) run in the one-call layer
     loop, with the same bits as the backend's per-layer forward."""
-    from flowrt.engine import attention
+    from flowrt.engine.model import attention
 
     monkeypatch.setattr(attention, "FLASH_DECODE_MIN_SHARED", min_shared)
     llm = LLM(make_tiny_model(tmp_path / "llama", arch="llama"), dtype=dtype)

@@ -183,7 +183,7 @@ def test_params_need_exactly_one_kind():
 def test_compile_time_cap(llm, monkeypatch):
     import time
 
-    from flowrt.engine import structured_output
+    from flowrt.engine.decoding import structured_output
 
     real = structured_output._new_matcher
 

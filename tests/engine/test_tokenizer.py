@@ -1,4 +1,4 @@
-"""flowrt's own tokenizer (engine/tokenizer.py) against transformers' on every model the tests can reach:
+"""flowrt's own tokenizer (engine/model/tokenizer.py) against transformers' on every model the tests can reach:
 token ids, text, special tokens, chat templates; the config read without transformers; and that loading a
 model and generating never imports transformers."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from flowrt.engine import gguf_loader
-from flowrt.engine.model_config import model_config_from_hf, read_hf_config
-from flowrt.engine.tokenizer import Tokenizer, load_tokenizer, uses_own_tokenizer
+from flowrt.engine.model import gguf_loader
+from flowrt.engine.model.model_config import model_config_from_hf, read_hf_config
+from flowrt.engine.model.tokenizer import Tokenizer, load_tokenizer, uses_own_tokenizer
 from support import ROOT, STORIES, make_tiny_model
 
 BENCH_DIR = Path("/root/.cache/flowrt-bench/SmolLM2-135M-Instruct-hf")
@@ -394,7 +394,7 @@ def test_model_config_matches_autoconfig(tmp_path):
 
 
 def test_gguf_config_dict_matches_transformers_config(tmp_path):
-    from flowrt.engine.model_config import hf_config_from_dict
+    from flowrt.engine.model.model_config import hf_config_from_dict
     from gguf_util import write_gguf
 
     gguf = _default_gguf()

@@ -4,8 +4,9 @@ shared-prefix (cascade) decode path that reads blocks common to several sequence
 import pytest
 import torch
 
-from flowrt.engine import attention, cpu_ops
-from flowrt.engine.attention import AttentionMetadata, TorchAttentionBackend
+from flowrt.engine.model import attention
+from flowrt.engine.cpu import ops as cpu_ops
+from flowrt.engine.model.attention import AttentionMetadata, TorchAttentionBackend
 from flowrt.kernels.reference import paged_decode_attention_ref, paged_prefill_attention_ref
 
 

@@ -1,4 +1,4 @@
-"""Loading Hugging Face safetensors checkpoints (flowrt.engine.weights)."""
+"""Loading Hugging Face safetensors checkpoints (flowrt.engine.model.weights)."""
 
 import json
 from pathlib import Path
@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from flowrt.engine.weights import find_safetensors_files, load_safetensors_dir, resolve_dtype
+from flowrt.engine.model.weights import find_safetensors_files, load_safetensors_dir, resolve_dtype
 from support import STORIES
 
 

@@ -104,15 +104,15 @@ def test_lower_layers_never_import_the_runtime(folder, allowed):
 
 
 def test_import_check_sees_relative_imports():
-    # The static check above resolves relative imports (a `from ...llm import thread` in engine/models
+    # The static check above resolves relative imports (a `from ....llm import thread` in engine/model/models
     # would be flowrt.llm.thread).
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "m.py"
-        p.write_text("from ...llm import thread\nfrom .. import cpu_ops\nfrom flowrt import kernels\n")
-        mods = {m for _, m in _imports(p, "flowrt.engine.models")}
-    assert {"flowrt.llm.thread", "flowrt.engine.cpu_ops", "flowrt.kernels"} <= mods
+        p.write_text("from ....llm import thread\nfrom ...cpu import ops\nfrom flowrt import kernels\n")
+        mods = {m for _, m in _imports(p, "flowrt.engine.model.models")}
+    assert {"flowrt.llm.thread", "flowrt.engine.cpu.ops", "flowrt.kernels"} <= mods
 
 
 @pytest.mark.parametrize("name", ["thread.py", "chat.py"])
@@ -151,12 +151,12 @@ def _load_time_imports(body: list[ast.stmt]):
             yield from _load_time_imports(node.body)
 
 
-def flowrt_import_graph(root: Path) -> dict[str, set[str]]:
-    """module -> the modules of flowrt/ it imports when it is imported (``from P import name`` counts P, and
-    P.name when that is a module; a package's ``__init__`` is a module of its own)."""
+def flowrt_import_graph(root: Path, folder: str = "flowrt", package: str = "flowrt") -> dict[str, set[str]]:
+    """module -> the modules of ``folder`` (the package ``package``) it imports when it is imported (``from P
+    import name`` counts P, and P.name when that is a module; a package's ``__init__`` is a module of its own)."""
     files = {}
-    for path in sorted((root / "flowrt").rglob("*.py")):
-        parts = ["flowrt", *path.relative_to(root / "flowrt").with_suffix("").parts]
+    for path in sorted((root / folder).rglob("*.py")):
+        parts = [*package.split("."), *path.relative_to(root / folder).with_suffix("").parts]
         is_pkg = parts[-1] == "__init__"
         files[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
     graph: dict[str, set[str]] = {}
@@ -264,6 +264,71 @@ def test_flowrt_folders_are_layers():
            if _layer(m) != _layer(d) and LAYERS[_layer(d)] >= LAYERS[_layer(m)]]
     assert not bad, "imports that go up or sideways between layers:\n" + "\n".join(bad)
 
+
+
+# ------------------------------------------------------------------------------- engine/: folders are layers
+# Each folder of engine/ is a layer (engine/*.py, the orchestration and public surface, is the top one); a module
+# imports, as it loads, only from its own layer or lower ones. Upward calls import inside the function, and
+# names used only in annotations import under ``if TYPE_CHECKING:``.
+ENGINE_LAYERS = {
+    "cpu": 0,  # the CPU kernels' build, bindings, threads, malloc tuning
+    "quant": 1,  # weights kept quantized, multiplied by the CPU kernels
+    "model": 2,  # attention, the network, loaders, weights, tokenizer, the runner
+    "request": 3,  # sequences and their typed parts, outputs, program contexts
+    "kv": 4,  # KV blocks, their manager, the cache tensor, transfer
+    "decoding": 4,  # sampler, speculation, structured output
+    "core": 5,  # scheduler and policy, sampling parameters, input / output processing
+    "top": 6,  # engine/*.py: LLMEngine, LLM, AsyncLLM, beam search, EngineArgs, the interfaces
+}
+
+
+def _engine_layer(module: str) -> str:
+    parts = module.split(".")  # flowrt.engine[.folder[.module]]
+    return parts[2] if len(parts) > 3 or (len(parts) == 3 and parts[2] in ENGINE_LAYERS) else "top"
+
+
+def _engine_upward(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{m} -> {d}" for m, deps in sorted(graph.items()) for d in sorted(deps)
+            if _engine_layer(m) != _engine_layer(d)
+            and ENGINE_LAYERS[_engine_layer(d)] >= ENGINE_LAYERS[_engine_layer(m)]]
+
+
+def test_engine_folders_are_layers():
+    graph = flowrt_import_graph(ROOT, "engine", "flowrt.engine")
+    assert {"flowrt.engine.core.scheduler", "flowrt.engine.cpu.ops", "flowrt.engine.kv.block_pool",
+            "flowrt.engine.model.runner", "flowrt.engine.decoding.sampler", "flowrt.engine.request.sequence",
+            "flowrt.engine.llm_engine"} <= set(graph)
+    assert "flowrt.engine.cpu.ops" in graph["flowrt.engine.quant.kernels"]  # the graph sees `from ..cpu import`
+    assert {_engine_layer(m) for m in graph} == set(ENGINE_LAYERS), "a folder of engine/ ENGINE_LAYERS does not place"
+    bad = _engine_upward(graph)
+    assert not bad, "imports that go up or sideways between engine layers:\n" + "\n".join(bad)
+
+
+def test_no_module_of_the_engine_imports_one_that_imports_it_back():
+    # A module's own package is loaded before it (``from . import sibling`` names the package): no circle.
+    graph = {m: {d for d in deps if not m.startswith(d + ".")}
+             for m, deps in flowrt_import_graph(ROOT, "engine", "flowrt.engine").items()}
+    assert "flowrt.engine.quant.dequant" in graph["flowrt.engine.quant.linear"]
+    assert import_circles(graph) == []
+
+
+def test_engine_layer_check_sees_an_upward_import():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:  # kv imports core at load (up), core imports kv (down)
+        for rel, code in {"engine/__init__.py": "", "engine/kv/__init__.py": "", "engine/core/__init__.py": "",
+                          "engine/kv/m.py": "from ..core.s import S\n", "engine/core/s.py": "from ..kv import m\n",
+                          "engine/core/t.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                              "    from ..llm_engine import E\n"}.items():
+            (Path(d) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(d) / rel).write_text(code)
+        graph = flowrt_import_graph(Path(d), "engine", "flowrt.engine")
+    assert graph["flowrt.engine.kv.m"] == {"flowrt.engine.core.s"}
+    assert graph["flowrt.engine.core.s"] == {"flowrt.engine.kv", "flowrt.engine.kv.m"}
+    assert graph["flowrt.engine.core.t"] == set()  # only for the type checker: not a load-time import
+    assert _engine_upward(graph) == ["flowrt.engine.kv.m -> flowrt.engine.core.s"]
+    assert [_engine_layer(m) for m in ("flowrt.engine", "flowrt.engine.llm", "flowrt.engine.kv", "flowrt.engine.kv.m")
+            ] == ["top", "top", "kv", "kv"]
 
 
 def test_replicas_use_the_engines_public_api_only():

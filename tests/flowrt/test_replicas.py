@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from flowrt.engine.block_pool import BlockPool
+from flowrt.engine.kv.block_pool import BlockPool
 
 import flowrt as fr
 
@@ -225,7 +225,7 @@ def test_router_is_an_engine_client_behind_the_server(rt, stories_path):
     """`flowrt serve --replicas N`: the router is the server's engine; /metrics shows each replica."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    from flowrt.engine.protocol import EngineClient
+    from flowrt.engine.interfaces import EngineClient
     from flowrt.replicas.client import RouterClient
     from flowrt.server.app import create_app
     from flowrt.server.background import BackgroundServer

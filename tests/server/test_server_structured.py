@@ -226,7 +226,7 @@ def test_bad_constraints_are_400_naming_the_parameter(client):
 
 
 def test_compile_runs_off_the_event_loop_under_a_time_cap(server, monkeypatch):
-    from flowrt.engine import structured_output
+    from flowrt.engine.decoding import structured_output
 
     real = structured_output._new_matcher
 

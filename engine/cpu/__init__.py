@@ -1,0 +1,2 @@
+"""The CPU kernels' Python side: their build (build), ctypes bindings (ops), the thread governor (threads), malloc
+tuning (memory)."""
