@@ -355,7 +355,8 @@ def test_the_step_cache_is_shared_between_processes(tmp_path, store_spec):
     (first,) = process(1)
     kept = time.time()
     assert first["errors"]["flaky"].startswith("RuntimeError: flag is up")
-    assert calls() == ["double 1", "brief 1", "flaky 1"] and first["stats"]["run_cache_misses"] == 3
+    # the three steps are independent and run concurrently: their calls are compared as a set
+    assert sorted(calls()) == ["brief 1", "double 1", "flaky 1"] and first["stats"]["run_cache_misses"] == 3
     flag.unlink()
     time.sleep(max(0.0, kept + 1.1 - time.time()))   # brief's TTL (1 s) has run out
     same, other, again = process(1, 2, 1)
@@ -364,4 +365,4 @@ def test_the_step_cache_is_shared_between_processes(tmp_path, store_spec):
     assert (same["stats"]["run_cache_hits"], same["stats"]["run_cache_misses"]) == (1, 2)
     assert other["outputs"] == {"double": 4, "brief": 3, "flaky": -2} and other["stats"]["run_cache_hits"] == 0
     assert again["outputs"] == same["outputs"] and again["stats"]["run_cache_hits"] == 3
-    assert calls() == ["brief 1", "flaky 1", "double 2", "brief 2", "flaky 2"]
+    assert sorted(calls()) == ["brief 1", "brief 2", "double 2", "flaky 1", "flaky 2"]
