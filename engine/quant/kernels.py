@@ -45,13 +45,13 @@ def _check_x(op: str, x: torch.Tensor, k: int) -> torch.Tensor:
 
 @cpu_ops._profiled("quant_act")
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q int16 [M, K], d float32 [M, K/32], sx float32 [M, K/32, 8]): reference.quantize_activations'
+    """x [M, K] -> (q int16 [M, K], d float32 [M, K/32], sx float32 [M, 2, K/32]): reference.quantize_activations'
     q and d bit for bit, and the halves' scaled sums the products use for the formats with minimums."""
     M, K = x.shape
     x = _check_x("quant_act", x, K)
     q = torch.empty(M, K, dtype=torch.int16)
     d = torch.empty(M, K // 32, dtype=torch.float32)
-    sx = torch.empty(M, K // 32, 8, dtype=torch.float32)
+    sx = torch.empty(M, 2, K // 32, dtype=torch.float32)
     _raise("quant_act", _fn("quant_act", x.dtype)(x.data_ptr(), x.stride(0), M, K, q.data_ptr(), d.data_ptr(),
                                                    sx.data_ptr()), QuantType.Q8_0)
     return q, d, sx

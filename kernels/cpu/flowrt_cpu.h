@@ -147,7 +147,7 @@ int decode_layers_f32(const FrDecodeStep* step);
 int decode_layers_bf16(const FrDecodeStep* step);
 
 // ---- quantized weights: GGUF block rows read in place (quant_blocks.h; qtype = the ggml type id)
-// x -> int16 blocks of 32 with scales d [M, K/32] and the halves' scaled sums sx [M, K/32, 8] (nullable) (quant_act.cpp)
+// x -> int16 blocks of 32 with scales d [M, K/32] and the halves' scaled sums sx [M, 2, K/32] (nullable) (quant_act.cpp)
 int quant_act_f32(const float* x, int64_t x_st, int64_t M, int64_t K, int16_t* q, float* d, float* sx);
 int quant_act_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, int16_t* q, float* d, float* sx);
 // y = x @ W^T (+ bias), W uint8 [N, row bytes]; 0, -1 unsupported qtype, -2 K not whole blocks (quant_gemm.cpp)

@@ -1,16 +1,15 @@
 // Activations of the quantized projections: each row quantized in blocks of 32 to int16 with one float32 scale,
 // d = amax / 32767, q = round-half-away(x * (1 / d)) (engine/quant/reference.py's numbers, bit for bit), and per block
-// the scaled sums of its two halves s0 = d * sum(q[0..15]) / 4, s1 = d * sum(q[16..31]) / 4 laid out as the lanes of
-// the products (quant_gemm.cpp): sx = {s0, s0, s1, s1, s0, s0, s1, s1}, so the weight blocks' minimums multiply them
-// in one vector operation.
+// the scaled sums of its two halves s0 = d * sum(q[0..15]), s1 = d * sum(q[16..31]), row r's as sx[r][h][block] (the
+// products, quant_gemm.cpp, multiply eight blocks' sums by their minimums in one vector operation).
 #include "flowrt_cpu.h"
 #include "common.h"
 
 namespace {
 
-// One block of 32: q, *d, sx[8] (nullable).
+// One block of 32: q, *d, the halves' sums at sx[0] and sx[nb] (sx nullable).
 template <typename T>
-void quant_block(const T* x, int16_t* q, float* d, float* sx) {
+void quant_block(const T* x, int16_t* q, float* d, float* sx, int64_t nb) {
 #ifdef FLOWRT_AVX2
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4];
@@ -43,8 +42,8 @@ void quant_block(const T* x, int16_t* q, float* d, float* sx) {
         _mm256_store_si256(reinterpret_cast<__m256i*>(t1), h1);
         int s0 = 0, s1 = 0;
         for (int i = 0; i < 8; ++i) { s0 += t0[i]; s1 += t1[i]; }
-        const float a0 = dd * (float)s0 * 0.25f, a1 = dd * (float)s1 * 0.25f;
-        _mm256_storeu_ps(sx, _mm256_setr_ps(a0, a0, a1, a1, a0, a0, a1, a1));
+        sx[0] = dd * (float)s0;
+        sx[nb] = dd * (float)s1;
     }
 #else
     float amax = 0.f;
@@ -59,8 +58,10 @@ void quant_block(const T* x, int16_t* q, float* d, float* sx) {
         s[i >> 4] += q[i];
     }
     *d = dd;
-    if (sx)
-        for (int i = 0; i < 8; ++i) sx[i] = dd * (float)s[(i >> 1) & 1] * 0.25f;
+    if (sx) {
+        sx[0] = dd * (float)s[0];
+        sx[nb] = dd * (float)s[1];
+    }
 #endif
 }
 
@@ -70,7 +71,8 @@ void quant_rows(const T* x, int64_t x_st, int64_t M, int64_t K, int16_t* q, floa
     #pragma omp parallel for schedule(static) if (M * K >= (1 << 16)) num_threads(flowrt_threads)
     for (int64_t r = 0; r < M; ++r)
         for (int64_t b = 0; b < nb; ++b)
-            quant_block(x + r * x_st + 32 * b, q + r * K + 32 * b, d + r * nb + b, sx ? sx + (r * nb + b) * 8 : nullptr);
+            quant_block(x + r * x_st + 32 * b, q + r * K + 32 * b, d + r * nb + b, sx ? sx + r * 2 * nb + b : nullptr,
+                        nb);
 }
 
 }  // namespace

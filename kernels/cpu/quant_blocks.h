@@ -105,13 +105,13 @@ static inline __m256i nibbles32(const uint8_t* p, bool hi) {
     return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
 }
 
-// byte e = 0x10 where bit e of `bits` is set, else 0 (the fifth bit of Q5_0 / Q5_1).
-static inline __m256i bit16(uint32_t bits) {
+// byte e = 0xFF where bit e of `bits` is set, else 0 (the fifth bit of Q5_0 / Q5_1).
+static inline __m256i bits_set(uint32_t bits) {
     const __m256i idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
                                          3, 3, 3, 3, 3, 3, 3);
     const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), idx);
     const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel), _mm256_set1_epi8(0x10));
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel);
 }
 
 // 32 bytes shifted right by s bits and masked to `mask` (2-bit fields of the K-quants).
@@ -191,9 +191,9 @@ struct Q5_0F {
         }
     }
 #ifdef FLOWRT_AVX2
-    static __m256i qv(const uint8_t* r, int b) {
+    static __m256i qv(const uint8_t* r, int b) {  // (nibble | bit << 4) - 16 = the nibble, or it | 0xF0 without the bit
         const uint8_t* p = r + b * BYTES;
-        return _mm256_sub_epi8(_mm256_or_si256(nibbles16(p + 6), bit16(u32(p + 2))), _mm256_set1_epi8(16));
+        return _mm256_or_si256(nibbles16(p + 6), _mm256_andnot_si256(bits_set(u32(p + 2)), _mm256_set1_epi8((char)0xF0)));
     }
 #endif
 };
@@ -216,7 +216,7 @@ struct Q5_1F {
 #ifdef FLOWRT_AVX2
     static __m256i qv(const uint8_t* r, int b) {
         const uint8_t* p = r + b * BYTES;
-        return _mm256_or_si256(nibbles16(p + 8), bit16(u32(p + 4)));
+        return _mm256_or_si256(nibbles16(p + 8), _mm256_and_si256(bits_set(u32(p + 4)), _mm256_set1_epi8(0x10)));
     }
 #endif
 };
@@ -362,7 +362,14 @@ struct Q6_KF {
     }
     static void scales8(const uint8_t* p, float* D, float*) {
         const float d = half(p + 208);
+#ifdef FLOWRT_AVX2
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+        const __m256 dv = _mm256_set1_ps(d);
+        _mm256_storeu_ps(D, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+        _mm256_storeu_ps(D + 8, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+#else
         for (int i = 0; i < 16; ++i) D[i] = d * (float)(int8_t)p[192 + i];
+#endif
     }
     static void q(const uint8_t* r, int b, int8_t* q) {
         const uint8_t* p = r + (b >> 3) * BYTES;

@@ -1,17 +1,14 @@
 // Quantized projections y[M, N] = x[M, K] @ W^T (+ bias), W in a GGUF block format read in place (uint8 rows of
 // whole blocks, as the file stores them; formats in quant_blocks.h). x is quantized first (quant_act.cpp: int16 blocks
 // of 32 with a scale d and the halves' scaled sums sx); then for every (row, column) pair and block of 32 the integer
-// dot product of q_x and the weight's q (widened to int16: madd over pairs), as eight int32 lanes of four products
-// each (lanes 0, 1, 4, 5 the block's first 16 elements, 2, 3, 6, 7 its second), is scaled by d_x * D (each half by
-// its own D) and accumulated in eight float lanes; formats with minimums add M * sx. Why int16 activations: int8
+// dot product of q_x and the weight's q (widened to int16: madd over pairs), scaled by d_x * D (each half by its own D
+// where the format has two) and accumulated in float; formats with minimums add M * sx. Why int16 activations: int8
 // ones (llama.cpp's q8) perturb the logits enough (~0.1 nats) to flip greedy choices against the dequantized float32
-// path; int16 is ~1e-5 relative, and on AVX2 the int16 madd costs what the int8 sign/maddubs pair did. The
-// eight lanes are summed once at the end, always in the same tree. So a pair's result does not depend on the tile it
-// was computed in or on the thread count: a row gives the same bits alone (decode) or in a batch.
+// path; int16 is ~1e-5 relative, and on AVX2 the int16 madd costs what the int8 sign/maddubs pair did.
 //
-// Tiles of 4 rows x 2 columns: a column's block is unpacked once and used by four rows (prefill), and decode
-// (1 row) streams each weight byte once. Work items are chunks of 16 columns handed to
-// the threads dynamically.
+// Up to 9 rows (decode) in small tiles (block() below), which stream each weight byte once per tile; from FLOAT_ROWS
+// rows (batched decode, prefill) float32 FMAs on the dequantized weights (gemm_float below). Work items are chunks of
+// 16 columns handed to the threads dynamically.
 //
 // ISA: the AVX2 code (madd on 256-bit vectors) also serves the avx512 and avx512bf16 variants (their builds
 // define __AVX2__): no AVX-512 or VNNI path here, as none could be tested on the AVX2-only machines these were
@@ -24,6 +21,7 @@
 #endif
 
 #include <type_traits>
+#include <utility>
 
 namespace {
 
@@ -37,17 +35,22 @@ struct Act {
 template <typename T>
 static inline void put(T* y, float v) { *y = from_f32<T>(v); }
 
+// A row's blocks of 32 go in groups of eight (a K-quant's super-block; the 32-block formats' blocks 8g..8g+7, the
+// last group of a row short when K is not a multiple of 256): per group, the integer products of each block (or
+// half-block, for the formats whose halves have their own scale) are summed exactly in int32, one lane per block, and
+// scaled in one vector operation: acc += float(s) * (D * d_x) (+ M * sx), lane j for block j. Against one float
+// conversion and scale per block this halves the operations per weight of the 4-bit and 6-bit formats, whose one-row
+// products are compute-bound on AVX2 (the weights stream slower than memory). The eight lanes are summed once at the
+// end, always in the same tree; so a pair's result does not depend on the tile it was computed in or on the thread
+// count: a row gives the same bits alone (decode) or in a batch.
+constexpr int GROUP = 8;
+
 #ifdef FLOWRT_AVX2
 // ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): the one summation order of a pair's lanes.
 static inline float lanes_sum(__m256 v) {
     const __m256 h = _mm256_hadd_ps(v, v);
     const __m256 h2 = _mm256_hadd_ps(h, h);
     return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
-}
-
-// A 32-block's per-half values in the products' lane order: {v0, v0, v1, v1, v0, v0, v1, v1} (one value: all lanes).
-static inline __m256 halves(const float* v, bool two) {
-    return two ? _mm256_setr_ps(v[0], v[0], v[1], v[1], v[0], v[0], v[1], v[1]) : _mm256_set1_ps(v[0]);
 }
 
 template <typename F, typename = void> struct has_qv16 : std::false_type {};
@@ -66,119 +69,272 @@ static inline void qv16(const uint8_t* r, int b, __m256i& q0, __m256i& q1) {
     }
 }
 
+// Lanes j < n of all ones (the valid blocks of a group).
+static inline __m256i lanes_below(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// The halves at p + j * S for lanes j < n (0 after): 16-bit inserts, as a gather costs more on the AMD cores.
+template <int S, int... J>
+static inline __m128i halfs_at(const uint8_t* p, int n, std::integer_sequence<int, J...>) {
+    __m128i v = _mm_setzero_si128();
+    uint16_t h;
+    ((J < n ? (std::memcpy(&h, p + J * S, 2), v = _mm_insert_epi16(v, h, J)) : v), ...);
+    return v;
+}
+
+// The scales of group g's blocks, lane j for block 8g + j (0 past the n valid ones): D[0] (each half's own in D[0],
+// D[1] for HALVES formats) and the minimums M[0] (M[1]).
+template <typename F>
+__attribute__((always_inline)) static inline void group_scales(const uint8_t* r, int64_t g, int n, __m256* D, __m256* M) {
+    if constexpr (F::QK == 32) {  // every 32-block format starts with its half d (and the MIN ones' m after it)
+        const uint8_t* p = r + GROUP * g * F::BYTES;
+        const std::make_integer_sequence<int, GROUP> lanes;
+        const __m128i d = halfs_at<F::BYTES>(p, n, lanes);
+        D[0] = _mm256_cvtph_ps(d);
+        if constexpr (F::MIN) M[0] = _mm256_cvtph_ps(halfs_at<F::BYTES>(p + 2, n, lanes));
+    } else {
+        alignas(32) float Ds[16], Ms[16] = {};
+        F::scales8(r + g * F::BYTES, Ds, Ms);
+        const auto even_odd = [](const float* v, __m256& e, __m256& o) {  // v[2j], v[2j + 1] -> lane j of e, o
+            const __m256 a = _mm256_load_ps(v), b = _mm256_load_ps(v + 8);
+            e = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+            o = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+        };
+        if constexpr (F::HALVES) {
+            even_odd(Ds, D[0], D[1]);
+            if constexpr (F::MIN) even_odd(Ms, M[0], M[1]);
+        } else {
+            D[0] = _mm256_load_ps(Ds);
+            if constexpr (F::MIN) M[0] = _mm256_load_ps(Ms);
+        }
+    }
+}
+
+// 8 floats from p, lanes j < n (the rest 0): a plain load for a whole group.
+template <bool FULL>
+static inline __m256 load_group(const float* p, int n) {
+    if constexpr (FULL) return _mm256_loadu_ps(p);
+    else return _mm256_maskload_ps(p, lanes_below(n));
+}
+
+// Group g of rows [r0, r0 + R) against one row of W into acc[R]; FULL: all eight blocks valid (else the first n).
+template <typename F, int R, bool FULL>
+__attribute__((always_inline)) static inline void group(const Act& a, int64_t r0, const uint8_t* row, int64_t g, int n, __m256* acc) {
+    constexpr int H = F::HALVES ? 2 : 1;
+    // the block products' lanes, reduced as they come (pairs of blocks by hadd, then pairs of pairs), so few
+    // registers stay live: h[r][half][k] holds blocks 2k, 2k + 1
+    __m256i h[R][H][4];
+    const uint8_t* rg = row + g * (GROUP * 32 / F::QK) * F::BYTES;  // the group's first byte: blocks j = 0..7 from it
+    #pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+        __m256i v[2][R][H];
+        #pragma GCC unroll 2
+        for (int e = 0; e < 2; ++e) {
+            const int j = 2 * k + e;
+            if (!FULL && j >= n) {
+                #pragma GCC unroll 4
+                for (int r = 0; r < R; ++r)
+                    for (int hh = 0; hh < H; ++hh) v[e][r][hh] = _mm256_setzero_si256();
+                continue;
+            }
+            const int64_t b = GROUP * g + j;
+            __m256i q0, q1;
+            qv16<F>(rg, j, q0, q1);  // j a constant: the block's offsets fold
+            #pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+                const int16_t* xb = a.q + (r0 + r) * a.K + 32 * b;
+                const __m256i m0 = _mm256_madd_epi16(q0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
+                const __m256i m1 = _mm256_madd_epi16(q1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16)));
+                if constexpr (F::HALVES) v[e][r][0] = m0, v[e][r][1] = m1;
+                else v[e][r][0] = _mm256_add_epi32(m0, m1);
+            }
+        }
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+            for (int hh = 0; hh < H; ++hh) h[r][hh][k] = _mm256_hadd_epi32(v[0][r][hh], v[1][r][hh]);
+    }
+    __m256 D[2], Mn[2];
+    group_scales<F>(row, g, FULL ? GROUP : n, D, Mn);
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * a.nb + GROUP * g;
+        const __m256 dx = load_group<FULL>(a.d + at, n);
+        #pragma GCC unroll 2
+        for (int hh = 0; hh < H; ++hh) {  // lane j = block j's sum
+            const __m256i x = _mm256_hadd_epi32(h[r][hh][0], h[r][hh][1]), y = _mm256_hadd_epi32(h[r][hh][2], h[r][hh][3]);
+            const __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(x, y, 0x20), _mm256_permute2x128_si256(x, y, 0x31));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(D[hh], dx), acc[r]);
+        }
+        if constexpr (F::MIN) {
+            const float* sp = a.sx + (r0 + r) * 2 * a.nb + GROUP * g;
+            const __m256 s0 = load_group<FULL>(sp, n), s1 = load_group<FULL>(sp + a.nb, n);
+            if constexpr (F::HALVES) {
+                acc[r] = _mm256_fmadd_ps(Mn[0], s0, acc[r]);
+                acc[r] = _mm256_fmadd_ps(Mn[1], s1, acc[r]);
+            } else {
+                acc[r] = _mm256_fmadd_ps(Mn[0], _mm256_add_ps(s0, s1), acc[r]);
+            }
+        }
+    }
+}
+
+// The 32-block formats (one scale per block, read straight from the block): tiles of R rows x C columns, each
+// block's eight int32 lanes scaled by d_x * D and accumulated in eight float lanes (a column's block unpacked once for
+// R rows; C columns' chains in flight); the minimums' M * sx in one more float per pair. For these, the groups above
+// cost more than they save where a row is short (K = 576: two groups and a short one).
 template <typename F, int R, int C, typename T>
-static inline void tile(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, int64_t c0, const float* bias, T* y,
-                        int64_t ys) {
+static inline void tile_blocks(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, int64_t c0, const float* bias,
+                               T* y, int64_t ys) {
+    static_assert(F::QK == 32 && !F::HALVES);
     __m256 acc[R][C];
-    #pragma GCC unroll 8
+    float mins[R][C] = {};
+    #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
         #pragma GCC unroll 4
         for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
     const int16_t* xq = a.q + r0 * a.K;
     const float* xd = a.d + r0 * a.nb;
-    const float* xs = a.sx + r0 * a.nb * 8;
-    // the next C rows of W (contiguous after these) stream into L1 while this tile runs, a share per block: rows are
-    // short runs (K = 2048 at 4.5 bits is 18 lines) that the hardware prefetcher alone does not cover in time
-    constexpr int PF = C * F::BYTES * 32 / F::QK;  // bytes of the next tile per block of 32
-    constexpr int G = F::QK / 32;                  // blocks of 32 per format block: the loop over them is unrolled
+    const float* xs = a.sx + r0 * 2 * a.nb;
+    constexpr int PF = C * F::BYTES;  // the next tile's bytes per block, prefetched a share per block
     const uint8_t* next = w + (c0 + C) * rb;
-    for (int64_t sb = 0; sb < a.nb / G; ++sb) {
-        float Ds[C][2 * G], Ms[C][2 * G];  // D, M of the block's halves, decoded once per column
+    for (int64_t b = 0; b < a.nb; ++b) {
+        #pragma GCC unroll 4
+        for (int o = 0; o < PF; o += 64) _mm_prefetch((const char*)(next + b * PF + o), _MM_HINT_T0);
         #pragma GCC unroll 4
         for (int c = 0; c < C; ++c) {
-            if constexpr (G == 8) F::scales8(w + (c0 + c) * rb + sb * F::BYTES, Ds[c], Ms[c]);
-            else F::scales(w + (c0 + c) * rb, (int)sb, Ds[c], Ms[c]);
-        }
-        #pragma GCC unroll 8
-        for (int j = 0; j < G; ++j) {
-            const int64_t b = sb * G + j;
+            const uint8_t* row = w + (c0 + c) * rb;
+            float D[2], Mn[2];
+            F::scales(row, (int)b, D, Mn);
+            const __m256 Dv = _mm256_set1_ps(D[0]);
+            __m256i q0, q1;
+            qv16<F>(row, (int)b, q0, q1);
             #pragma GCC unroll 4
-            for (int o = 0; o < PF; o += 64) _mm_prefetch((const char*)(next + b * PF + o), _MM_HINT_T0);
-            #pragma GCC unroll 4
-            for (int c = 0; c < C; ++c) {
-                constexpr int H = F::HALVES ? 2 : 1;
-                const __m256 Dv = halves(Ds[c] + H * j, F::HALVES);
-                __m256i q0, q1;
-                qv16<F>(w + (c0 + c) * rb, (int)b, q0, q1);
-                #pragma GCC unroll 8
-                for (int r = 0; r < R; ++r) {
-                    const int16_t* xb = xq + r * a.K + 32 * b;
-                    const __m256i p0 = _mm256_madd_epi16(q0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
-                    const __m256i p1 =
-                        _mm256_madd_epi16(q1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16)));
-                    const __m256 s = _mm256_cvtepi32_ps(F::HALVES ? _mm256_hadd_epi32(p0, p1) : _mm256_add_epi32(p0, p1));
-                    const __m256 scale = _mm256_mul_ps(Dv, _mm256_broadcast_ss(xd + r * a.nb + b));
-                    acc[r][c] = _mm256_fmadd_ps(s, scale, acc[r][c]);
-                    if constexpr (F::MIN)
-                        acc[r][c] = _mm256_fmadd_ps(halves(Ms[c] + H * j, F::HALVES),
-                                                    _mm256_loadu_ps(xs + (r * a.nb + b) * 8), acc[r][c]);
+            for (int r = 0; r < R; ++r) {
+                const int16_t* xb = xq + r * a.K + 32 * b;
+                const __m256i p0 = _mm256_madd_epi16(q0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
+                const __m256i p1 = _mm256_madd_epi16(q1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16)));
+                const __m256 scale = _mm256_mul_ps(Dv, _mm256_broadcast_ss(xd + r * a.nb + b));
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), scale, acc[r][c]);
+                if constexpr (F::MIN) {
+                    const float* sx = xs + r * 2 * a.nb + b;
+                    mins[r][c] = std::fma(Mn[0], sx[0] + sx[a.nb], mins[r][c]);
                 }
             }
         }
     }
-    #pragma GCC unroll 8
+    #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
         #pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) {
-            float v = lanes_sum(acc[r][c]);
-            if (bias) v += bias[c0 + c];
-            put(y + (r0 + r) * ys + c0 + c, v);
-        }
+        for (int c = 0; c < C; ++c)
+            put(y + (r0 + r) * ys + c0 + c, lanes_sum(acc[r][c]) + mins[r][c] + (bias ? bias[c0 + c] : 0.f));
 }
 
-template <typename F, int C, typename T>
-static inline void rows_tile(int R, const Act& a, int64_t r0, const uint8_t* w, int64_t rb, int64_t c0,
-                             const float* bias, T* y, int64_t ys) {
-    switch (R) {
-        case 4: tile<F, 4, C>(a, r0, w, rb, c0, bias, y, ys); break;
-        case 3: tile<F, 3, C>(a, r0, w, rb, c0, bias, y, ys); break;
-        case 2: tile<F, 2, C>(a, r0, w, rb, c0, bias, y, ys); break;
-        default: tile<F, 1, C>(a, r0, w, rb, c0, bias, y, ys); break;
+// The K-quants (and every format in the scalar build): rows [r0, r0 + R) against column c, by groups.
+template <typename F, int R, typename T>
+static inline void tile(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, int64_t c, const float* bias, T* y,
+                        int64_t ys) {
+    const uint8_t* row = w + c * rb;
+    // the next row of W (contiguous after this one) streams into L1 while this one runs, a share per group: rows are
+    // short runs (K = 2048 at 4.5 bits is 18 lines) that the hardware prefetcher alone does not cover in time
+    constexpr int PF = GROUP * 32 / F::QK * F::BYTES;  // bytes per group
+    const uint8_t* next = row + rb;
+    __m256 acc[R];
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const int64_t full = a.nb / GROUP;
+    for (int64_t g = 0; g < full; ++g) {
+        #pragma GCC unroll 4
+        for (int o = 0; o < PF; o += 64) _mm_prefetch((const char*)(next + g * PF + o), _MM_HINT_T0);
+        group<F, R, true>(a, r0, row, g, GROUP, acc);
     }
+    if (a.nb % GROUP) group<F, R, false>(a, r0, row, full, (int)(a.nb % GROUP), acc);
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) put(y + (r0 + r) * ys + c, lanes_sum(acc[r]) + (bias ? bias[c] : 0.f));
 }
 #else
-// The scalar twin: per (row, column) pair and block, the two halves' integer sums scaled by d_x * D (+ M * sx).
-template <typename F, typename T>
-static inline void scalar_tile(int R, const Act& a, int64_t r0, const uint8_t* w, int64_t rb, int64_t c0,
-                               const float* bias, T* y, int64_t ys) {
-    const uint8_t* row = w + c0 * rb;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+// The scalar twin, in the same order: per group, each block's (half's) exact integer sum in lane j, lane j +=
+// float(s) * (D * d_x) (+ M * sx) by fused multiply-adds, the lanes summed in lanes_sum's tree.
+template <typename F, int R, typename T>
+static inline void tile(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, int64_t c, const float* bias, T* y,
+                        int64_t ys) {
+    const uint8_t* row = w + c * rb;
+    float acc[GROUP] = {};
     int8_t q[32];
     for (int64_t b = 0; b < a.nb; ++b) {
-        float D[2], Mn[2];
+        float D[2], Mn[2] = {0.f, 0.f};
         F::q(row, (int)b, q);
         F::scales(row, (int)b, D, Mn);
-        for (int r = 0; r < R; ++r) {
-            const int16_t* x = a.q + (r0 + r) * a.K + 32 * b;
-            int s[2] = {0, 0};
-            for (int i = 0; i < 32; ++i) s[i >> 4] += (int)q[i] * (int)x[i];
-            const float dx = a.d[(r0 + r) * a.nb + b];
-            acc[r] += (float)s[0] * (D[0] * dx) + (float)s[1] * (D[1] * dx);
-            if constexpr (F::MIN) {
-                const float* sx = a.sx + ((r0 + r) * a.nb + b) * 8;
-                acc[r] += Mn[0] * (4.0f * sx[0]) + Mn[1] * (4.0f * sx[2]);
+        const int64_t r = r0;  // R == 1 here
+        const int16_t* x = a.q + r * a.K + 32 * b;
+        int s[2] = {0, 0};
+        for (int i = 0; i < 32; ++i) s[i >> 4] += (int)q[i] * (int)x[i];
+        const float dx = a.d[r * a.nb + b];
+        const float* sx = a.sx + r * 2 * a.nb + b;
+        float& l = acc[b % GROUP];
+        if constexpr (F::HALVES) {
+            l = std::fma((float)s[0], D[0] * dx, l);
+            l = std::fma((float)s[1], D[1] * dx, l);
+        } else {
+            l = std::fma((float)(s[0] + s[1]), D[0] * dx, l);
+        }
+        if constexpr (F::MIN) {
+            if constexpr (F::HALVES) {
+                l = std::fma(Mn[0], sx[0], l);
+                l = std::fma(Mn[1], sx[a.nb], l);
+            } else {
+                l = std::fma(Mn[0], sx[0] + sx[a.nb], l);
             }
         }
     }
-    for (int r = 0; r < R; ++r) put(y + (r0 + r) * ys + c0, acc[r] + (bias ? bias[c0] : 0.f));
+    const float v = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    put(y + r0 * ys + c, v + (bias ? bias[c] : 0.f));
 }
 #endif
 
-// The rows [r0, r1) against the columns [c0, c1).
+// The rows [r0, r1) against the columns [c0, c1). The K-quants: tiles of up to two rows by one column, a column's
+// blocks unpacked once per tile. The 32-block formats: tiles of up to 4 rows by 4 columns (one row: four columns'
+// chains in flight).
 template <typename F, typename T>
 static void block(const Act& a, int64_t r0, int64_t r1, const uint8_t* w, int64_t rb, int64_t c0, int64_t c1,
                   const float* bias, T* y, int64_t ys) {
-    for (int64_t r = r0; r < r1; r += 4) {
-        const int R = (int)std::min<int64_t>(4, r1 - r);
-        int64_t c = c0;
 #ifdef FLOWRT_AVX2
-        if (R == 1)  // one row: four columns' chains in flight
-            for (; c + 4 <= c1; c += 4) tile<F, 1, 4>(a, r, w, rb, c, bias, y, ys);
-        for (; c + 2 <= c1; c += 2) rows_tile<F, 2>(R, a, r, w, rb, c, bias, y, ys);
-        for (; c < c1; ++c) rows_tile<F, 1>(R, a, r, w, rb, c, bias, y, ys);
+    if constexpr (F::QK == 32) {
+        for (int64_t r = r0; r < r1; r += 4) {
+            const int R = (int)std::min<int64_t>(4, r1 - r);
+            const auto rows = [&](auto cols, int64_t c) {
+                constexpr int C = decltype(cols)::value;
+                switch (R) {
+                    case 4: tile_blocks<F, 4, C>(a, r, w, rb, c, bias, y, ys); break;
+                    case 3: tile_blocks<F, 3, C>(a, r, w, rb, c, bias, y, ys); break;
+                    case 2: tile_blocks<F, 2, C>(a, r, w, rb, c, bias, y, ys); break;
+                    default: tile_blocks<F, 1, C>(a, r, w, rb, c, bias, y, ys); break;
+                }
+            };
+            int64_t c = c0;
+            if (R == 1)
+                for (; c + 4 <= c1; c += 4) tile_blocks<F, 1, 4>(a, r, w, rb, c, bias, y, ys);
+            for (; c + 2 <= c1; c += 2) rows(std::integral_constant<int, 2>{}, c);
+            for (; c < c1; ++c) rows(std::integral_constant<int, 1>{}, c);
+        }
+        return;
+    }
+    constexpr int RT = 2;
 #else
-        for (; c < c1; ++c) scalar_tile<F>(R, a, r, w, rb, c, bias, y, ys);
+    constexpr int RT = 1;
 #endif
+    for (int64_t r = r0; r < r1;) {
+        const int R = (int)std::min<int64_t>(RT, r1 - r);
+        for (int64_t c = c0; c < c1; ++c) {
+            if constexpr (RT == 2) {
+                if (R == 2) {
+                    tile<F, 2>(a, r, w, rb, c, bias, y, ys);
+                    continue;
+                }
+            }
+            tile<F, 1>(a, r, w, rb, c, bias, y, ys);
+        }
+        r += R;
     }
 }
 
@@ -314,7 +470,7 @@ int quant_gemm(const T* x, int64_t x_st, int64_t M, int64_t K, const FrWeightPar
         if (K % qk) return -2;
     }
     const int64_t nb = K / 32;
-    uint8_t* buf = scratch((size_t)(2 * M * K + M * nb * 36 + 64));
+    uint8_t* buf = scratch((size_t)(2 * M * K + M * nb * 12 + 64));
     float* d = reinterpret_cast<float*>(buf + ((2 * M * K + 31) & ~(int64_t)31));
     float* sx = d + M * nb;
     if constexpr (std::is_same_v<T, float>) quant_act_f32(x, x_st, M, K, (int16_t*)buf, d, sx);
