@@ -36,25 +36,6 @@ static inline int32_t load_pair(const bf16_t* p) {
     return w;
 }
 
-// exp(x) on sixteen lanes for x <= ~0 (the softmax numerators): fexp's range reduction and polynomial, with fused
-// multiply-adds and the power of two applied by scalef (~1e-7 relative error, as fexp; not bit-identical to it).
-// Lanes outside `keep` are 0 (whatever x holds there: no upper clamp is needed for the lanes kept).
-__attribute__((always_inline)) static inline __m512 exp16(__m512 x, __mmask16 keep = 0xffff) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(keep, p, n);
-}
-
 // ---- score tile: MR key tokens x 16*NQ query lanes of s. MR * NQ accumulators (at most 24) stay in registers while
 // the reduction over the head streams the queries (from L1) and broadcasts the keys.
 #ifdef FLOWRT_AVX512BF16
