@@ -13,9 +13,9 @@ static inline void pack_panels(const T* w, int64_t w_st, int64_t N, int64_t K, T
     for (int64_t p = 0; p < P; ++p) {
         T* dst = wp + p * Kp * NW;
         for (int j = 0; j < NW; ++j) {
-            const int64_t n = p * NW + j;
-            for (int64_t k = 0; k < Kp; ++k)
-                dst[(k / KP * NW + j) * KP + k % KP] = n < N && k < K ? w[n * w_st + k] : (T)0;
+            const int64_t n = p * NW + j, kn = n < N ? K : 0;  // the row's k, then zeros
+            for (int64_t k = 0; k < kn; ++k) dst[(k / KP * NW + j) * KP + k % KP] = w[n * w_st + k];
+            for (int64_t k = kn; k < Kp; ++k) dst[(k / KP * NW + j) * KP + k % KP] = (T)0;
         }
     }
 }
