@@ -10,6 +10,7 @@
 // Decode attention for one (sequence, KV head) without AVX2 (or for a head size not a multiple of 8): its G query
 // heads against tokens start .. end-1, read in place from the paged pool [N, bs, Hkv, D].
 template <typename T>
+__attribute__((noinline))
 static void decode_scalar(const T* qp, const T* kc, const T* vc, const int32_t* tab, int start, int end,
                           int Hkv, int kh, int G, int D, int bs, float scale, T* op, float* lse_out,
                           std::vector<float>& s) {
@@ -63,6 +64,37 @@ struct DecodeItems {
     int kv_head(int item) const { return whole ? 0 : heads_outer ? item / U : item % Hkv; }
     int unit(int item) const { return whole ? item : heads_outer ? item % U : item / Hkv; }
 };
+
+// Runs item(first KV head, unit, s) for every work item of `it` over the threads (dynamic: items differ in length; s
+// is the thread's scratch), then after() in the same parallel region (its own worksharing loops, or nothing).
+template <typename Item, typename After>
+static inline void run_decode_items(const DecodeItems& it, Item item, After after) {
+    const int items = it.count();
+    #pragma omp parallel num_threads(flowrt_threads)
+    {
+        std::vector<float> s;
+        #pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < items; ++i) item(it.kv_head(i), it.unit(i), s);
+        after();
+    }
+}
+
+// The outputs of `heads` query heads of a sequence without keys (none past start): zeros, log-sum-exp -inf.
+template <typename O>
+static inline void no_keys(O* op, float* lp, int heads, int D) {
+    for (int i = 0; i < heads * D; ++i) op[i] = from_f32<O>(0.f);
+    if (lp) for (int g = 0; g < heads; ++g) lp[g] = -INFINITY;
+}
+
+// fn(std::integral_constant<int, DD>) for a run-time head size: DD = 64 or 128 (the head loops unrolled at compile
+// time), else 0 (any head size). The decode_heads* it selects are noinline: one body per head size, called from the
+// item loop (not inlined into it three times over).
+template <typename Fn>
+static inline void with_head_size(int D, Fn fn) {
+    if (D == 64) fn(std::integral_constant<int, 64>{});
+    else if (D == 128) fn(std::integral_constant<int, 128>{});
+    else fn(std::integral_constant<int, 0>{});
+}
 
 #ifdef FLOWRT_AVX2
 // The pieces of decode_heads that do not depend on the vector width, shared by its AVX2 and AVX-512 forms.
@@ -123,6 +155,74 @@ static inline void store_heads(T* op, const float* acc_rows, const float* run_ma
     }
 }
 
+// decode_heads' scratch in s: each head's score row (Ls floats), weighted sum of values (D floats) and eight lanes of
+// running maxima (set to -inf), then `extra` floats.
+struct DecodeScratch {
+    float *scores, *acc_rows, *run_max, *extra;
+    DecodeScratch(std::vector<float>& s, int NH, int Ls, int D, size_t extra_n) {
+        s.resize((size_t)NH * Ls + (size_t)NH * D + 8 * (size_t)NH + extra_n);
+        scores = s.data();
+        acc_rows = scores + (size_t)NH * Ls;
+        run_max = acc_rows + (size_t)NH * D;
+        extra = run_max + 8 * (size_t)NH;
+        for (int h = 0; h < NH; ++h) _mm256_storeu_ps(run_max + 8 * h, _mm256_set1_ps(-INFINITY));
+    }
+};
+
+// The vector width of decode_heads' weighted sum of values: AVX2's eight lanes (values of either storage type) or
+// AVX-512's sixteen (bf16 values, widened).
+struct Lanes8 {
+    static constexpr int W = 8;
+    using V = __m256;
+    static inline V load(const float* p) { return _mm256_loadu_ps(p); }
+    template <typename T> static inline V widen(const T* p) { return load8(p); }
+    static inline V set1(float x) { return _mm256_set1_ps(x); }
+    static inline V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+#if defined(FLOWRT_AVX512) && !defined(FLOWRT_AVX512BF16)
+struct Lanes16 {
+    static constexpr int W = 16;
+    using V = __m512;
+    static inline V load(const float* p) { return _mm512_loadu_ps(p); }
+    static inline V widen(const bf16_t* p) { return load16_bf16(p); }
+    static inline V set1(float x) { return _mm512_set1_ps(x); }
+    static inline V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
+// Each head's weighted sum of values (its probabilities: its score row, from token start on) over tokens
+// start .. end-1, into acc_rows: the tokens block by block, up to eight vectors of a head's row (all of it for
+// D <= 8 * L::W) held in registers across a block's tokens. v0 points at the first served KV head's values.
+template <typename L, typename T>
+__attribute__((always_inline)) static inline void weigh_values(const T* v0, const int32_t* tab, int start, int end,
+                                                               int bs, int64_t tok_st, const DecodeScratch& w, int Ls,
+                                                               int NH, int G, int D) {
+    const int C = D / L::W;
+    for (int i = 0; i < NH * D; ++i) w.acc_rows[i] = 0.f;
+    for (int pos = start; pos < end;) {
+        const int n = std::min(bs - pos % bs, end - pos);
+        const T* vrow = v0 + ((int64_t)tab[pos / bs] * bs + pos % bs) * tok_st;
+        for (int h = 0; h < NH; ++h) {
+            const float* ph = w.scores + (size_t)h * Ls + (pos - start);
+            for (int c0 = 0; c0 < C; c0 += 8) {
+                const int cn = std::min(8, C - c0);
+                float* ah = w.acc_rows + (int64_t)h * D + L::W * c0;
+                typename L::V acc[8];
+                for (int c = 0; c < cn; ++c) acc[c] = L::load(ah + L::W * c);
+                const T* vp = vrow + (h / G) * D + L::W * c0;
+                for (int i = 0; i < n; ++i, vp += tok_st) {
+                    const typename L::V pr = L::set1(ph[i]);
+                    for (int c = 0; c < cn; ++c) acc[c] = L::fmadd(pr, L::widen(vp + L::W * c), acc[c]);
+                }
+                for (int c = 0; c < cn; ++c) L::store(ah + L::W * c, acc[c]);
+            }
+        }
+        pos += n;
+    }
+}
+
 // Decode attention for the KV heads kh0 .. kh0+nkh-1 of one sequence, each with its G query heads (qp, op and lse_out
 // point at query head kh0 * G), against tokens start .. end-1 read in place from the paged pool [N, bs, Hkv, D].
 // DD > 0 fixes the head size (a multiple of 8) at compile time. Scores are computed for eight tokens at a time (one
@@ -131,6 +231,7 @@ static inline void store_heads(T* op, const float* acc_rows, const float* run_ma
 // (nkh = Hkv, independent sequences) a token's row is read whole, contiguous and once, instead of one head's slice
 // per item: Zen3, 2 threads, 32 sequences x 300 tokens x 30 layers 33 -> 30 ms, and 41 against 25 GB/s from L3.
 template <int DD, typename T>
+__attribute__((noinline))
 static void decode_heads(const T* qp, const T* kc, const T* vc, const int32_t* tab, int start, int end,
                          int Hkv, int kh0, int nkh, int G, int Drt, int bs, float scale, T* op, float* lse_out,
                          std::vector<float>& s) {
@@ -139,15 +240,10 @@ static void decode_heads(const T* qp, const T* kc, const T* vc, const int32_t* t
     const int NH = nkh * G;  // query heads served
     const int L = end - start;
     const int Ls = (L + 7) & ~7;  // each head's score row, padded to whole vectors
-    s.resize((size_t)NH * Ls + (size_t)NH * D + 8 * (size_t)NH);
-    float* scores = s.data();
-    float* acc_rows = scores + (size_t)NH * Ls;  // each head's weighted sum of values so far
-    float* run_max = acc_rows + (size_t)NH * D;  // each head's eight lanes of running maxima
+    const DecodeScratch w(s, NH, Ls, D, 0);
     const int64_t tok_st = (int64_t)Hkv * D;
     const T* k0 = kc + (int64_t)kh0 * D;
-    const T* v0 = vc + (int64_t)kh0 * D;
     const __m256 vscale = _mm256_set1_ps(scale);
-    for (int h = 0; h < NH; ++h) _mm256_storeu_ps(run_max + 8 * h, _mm256_set1_ps(-INFINITY));
     PagedRows<T> keys(k0, tab, bs, tok_st, start);
     for (int pos = start; pos < end; pos += 8) {
         const T* kp[8];
@@ -161,32 +257,13 @@ static void decode_heads(const T* qp, const T* kc, const T* vc, const int32_t* t
                 const __m256 qv = load8(qh + 8 * c);
                 for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(kp[j] + ko + 8 * c), acc[j]);
             }
-            keep_scores8(_mm256_mul_ps(hsum8(acc), vscale), scores + (size_t)h * Ls + (pos - start), run_max + 8 * h);
+            keep_scores8(_mm256_mul_ps(hsum8(acc), vscale), w.scores + (size_t)h * Ls + (pos - start),
+                         w.run_max + 8 * h);
         }
     }
-    softmax_rows(scores, Ls, L, run_max, NH, lse_out);
-    for (int i = 0; i < NH * D; ++i) acc_rows[i] = 0.f;
-    for (int pos = start; pos < end;) {
-        const int n = std::min(bs - pos % bs, end - pos);
-        const T* vrow = v0 + ((int64_t)tab[pos / bs] * bs + pos % bs) * tok_st;
-        for (int h = 0; h < NH; ++h) {
-            const float* ph = scores + (size_t)h * Ls + (pos - start);
-            for (int c0 = 0; c0 < C; c0 += 8) {  // eight vectors of the row at a time (all of it for D <= 64)
-                const int cn = std::min(8, C - c0);
-                float* ah = acc_rows + (int64_t)h * D + 8 * c0;
-                __m256 acc[8];
-                for (int c = 0; c < cn; ++c) acc[c] = _mm256_loadu_ps(ah + 8 * c);
-                const T* vp = vrow + (h / G) * D + 8 * c0;
-                for (int i = 0; i < n; ++i, vp += tok_st) {
-                    const __m256 pr = _mm256_set1_ps(ph[i]);
-                    for (int c = 0; c < cn; ++c) acc[c] = _mm256_fmadd_ps(pr, load8(vp + 8 * c), acc[c]);
-                }
-                for (int c = 0; c < cn; ++c) _mm256_storeu_ps(ah + 8 * c, acc[c]);
-            }
-        }
-        pos += n;
-    }
-    store_heads(op, acc_rows, run_max, NH, D);
+    softmax_rows(w.scores, Ls, L, w.run_max, NH, lse_out);
+    weigh_values<Lanes8>(vc + (int64_t)kh0 * D, tab, start, end, bs, tok_st, w, Ls, NH, G, D);
+    store_heads(op, w.acc_rows, w.run_max, NH, D);
 }
 #endif
 
@@ -196,6 +273,7 @@ static void decode_heads(const T* qp, const T* kc, const T* vc, const int32_t* t
 // the head (the keys widened to float32), folded to 8 lanes, and eight tokens' sums come out of one hsum8; the
 // weighted sum of values widens sixteen values per FMA.
 template <int DD>
+__attribute__((noinline))
 static void decode_heads_bf16_512(const bf16_t* qp, const bf16_t* kc, const bf16_t* vc, const int32_t* tab, int start,
                                   int end, int Hkv, int kh0, int nkh, int G, int Drt, int bs, float scale, bf16_t* op,
                                   float* lse_out, std::vector<float>& s) {
@@ -204,17 +282,13 @@ static void decode_heads_bf16_512(const bf16_t* qp, const bf16_t* kc, const bf16
     const int NH = nkh * G;
     const int L = end - start;
     const int Ls = (L + 7) & ~7;
-    s.resize((size_t)NH * Ls + (size_t)NH * D + 8 * (size_t)NH + (size_t)NH * D);
-    float* scores = s.data();
-    float* acc_rows = scores + (size_t)NH * Ls;
-    float* run_max = acc_rows + (size_t)NH * D;
-    float* qf = run_max + 8 * (size_t)NH;  // the queries widened once
+    const DecodeScratch w(s, NH, Ls, D, (size_t)NH * D);
+    float* qf = w.extra;  // the queries widened once
     for (int i = 0; i < NH * D; ++i) qf[i] = bf16_to_f32(qp[i]);
     const int64_t tok_st = (int64_t)Hkv * D;
     const bf16_t* k0 = kc + (int64_t)kh0 * D;
     const bf16_t* v0 = vc + (int64_t)kh0 * D;
     const __m256 vscale = _mm256_set1_ps(scale);
-    for (int h = 0; h < NH; ++h) _mm256_storeu_ps(run_max + 8 * h, _mm256_set1_ps(-INFINITY));
     PagedRows<bf16_t> keys(k0, tab, bs, tok_st, start);
     // Prefetches the keys (to L1) and values (to L2, for the weighted sum) of the tokens PF_AHEAD on, the item's
     // heads' span of each row: the rows of a new block are a jump the hardware prefetcher does not follow (one
@@ -250,32 +324,13 @@ static void decode_heads_bf16_512(const bf16_t* qp, const bf16_t* kc, const bf16
             __m256 half[8];
             for (int j = 0; j < 8; ++j)
                 half[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]), _mm512_extractf32x8_ps(acc[j], 1));
-            keep_scores8(_mm256_mul_ps(hsum8(half), vscale), scores + (size_t)h * Ls + (pos - start), run_max + 8 * h);
+            keep_scores8(_mm256_mul_ps(hsum8(half), vscale), w.scores + (size_t)h * Ls + (pos - start),
+                         w.run_max + 8 * h);
         }
     }
-    softmax_rows(scores, Ls, L, run_max, NH, lse_out);
-    for (int i = 0; i < NH * D; ++i) acc_rows[i] = 0.f;
-    for (int pos = start; pos < end;) {
-        const int n = std::min(bs - pos % bs, end - pos);
-        const bf16_t* vrow = v0 + ((int64_t)tab[pos / bs] * bs + pos % bs) * tok_st;
-        for (int h = 0; h < NH; ++h) {
-            const float* ph = scores + (size_t)h * Ls + (pos - start);
-            for (int c0 = 0; c0 < C; c0 += 8) {
-                const int cn = std::min(8, C - c0);
-                float* ah = acc_rows + (int64_t)h * D + 16 * c0;
-                __m512 acc[8];
-                for (int c = 0; c < cn; ++c) acc[c] = _mm512_loadu_ps(ah + 16 * c);
-                const bf16_t* vp = vrow + (h / G) * D + 16 * c0;
-                for (int i = 0; i < n; ++i, vp += tok_st) {
-                    const __m512 pr = _mm512_set1_ps(ph[i]);
-                    for (int c = 0; c < cn; ++c) acc[c] = _mm512_fmadd_ps(pr, load16_bf16(vp + 16 * c), acc[c]);
-                }
-                for (int c = 0; c < cn; ++c) _mm512_storeu_ps(ah + 16 * c, acc[c]);
-            }
-        }
-        pos += n;
-    }
-    store_heads(op, acc_rows, run_max, NH, D);
+    softmax_rows(w.scores, Ls, L, w.run_max, NH, lse_out);
+    weigh_values<Lanes16>(v0, tab, start, end, bs, tok_st, w, Ls, NH, G, D);
+    store_heads(op, w.acc_rows, w.run_max, NH, D);
 }
 #endif
 
@@ -361,6 +416,7 @@ static inline void decode_values_heads(const bf16_t* v0, const int64_t* off, int
 // sixteen lanes at a time and rounded to bf16 for the value product, which reads each value row once per group of up
 // to four query heads (decode_values_dpbf16).
 template <int DD, typename O>
+__attribute__((noinline))
 static void decode_heads_dpbf16(const bf16_t* qp, const bf16_t* kc, const bf16_t* vc, const int32_t* tab, int start,
                                 int end, int Hkv, int kh0, int nkh, int G, int Drt, int bs, float scale, O* op,
                                 float* lse_out, std::vector<float>& s) {
@@ -485,69 +541,62 @@ static void paged_decode_dpbf16(const bf16_t* q, int64_t q_st, const bf16_t* kc,
     const bool split = U > B;
     std::vector<float> part_out(split ? (size_t)U * H * D : 0), part_lse(split ? (size_t)U * H : 0);
     const DecodeItems it(U, Hkv, heads_outer);
-    const int per_item = it.heads(), items = it.count();
-    #pragma omp parallel num_threads(flowrt_threads)
-    {
-        std::vector<float> s;
-        #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < items; ++item) {
-            const int kh0 = it.kv_head(item), u = it.unit(item);
-            const int b = unit_b[u];
-            const int64_t row = rows ? rows[b] : b;
-            const bf16_t* qp = q + row * q_st + (int64_t)kh0 * G * D;
-            const int end = seq_lens[b];
-            if (end <= start) {
-                bf16_t* op = out + row * o_st + (int64_t)kh0 * G * D;
-                for (int i = 0; i < per_item * G * D; ++i) op[i] = 0;
-                if (lse) for (int g = 0; g < per_item * G; ++g) lse[(int64_t)b * H + kh0 * G + g] = -INFINITY;
-                continue;
-            }
-            const int32_t* tab = tables + (int64_t)b * tab_st;
-            const int size = (end - start + parts[b] - 1) / parts[b];
-            const int s0 = start + unit_p[u] * size, e0 = std::min(end, s0 + size);
+    const int per_item = it.heads();
+    auto item = [&](int kh0, int u, std::vector<float>& s) {
+        const int b = unit_b[u];
+        const int64_t row = rows ? rows[b] : b;
+        const bf16_t* qp = q + row * q_st + (int64_t)kh0 * G * D;
+        const int end = seq_lens[b];
+        if (end <= start) {
+            no_keys(out + row * o_st + (int64_t)kh0 * G * D, lse ? lse + (int64_t)b * H + kh0 * G : nullptr,
+                    per_item * G, D);
+            return;
+        }
+        const int32_t* tab = tables + (int64_t)b * tab_st;
+        const int size = (end - start + parts[b] - 1) / parts[b];
+        const int s0 = start + unit_p[u] * size, e0 = std::min(end, s0 + size);
+        with_head_size(D, [&](auto DD) {
             if (parts[b] == 1) {
                 bf16_t* op = out + row * o_st + (int64_t)kh0 * G * D;
                 float* lp = lse ? lse + (int64_t)b * H + kh0 * G : nullptr;
-                auto run = D == 64    ? decode_heads_dpbf16<64, bf16_t>
-                           : D == 128 ? decode_heads_dpbf16<128, bf16_t>
-                                      : decode_heads_dpbf16<0, bf16_t>;
-                run(qp, kc, vc, tab, s0, e0, Hkv, kh0, per_item, G, D, bs, scale, op, lp, s);
+                decode_heads_dpbf16<decltype(DD)::value>(qp, kc, vc, tab, s0, e0, Hkv, kh0, per_item, G, D, bs, scale,
+                                                         op, lp, s);
             } else {
                 float* op = part_out.data() + ((size_t)u * H + kh0 * G) * D;
                 float* lp = part_lse.data() + (size_t)u * H + kh0 * G;
-                auto run = D == 64    ? decode_heads_dpbf16<64, float>
-                           : D == 128 ? decode_heads_dpbf16<128, float>
-                                      : decode_heads_dpbf16<0, float>;
-                run(qp, kc, vc, tab, s0, e0, Hkv, kh0, per_item, G, D, bs, scale, op, lp, s);
+                decode_heads_dpbf16<decltype(DD)::value>(qp, kc, vc, tab, s0, e0, Hkv, kh0, per_item, G, D, bs, scale,
+                                                         op, lp, s);
             }
-        }
-        if (split) {
-            // each split sequence's parts merged: weights exp(lse_p - lse), lse = log sum exp(lse_p)
-            #pragma omp for schedule(static)
-            for (int u0 = 0; u0 < U; ++u0) {
-                const int b = unit_b[u0];
-                if (unit_p[u0] != 0 || parts[b] == 1) continue;
-                const int n = parts[b];
-                const int64_t row = rows ? rows[b] : b;
-                for (int h = 0; h < H; ++h) {
-                    float m = -INFINITY;
-                    for (int p = 0; p < n; ++p) m = std::max(m, part_lse[(size_t)(u0 + p) * H + h]);
-                    float sum = 0.f, acc[256];
-                    for (int d = 0; d < D; ++d) acc[d] = 0.f;
-                    for (int p = 0; p < n; ++p) {
-                        const float e = std::exp(part_lse[(size_t)(u0 + p) * H + h] - m);
-                        sum += e;
-                        const float* po = part_out.data() + ((size_t)(u0 + p) * H + h) * D;
-                        for (int d = 0; d < D; ++d) acc[d] += e * po[d];
-                    }
-                    const float inv = 1.f / sum;
-                    bf16_t* op = out + row * o_st + (int64_t)h * D;
-                    for (int d = 0; d < D; ++d) op[d] = f32_to_bf16(acc[d] * inv);
-                    if (lse) lse[(int64_t)b * H + h] = m + std::log(sum);
+        });
+    };
+    // each split sequence's parts merged: weights exp(lse_p - lse), lse = log sum exp(lse_p)
+    auto merge = [&]() {
+        if (!split) return;
+        #pragma omp for schedule(static)
+        for (int u0 = 0; u0 < U; ++u0) {
+            const int b = unit_b[u0];
+            if (unit_p[u0] != 0 || parts[b] == 1) continue;
+            const int n = parts[b];
+            const int64_t row = rows ? rows[b] : b;
+            for (int h = 0; h < H; ++h) {
+                float m = -INFINITY;
+                for (int p = 0; p < n; ++p) m = std::max(m, part_lse[(size_t)(u0 + p) * H + h]);
+                float sum = 0.f, acc[256];
+                for (int d = 0; d < D; ++d) acc[d] = 0.f;
+                for (int p = 0; p < n; ++p) {
+                    const float e = std::exp(part_lse[(size_t)(u0 + p) * H + h] - m);
+                    sum += e;
+                    const float* po = part_out.data() + ((size_t)(u0 + p) * H + h) * D;
+                    for (int d = 0; d < D; ++d) acc[d] += e * po[d];
                 }
+                const float inv = 1.f / sum;
+                bf16_t* op = out + row * o_st + (int64_t)h * D;
+                for (int d = 0; d < D; ++d) op[d] = f32_to_bf16(acc[d] * inv);
+                if (lse) lse[(int64_t)b * H + h] = m + std::log(sum);
             }
         }
-    }
+    };
+    run_decode_items(it, item, merge);
 }
 #endif
 
@@ -572,47 +621,38 @@ int paged_decode(const T* q, int64_t q_st, const T* kc, const T* vc, const int32
 #endif
     const int G = H / Hkv;
     const DecodeItems it(B, Hkv, heads_outer);  // units: the sequences
-    const int per_item = it.heads(), items = it.count();
-    #pragma omp parallel num_threads(flowrt_threads)
-    {
-        std::vector<float> s;
-        #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < items; ++item) {
-            const int kh0 = it.kv_head(item), b = it.unit(item);
-            const int64_t row = rows ? rows[b] : b;
-            const T* qp = q + row * q_st + (int64_t)kh0 * G * D;
-            T* op = out + row * o_st + (int64_t)kh0 * G * D;
-            float* lp = lse ? lse + (int64_t)b * H + kh0 * G : nullptr;
-            const int end = seq_lens[b];
-            if (end <= start) {
-                for (int i = 0; i < per_item * G * D; ++i) op[i] = from_f32<T>(0.f);
-                if (lp) for (int g = 0; g < per_item * G; ++g) lp[g] = -INFINITY;
-                continue;
-            }
-            const int32_t* tab = tables + (int64_t)b * tab_st;
+    const int per_item = it.heads();
+    auto item = [&](int kh0, int b, std::vector<float>& s) {
+        const int64_t row = rows ? rows[b] : b;
+        const T* qp = q + row * q_st + (int64_t)kh0 * G * D;
+        T* op = out + row * o_st + (int64_t)kh0 * G * D;
+        float* lp = lse ? lse + (int64_t)b * H + kh0 * G : nullptr;
+        const int end = seq_lens[b];
+        if (end <= start) return no_keys(op, lp, per_item * G, D);
+        const int32_t* tab = tables + (int64_t)b * tab_st;
 #if defined(FLOWRT_AVX512) && !defined(FLOWRT_AVX512BF16)
-            if constexpr (sizeof(T) == 2) {
-                if (D % 32 == 0) {
-                    auto run = D == 64    ? decode_heads_bf16_512<64>
-                               : D == 128 ? decode_heads_bf16_512<128>
-                                          : decode_heads_bf16_512<0>;
-                    run(qp, kc, vc, tab, start, end, Hkv, kh0, per_item, G, D, bs, scale, op, lp, s);
-                    continue;
-                }
+        if constexpr (sizeof(T) == 2) {
+            if (D % 32 == 0) {
+                return with_head_size(D, [&](auto DD) {
+                    decode_heads_bf16_512<decltype(DD)::value>(qp, kc, vc, tab, start, end, Hkv, kh0, per_item, G, D,
+                                                               bs, scale, op, lp, s);
+                });
             }
+        }
 #endif
 #ifdef FLOWRT_AVX2
-            if (D % 8 == 0) {
-                auto run = D == 64 ? decode_heads<64, T> : D == 128 ? decode_heads<128, T> : decode_heads<0, T>;
-                run(qp, kc, vc, tab, start, end, Hkv, kh0, per_item, G, D, bs, scale, op, lp, s);
-                continue;
-            }
-#endif
-            for (int k = 0; k < per_item; ++k)
-                decode_scalar<T>(qp + k * G * D, kc, vc, tab, start, end, Hkv, kh0 + k, G, D, bs, scale, op + k * G * D,
-                              lp ? lp + k * G : nullptr, s);
+        if (D % 8 == 0) {
+            return with_head_size(D, [&](auto DD) {
+                decode_heads<decltype(DD)::value, T>(qp, kc, vc, tab, start, end, Hkv, kh0, per_item, G, D, bs, scale,
+                                                     op, lp, s);
+            });
         }
-    }
+#endif
+        for (int k = 0; k < per_item; ++k)
+            decode_scalar<T>(qp + k * G * D, kc, vc, tab, start, end, Hkv, kh0 + k, G, D, bs, scale, op + k * G * D,
+                             lp ? lp + k * G : nullptr, s);
+    };
+    run_decode_items(it, item, [] {});
     return 0;
 }
 }  // namespace
@@ -951,11 +991,17 @@ static void flash_tile512(const FlashArgs<bf16_t>& a, const int32_t* tab, int ke
     flash_store(a, kh, i0, Mq, w.o, w.m, w.l);
 }
 #endif
+}  // namespace
+#endif
 
+namespace {
 template <typename T>
 int paged_flash(const T* q, int64_t q_st, const int64_t* rows, const int32_t* ends, const int32_t* group_start, int NG,
                 const int32_t* tables, int64_t tab_st, int key_start, const T* kc, const T* vc, T* out, int64_t o_st,
                 const float* lse_in, float* lse_out, int H, int Hkv, int D, int bs, float scale) {
+#ifndef FLOWRT_AVX2
+    return -1;
+#else
     if (D % 16 != 0 || D > 256) return -1;
     const int G = H / Hkv;
 #ifdef FLOWRT_AVX512
@@ -1039,9 +1085,9 @@ int paged_flash(const T* q, int64_t q_st, const int64_t* rows, const int32_t* en
         }
     }
     return 0;
+#endif
 }
 }  // namespace
-#endif
 
 extern "C" {
 
@@ -1063,24 +1109,16 @@ int paged_flash_f32(const float* q, int64_t q_st, const int64_t* rows, const int
                     const int32_t* group_start, int NG, const int32_t* tables, int64_t tab_st, int key_start,
                     const float* kc, const float* vc, float* out, int64_t o_st, const float* lse_in, float* lse_out,
                     int H, int Hkv, int D, int bs, float scale) {
-#ifdef FLOWRT_AVX2
     return paged_flash<float>(q, q_st, rows, ends, group_start, NG, tables, tab_st, key_start, kc, vc, out, o_st,
                               lse_in, lse_out, H, Hkv, D, bs, scale);
-#else
-    return -1;
-#endif
 }
 
 int paged_flash_bf16(const bf16_t* q, int64_t q_st, const int64_t* rows, const int32_t* ends,
                      const int32_t* group_start, int NG, const int32_t* tables, int64_t tab_st, int key_start,
                      const bf16_t* kc, const bf16_t* vc, bf16_t* out, int64_t o_st, const float* lse_in,
                      float* lse_out, int H, int Hkv, int D, int bs, float scale) {
-#ifdef FLOWRT_AVX2
     return paged_flash<bf16_t>(q, q_st, rows, ends, group_start, NG, tables, tab_st, key_start, kc, vc, out, o_st,
                                lse_in, lse_out, H, Hkv, D, bs, scale);
-#else
-    return -1;
-#endif
 }
 
 }  // extern "C"

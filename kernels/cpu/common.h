@@ -1,4 +1,4 @@
-// Helpers shared by every kernel file: the vector exp, horizontal sums, a transpose, bf16 <-> fp32, and the
+// Helpers shared by every kernel file: the exps (fexp.h), horizontal sums, a transpose, bf16 <-> fp32, and the
 // OpenMP team size. Everything here is static inline (each .cpp gets its own copy; nothing to link).
 #pragma once
 
@@ -45,46 +45,9 @@ template <> inline bf16_t from_f32<bf16_t>(float x) { return f32_to_bf16(x); }
 // x rounded through the storage type (identity for float32): where torch rounds an intermediate to bf16.
 template <typename T> static inline float round_as(float x) { return to_f32(from_f32<T>(x)); }
 
-// exp for x <= ~0 (softmax, silu): Cephes' single-precision polynomial, ~1e-7 relative error; written so
-// that the compiler vectorizes loops calling it.
-static inline float fexp(float x) {
-    x = std::min(std::max(x, -87.3f), 88.3f);
-    float n = std::floor(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500E-4f;
-    p = p * r + 1.3981999507E-3f;
-    p = p * r + 8.3334519073E-3f;
-    p = p * r + 4.1665795894E-2f;
-    p = p * r + 1.6666665459E-1f;
-    p = p * r + 5.0000001201E-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, 4);
-    return p * scale;
-}
+#include "fexp.h"  // fexp, fexp8 (and the AVX-512 exps)
 
 #ifdef FLOWRT_AVX2
-// fexp on eight lanes, the same operations in the same order (the build keeps multiplies and adds unfused), so the
-// vector and scalar paths agree bit for bit. Written out because GCC's vectorized fexp ran at ~10 cycles an element.
-static inline __m256 fexp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                                   _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-    r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
-    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507E-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073E-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894E-2f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459E-1f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201E-1f));
-    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
 // [sum(a0), ..., sum(a7)]: eight horizontal sums in one vector (a transpose-and-add tree instead of eight
 // separate reductions).
 static inline __m256 hsum8(const __m256* a) {

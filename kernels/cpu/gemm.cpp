@@ -1,6 +1,7 @@
 // Projections y = x @ W^T (+ bias) over weights prepacked in panels of 16 output features (see gemm.h).
 #include "flowrt_cpu.h"
 #include "gemm.h"
+#include "panels.h"
 
 int flowrt_threads = 1;
 
@@ -17,16 +18,7 @@ int gemm_packed_available() {
 
 // W [N, K] row-major (row stride w_st) -> panels (see above); wp holds ceil(N/16) * K * 16 floats, 32-byte aligned.
 void gemm_pack_f32(const float* w, int64_t w_st, int64_t N, int64_t K, float* wp) {
-    const int64_t P = (N + 15) / 16;
-    #pragma omp parallel for schedule(static) num_threads(flowrt_threads)
-    for (int64_t p = 0; p < P; ++p) {
-        float* dst = wp + p * K * 16;
-        for (int j = 0; j < 16; ++j) {
-            const int64_t n = p * 16 + j;
-            if (n < N) for (int64_t k = 0; k < K; ++k) dst[k * 16 + j] = w[n * w_st + k];
-            else for (int64_t k = 0; k < K; ++k) dst[k * 16 + j] = 0.f;
-        }
-    }
+    pack_panels<16, 1>(w, w_st, N, K, wp);
 }
 
 // y[M, N] (row stride y_st) = x[M, K] (row stride x_st) @ W^T + bias (nullable, N floats, read as padded: the

@@ -3,6 +3,7 @@
 // the callers keep oneDNN.
 #include "flowrt_cpu.h"
 #include "gemm_bf16.h"
+#include "panels.h"
 
 #include <array>
 #include <utility>
@@ -45,16 +46,7 @@ int gemm_bf16_available() {
 // (zero past N and K), 64-byte aligned. Returns -1 where the kernels are not compiled in.
 int gemm_pack_bf16(const bf16_t* w, int64_t w_st, int64_t N, int64_t K, bf16_t* wp) {
 #ifdef FLOWRT_GEMM_BF16
-    const int64_t P = (N + 31) / 32, K2 = (K + 1) / 2;
-    #pragma omp parallel for schedule(static) num_threads(flowrt_threads)
-    for (int64_t p = 0; p < P; ++p) {
-        bf16_t* dst = wp + p * K2 * 64;
-        for (int j = 0; j < 32; ++j) {
-            const int64_t n = p * 32 + j;
-            for (int64_t k = 0; k < 2 * K2; ++k)
-                dst[(k / 2) * 64 + j * 2 + (k & 1)] = n < N && k < K ? w[n * w_st + k] : (bf16_t)0;
-        }
-    }
+    pack_panels<32, 2>(w, w_st, N, K, wp);
     return 0;
 #else
     return -1;

@@ -13,6 +13,25 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define FLOWRT_GEMM_BF16 1
 
+// One k pair of a tile: the 2NP weight vectors at w + kw (panels pst apart) against each row's pair a(r) (two bf16
+// as one 32-bit word).
+template <int MR, int NP, typename A>
+__attribute__((always_inline)) static inline void gemm_bf16_kpair(__m512 (&c)[MR][2 * NP], const bf16_t* w, int64_t pst,
+                                                                  int64_t kw, A a) {
+    __m512bh b[2 * NP];
+    #pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) {
+        b[2 * p] = (__m512bh)_mm512_load_si512(w + p * pst + kw);
+        b[2 * p + 1] = (__m512bh)_mm512_load_si512(w + p * pst + kw + 32);
+    }
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(a(r));
+        #pragma GCC unroll 8
+        for (int v = 0; v < 2 * NP; ++v) c[r][v] = _mm512_dpbf16_ps(c[r][v], x, b[v]);
+    }
+}
+
 template <int MR, int NP>
 static void gemm_bf16_tile(const bf16_t* x, int64_t xs, int64_t K, const bf16_t* w, int64_t pst, const float* bias,
                            bf16_t* y, int64_t ys, int ncols) {
@@ -22,36 +41,14 @@ static void gemm_bf16_tile(const bf16_t* x, int64_t xs, int64_t K, const bf16_t*
         #pragma GCC unroll 8
         for (int v = 0; v < 2 * NP; ++v) c[r][v] = _mm512_setzero_ps();
     const int64_t K2 = K / 2;
-    for (int64_t kk = 0; kk < K2; ++kk) {
-        __m512bh b[2 * NP];
-        #pragma GCC unroll 4
-        for (int p = 0; p < NP; ++p) {
-            b[2 * p] = (__m512bh)_mm512_load_si512(w + p * pst + kk * 64);
-            b[2 * p + 1] = (__m512bh)_mm512_load_si512(w + p * pst + kk * 64 + 32);
-        }
-        #pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) {
+    for (int64_t kk = 0; kk < K2; ++kk)
+        gemm_bf16_kpair<MR, NP>(c, w, pst, kk * 64, [&](int r) {
             int32_t pair;
             std::memcpy(&pair, x + r * xs + 2 * kk, 4);
-            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-            #pragma GCC unroll 8
-            for (int v = 0; v < 2 * NP; ++v) c[r][v] = _mm512_dpbf16_ps(c[r][v], a, b[v]);
-        }
-    }
-    if (K & 1) {  // the last k alone: its pair's second half is zero in x too (never read past the row)
-        __m512bh b[2 * NP];
-        #pragma GCC unroll 4
-        for (int p = 0; p < NP; ++p) {
-            b[2 * p] = (__m512bh)_mm512_load_si512(w + p * pst + K2 * 64);
-            b[2 * p + 1] = (__m512bh)_mm512_load_si512(w + p * pst + K2 * 64 + 32);
-        }
-        #pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) {
-            const __m512bh a = (__m512bh)_mm512_set1_epi32((int32_t)x[r * xs + K - 1]);
-            #pragma GCC unroll 8
-            for (int v = 0; v < 2 * NP; ++v) c[r][v] = _mm512_dpbf16_ps(c[r][v], a, b[v]);
-        }
-    }
+            return pair;
+        });
+    // the last k alone: its pair's second half is zero in x too (never read past the row)
+    if (K & 1) gemm_bf16_kpair<MR, NP>(c, w, pst, K2 * 64, [&](int r) { return (int32_t)x[r * xs + K - 1]; });
     #pragma GCC unroll 8
     for (int v = 0; v < 2 * NP; ++v) {
         const int n = std::min(16, ncols - 16 * v);

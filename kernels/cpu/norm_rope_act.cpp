@@ -43,43 +43,6 @@ template <typename T> static inline __m512 round16(__m512 v) {
     else return widen16(bf16x16(v));
 }
 
-// fexp on sixteen lanes: fexp8's operations in the same order (bit-identical to it and to the scalar fexp). The
-// scale 2^n is applied by vscalefps, which multiplies by the same power of two (n is in [-126, 127] after the
-// clamp, a normal float) with the same rounding as the multiply by its bits, in one instruction instead of four.
-static inline __m512 fexp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                                        _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-    r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-// exp for the SiLU of a bf16 gate: fexp16 with fused multiply-adds and without the polynomial's two highest-order
-// terms (relative error ~3e-6 instead of ~1e-7), 1.4x faster silu_mul. The SiLU is rounded to bf16, and for every one
-// of the 65,536 bf16 gate values it rounds exactly as with fexp16 (the same bits: tests/engine/test_cpu_ops.py checks
-// them all against the scalar path's operations; one more term dropped and three gates round differently).
-static inline __m512 fexp16_bf16_silu(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
-                                                          _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(8.3334519073E-3f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 // One row of add_rmsnorm, sixteen lanes at a time (the sum of squares in sixteen partial sums). bf16: the row's sums
 // are kept as floats in xs (E floats, L1) for the second pass and the weights come widened (wf), so each element is
 // converted once each way; float32 reads h and the weights again (xs and wf are h's row and w).

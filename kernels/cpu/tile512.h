@@ -36,134 +36,92 @@ static inline int32_t load_pair(const bf16_t* p) {
     return w;
 }
 
-// exp(x) on sixteen lanes for x <= ~0 (the softmax numerators): fexp's range reduction and polynomial, with fused
-// multiply-adds and the power of two applied by scalef (~1e-7 relative error, as fexp; not bit-identical to it).
-// Lanes outside `keep` are 0 (whatever x holds there: no upper clamp is needed for the lanes kept).
-__attribute__((always_inline)) static inline __m512 exp16(__m512 x, __mmask16 keep = 0xffff) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(keep, p, n);
+// The form's operands of a product: TileOps::Vec holds 16 lanes of the streamed operand (loaded from 16 Elems), and
+// madd adds a broadcast Elem times it to 16 float32 accumulators. bf16 form: an Elem is a word of two bf16, and one
+// dpbf16 adds both products; float form: an Elem is a float, and one FMA.
+#ifdef FLOWRT_AVX512BF16
+struct TileOps {
+    using Elem = int32_t;
+    using Vec = __m512bh;
+    static inline Vec load(const int32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+    static inline Vec bcast(int32_t w) { return (__m512bh)_mm512_set1_epi32(w); }
+    static inline __m512 madd(__m512 acc, Vec a, Vec b) { return _mm512_dpbf16_ps(acc, a, b); }
+};
+#else
+struct TileOps {
+    using Elem = float;
+    using Vec = __m512;
+    static inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+    static inline Vec bcast(float x) { return _mm512_set1_ps(x); }
+    static inline __m512 madd(__m512 acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
+};
+#endif
+
+// The loop both products share: acc[r][c] += a(r, k) * b[k][16c .. 16c+15] for k < steps (b's rows bst Elems apart),
+// MR x NC accumulators (at most 24) in registers while b streams and a(r, k) is broadcast.
+template <int MR, int NC, typename A>
+__attribute__((always_inline)) static inline void mac_tile(__m512 (&acc)[MR][NC], int steps, const TileOps::Elem* b,
+                                                           int64_t bst, A a) {
+    for (int k = 0; k < steps; ++k, b += bst) {
+        TileOps::Vec bv[NC];
+        #pragma GCC unroll 4
+        for (int c = 0; c < NC; ++c) bv[c] = TileOps::load(b + 16 * c);
+        #pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+            const TileOps::Vec av = TileOps::bcast(a(r, k));
+            #pragma GCC unroll 4
+            for (int c = 0; c < NC; ++c) acc[r][c] = TileOps::madd(acc[r][c], av, bv[c]);
+        }
+    }
 }
 
-// ---- score tile: MR key tokens x 16*NQ query lanes of s. MR * NQ accumulators (at most 24) stay in registers while
-// the reduction over the head streams the queries (from L1) and broadcasts the keys.
+// acc[r][c] to dst[r * rst + 16c ..]
+template <int MR, int NC>
+__attribute__((always_inline)) static inline void store_tile(const __m512 (&acc)[MR][NC], float* dst, int64_t rst) {
+    #pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+        #pragma GCC unroll 4
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(dst + r * rst + 16 * c, acc[r][c]);
+}
+
+// ---- score tile: MR key tokens x 16*NQ query lanes of s, the reduction over the head streaming the queries (from
+// L1) and broadcasting the keys.
 #ifdef FLOWRT_AVX512BF16
 template <int MR, int NQ>
 static inline void score_tile(const bf16_t* const* krow, const int32_t* qp, int64_t ss, int D, float* s) {
-    __m512 acc[MR][NQ];
-    #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r)
-        #pragma GCC unroll 4
-        for (int c = 0; c < NQ; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (int k = 0; k < D / 2; ++k, qp += ss) {
-        __m512bh qv[NQ];
-        #pragma GCC unroll 4
-        for (int c = 0; c < NQ; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qp + 16 * c);
-        #pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-            const __m512bh kb = (__m512bh)_mm512_set1_epi32(load_pair(krow[r] + 2 * k));
-            #pragma GCC unroll 4
-            for (int c = 0; c < NQ; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], kb, qv[c]);
-        }
-    }
-    #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r)
-        #pragma GCC unroll 4
-        for (int c = 0; c < NQ; ++c) _mm512_storeu_ps(s + r * ss + 16 * c, acc[r][c]);
+    __m512 acc[MR][NQ] = {};
+    mac_tile<MR, NQ>(acc, D / 2, qp, ss, [&](int r, int k) { return load_pair(krow[r] + 2 * k); });
+    store_tile<MR, NQ>(acc, s, ss);
 }
 #else
 template <int MR, int NQ>
 static inline void score_tile(const float* kf, const float* qf, int64_t ss, int D, float* s) {
-    __m512 acc[MR][NQ];
-    #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r)
-        #pragma GCC unroll 4
-        for (int c = 0; c < NQ; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (int k = 0; k < D; ++k, qf += ss) {
-        __m512 qv[NQ];
-        #pragma GCC unroll 4
-        for (int c = 0; c < NQ; ++c) qv[c] = _mm512_loadu_ps(qf + 16 * c);
-        #pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-            const __m512 kb = _mm512_set1_ps(kf[r * D + k]);
-            #pragma GCC unroll 4
-            for (int c = 0; c < NQ; ++c) acc[r][c] = _mm512_fmadd_ps(kb, qv[c], acc[r][c]);
-        }
-    }
-    #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r)
-        #pragma GCC unroll 4
-        for (int c = 0; c < NQ; ++c) _mm512_storeu_ps(s + r * ss + 16 * c, acc[r][c]);
+    __m512 acc[MR][NQ] = {};
+    mac_tile<MR, NQ>(acc, D, qf, ss, [&](int r, int k) { return kf[r * D + k]; });
+    store_tile<MR, NQ>(acc, s, ss);
 }
 #endif
 
 // ---- value tile: MR query vectors x 16*ND columns of o (rows of D floats): o <- o * alpha + P V over the chunk's
-// n key tokens, MR * ND accumulators in registers while the values stream (from L1/L2) and P is broadcast.
+// n key tokens (bf16 form: (n + 1) / 2 token pairs), the values streaming (from L1/L2) and P broadcast.
+template <int MR, int ND>
+static inline void value_tile(const TileOps::Elem* p, int64_t ss, const TileOps::Elem* v, int D, int n, float* o,
+                              const float* alpha) {
+    __m512 acc[MR][ND];
+    #pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+        #pragma GCC unroll 4
+        for (int c = 0; c < ND; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * c), a);
+    }
 #ifdef FLOWRT_AVX512BF16
-template <int MR, int ND>
-static inline void value_tile(const int32_t* pp, int64_t ss, const int32_t* vp, int D, int n, float* o,
-                              const float* alpha) {
-    __m512 acc[MR][ND];
-    #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-        const __m512 a = _mm512_set1_ps(alpha[r]);
-        #pragma GCC unroll 4
-        for (int c = 0; c < ND; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * c), a);
-    }
-    for (int k = 0; k < (n + 1) / 2; ++k, pp += ss, vp += D) {
-        __m512bh vv[ND];
-        #pragma GCC unroll 4
-        for (int c = 0; c < ND; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp + 16 * c);
-        #pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-            const __m512bh pb = (__m512bh)_mm512_set1_epi32(pp[r]);
-            #pragma GCC unroll 4
-            for (int c = 0; c < ND; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
-        }
-    }
-    #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r)
-        #pragma GCC unroll 4
-        for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + r * D + 16 * c, acc[r][c]);
-}
+    const int steps = (n + 1) / 2;
 #else
-template <int MR, int ND>
-static inline void value_tile(const float* pt, int64_t ss, const float* vf, int D, int n, float* o,
-                              const float* alpha) {
-    __m512 acc[MR][ND];
-    #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-        const __m512 a = _mm512_set1_ps(alpha[r]);
-        #pragma GCC unroll 4
-        for (int c = 0; c < ND; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * c), a);
-    }
-    for (int t = 0; t < n; ++t, pt += ss, vf += D) {
-        __m512 vv[ND];
-        #pragma GCC unroll 4
-        for (int c = 0; c < ND; ++c) vv[c] = _mm512_loadu_ps(vf + 16 * c);
-        #pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-            const __m512 pb = _mm512_set1_ps(pt[r]);
-            #pragma GCC unroll 4
-            for (int c = 0; c < ND; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
-        }
-    }
-    #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r)
-        #pragma GCC unroll 4
-        for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + r * D + 16 * c, acc[r][c]);
-}
+    const int steps = n;
 #endif
+    mac_tile<MR, ND>(acc, steps, v, D, [&](int r, int k) { return p[k * ss + r]; });
+    store_tile<MR, ND>(acc, o, D);
+}
 
 // The tiles for a run-time size: rows 1-6, vectors 1-4 (the register budget: 6 x 4 accumulators).
 template <int NQ, typename K, typename Q>
