@@ -12,26 +12,21 @@
 namespace {
 
 template <typename T> struct K;
-template <> struct K<float> {
-    static constexpr auto norm = add_rmsnorm_f32;
-    static constexpr auto gemm = gemm_packed_f32;
-    static constexpr auto qgemm = quant_gemm_f32;
-    static constexpr auto qproj = quant_gemm_proj_f32;
-    static constexpr auto rope_kv = rope_kv_write_f32;
-    static constexpr auto attend = paged_decode_f32;
-    static constexpr auto flash = paged_flash_f32;
-    static constexpr auto silu = silu_mul_f32;
-};
-template <> struct K<bf16_t> {
-    static constexpr auto norm = add_rmsnorm_bf16;
-    static constexpr auto gemm = gemm_packed_bf16;
-    static constexpr auto qgemm = quant_gemm_bf16;
-    static constexpr auto qproj = quant_gemm_proj_bf16;
-    static constexpr auto rope_kv = rope_kv_write_bf16;
-    static constexpr auto attend = paged_decode_bf16;
-    static constexpr auto flash = paged_flash_bf16;
-    static constexpr auto silu = silu_mul_bf16;
-};
+// The step's kernels for one dtype, named by the exported functions' suffix.
+#define FR_DTYPE_KERNELS(T, S)                          \
+    template <> struct K<T> {                          \
+        static constexpr auto norm = add_rmsnorm_##S;     \
+        static constexpr auto gemm = gemm_packed_##S;     \
+        static constexpr auto qgemm = quant_gemm_##S;     \
+        static constexpr auto qproj = quant_gemm_proj_##S; \
+        static constexpr auto rope_kv = rope_kv_write_##S; \
+        static constexpr auto attend = paged_decode_##S;  \
+        static constexpr auto flash = paged_flash_##S;    \
+        static constexpr auto silu = silu_mul_##S;        \
+    };
+FR_DTYPE_KERNELS(float, f32)
+FR_DTYPE_KERNELS(bf16_t, bf16)
+#undef FR_DTYPE_KERNELS
 
 // One projection y[T, N] = x[T, cols] @ W^T (+ bias), N = the parts' rows: each part writes its columns of y, from
 // weights packed for the float kernel (ggml_type 0) or GGUF block rows for quant_gemm (quant_gemm.cpp). 0, -4 the
