@@ -1,3 +1,4 @@
+import functools
 import os
 
 import pytest
@@ -7,6 +8,30 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from support import STORIES  # noqa: E402  (after the offline switches: support's helpers import transformers)
+
+
+def _share_httpx_default_ssl_context() -> None:
+    """Every ``httpx.get/post`` (and every new ``httpx.Client``) builds its transport's SSL context, and the default
+    one parses certifi's whole CA bundle: tens of ms each, well over a hundred times in the fast tier, for test
+    servers that speak plain HTTP on 127.0.0.1. One default context, built on first use, serves them all (an
+    SSLContext is meant to be shared); any other ``verify=`` or ``cert=`` still builds its own."""
+    try:
+        from httpx._transports import default
+    except ImportError:  # httpx absent, or moved: only the speed-up is lost
+        return
+    make = getattr(default, "create_ssl_context", None)
+    if make is None:
+        return
+    shared = functools.cache(lambda trust_env: make(verify=True, cert=None, trust_env=trust_env))
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        return shared(trust_env) if verify is True and cert is None else make(verify=verify, cert=cert,
+                                                                               trust_env=trust_env)
+
+    default.create_ssl_context = create_ssl_context
+
+
+_share_httpx_default_ssl_context()
 
 
 @pytest.fixture(scope="session")

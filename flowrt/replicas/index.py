@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
-from ..engine import hash_block
-
 
 def chain_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[bytes]:
     """The prefix hashes of the first full blocks of ``token_ids`` (at most ``limit``), as the engine names them."""
+    from ..engine import hash_block  # here: the runtime imports this module, and flowrt.engine costs torch
+
     n = len(token_ids) // block_size
     if limit is not None:
         n = min(n, limit)

@@ -95,6 +95,7 @@ def test_bucket_rules(engine):
     assert g.bucket(_batch([17], [1])) is None  # a table wider than the static buffer
 
 
+@pytest.mark.slow  # whole interpreted forwards, each graph step twice (graph and eager): seconds
 def test_padded_graph_steps_match_eager_and_touch_only_their_slots(engine):
     """Every graph step is also run eagerly on the same batch: same logits; and the graph step's KV writes
     land only on its real rows' slots (padded rows have slot -1)."""
@@ -141,6 +142,7 @@ def test_padded_graph_steps_match_eager_and_touch_only_their_slots(engine):
     assert (4, 3) in seen["graph"] and (4, 4) in seen["graph"]
 
 
+@pytest.mark.slow  # two whole interpreted generations: seconds
 def test_graph_tokens_equal_eager_tokens(engine):
     """Whole generations with graphs (buckets 1, 2 and 4, padded) and without give the same greedy tokens."""
     prompts = [[1, 5, 6, 7, 8], [1, 9, 10], [1, *range(11, 40)]]

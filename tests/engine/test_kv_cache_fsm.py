@@ -178,11 +178,11 @@ MACHINES = {"fcfs": KVMachine, "program": ProgramKVMachine}
 for _machine in MACHINES.values():
     _machine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
                                           derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-TestKVMachine = KVMachine.TestCase
-# 200 random programs take seconds: the program policy's run is in the slow tier (the fast tier drives that
-# policy through the machine in test_preemption_through_the_machine)
+# 200 random programs take seconds under either policy: both runs are in the slow tier (the fast tier drives both
+# policies through the machine's rules and invariants in test_preemption_through_the_machine)
+TestKVMachine = pytest.mark.slow(KVMachine.TestCase)
 TestProgramKVMachine = pytest.mark.slow(ProgramKVMachine.TestCase)
-POLICIES = [pytest.param("fcfs"), pytest.param("program", marks=pytest.mark.slow)]
+POLICIES = [pytest.param(p, marks=pytest.mark.slow) for p in MACHINES]
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -75,24 +75,35 @@ def _default_gguf():
         return None
 
 
-def _pairs():
-    """(name, ours, transformers') for every tokenizer source present."""
+def _pair(source: str):
+    """(name, ours, transformers') for one tokenizer source, or None when it is absent."""
     from transformers import AutoTokenizer
 
-    out = [("stories", load_tokenizer(str(STORIES)), AutoTokenizer.from_pretrained(str(STORIES)))]
-    if BENCH_DIR.is_dir():
-        out.append(("smollm2-hf", load_tokenizer(str(BENCH_DIR)), AutoTokenizer.from_pretrained(str(BENCH_DIR))))
+    if source == "stories":
+        return source, load_tokenizer(str(STORIES)), AutoTokenizer.from_pretrained(str(STORIES))
+    if source == "smollm2-hf":
+        if not BENCH_DIR.is_dir():
+            return None
+        return source, load_tokenizer(str(BENCH_DIR)), AutoTokenizer.from_pretrained(str(BENCH_DIR))
     gguf = _default_gguf()
-    if gguf is not None:
-        header = gguf_loader.read_gguf_header(gguf)
-        out.append(("smollm2-gguf", gguf_loader.gguf_tokenizer(header, 8192),
-                    gguf_loader.transformers_gguf_tokenizer(header)))
-    return out
+    if gguf is None:
+        return None
+    header = gguf_loader.read_gguf_header(gguf)
+    return source, gguf_loader.gguf_tokenizer(header, 8192), gguf_loader.transformers_gguf_tokenizer(header)
 
 
-@pytest.fixture(scope="module")
-def pairs():
-    return _pairs()
+# SmolLM2's 49k-token vocabulary takes seconds to load twice and compare: its two sources are in the slow tier
+SOURCES = [pytest.param("stories"), pytest.param("smollm2-hf", marks=pytest.mark.slow),
+           pytest.param("smollm2-gguf", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="module", params=SOURCES)
+def pairs(request):
+    """[(name, ours, transformers')] of one tokenizer source (the tests loop over what they are given)."""
+    pair = _pair(request.param)
+    if pair is None:
+        pytest.skip(f"the {request.param} tokenizer is absent")
+    return [pair]
 
 
 @pytest.fixture(scope="module")
@@ -346,6 +357,7 @@ def test_large_mistral_vocab_falls_back(tmp_path):
     assert not uses_own_tokenizer(d)
 
 
+@pytest.mark.slow  # SmolLM2's tokenizer, loaded three times
 def test_save_pretrained_roundtrip(tmp_path, smol_hf):
     from transformers import AutoTokenizer
 

@@ -9,6 +9,7 @@ kernels/ never import the runtime's modules; the runtime talks to the engine thr
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import subprocess
 import sys
@@ -39,6 +40,7 @@ def _loaded_after(*steps: str) -> list[list[str]]:
     return [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(steps):]]
 
 
+@pytest.mark.slow  # a fresh interpreter that imports torch: seconds
 def test_import_kernels_then_engine_loads_only_them():
     """The kernels alone first, then the engine on top, in one interpreter (a fresh one costs torch's import)."""
     kernels, engine = _loaded_after("import flowrt.kernels",
@@ -63,6 +65,31 @@ def test_import_flowrt_is_lazy_and_every_public_name_resolves():
     from flowrt import Runtime, Thread  # from-imports go through the lazy __getattr__ too
 
     assert Runtime.__name__ == "Runtime" and Thread.__name__ == "Thread"
+
+
+def test_a_workflow_without_a_model_does_not_load_the_engine(tmp_path):
+    """The runtime (checkpoints, replica takeover) imports flowrt.engine only when a model is used: a script
+    whose steps call no model must not pay torch's import."""
+    code = textwrap.dedent("""
+        import asyncio, sys
+        import flowrt as fr
+
+        wf = fr.Workflow("no-model")
+
+        @wf.step
+        def hello() -> str:
+            return "hi"
+
+        async def main():
+            async with fr.Runtime(checkpoint=sys.argv[1]) as rt:
+                assert (await rt.run(wf)).outputs["hello"] == "hi"
+
+        asyncio.run(main())
+        assert "flowrt.engine" not in sys.modules and "torch" not in sys.modules, "engine loaded"
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "runs.db")], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
 
 
 def _imports(path: Path, package: str) -> list[tuple[int, str]]:
@@ -178,6 +205,12 @@ def flowrt_import_graph(root: Path, folder: str = "flowrt", package: str = "flow
     return graph
 
 
+@functools.cache
+def repo_import_graph(folder: str = "flowrt", package: str = "flowrt") -> dict[str, set[str]]:
+    """flowrt_import_graph of this repository's ``folder``, parsed once for the tests that read it."""
+    return flowrt_import_graph(ROOT, folder, package)
+
+
 def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan), each sorted."""
     index: dict[str, int] = {}
@@ -216,7 +249,7 @@ def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_module_of_flowrt_imports_one_that_imports_it_back():
     """Upward calls (``Workflow.run`` -> the runtime, ``Model.thread`` -> ``Thread``) import inside the function
     that needs them; nothing of flowrt/ imports, as it loads, a module that imports it back."""
-    graph = flowrt_import_graph(ROOT)
+    graph = repo_import_graph()
     assert {"flowrt.graph.workflow", "flowrt.llm.model", "flowrt.runner.runtime", "flowrt.context"} <= set(graph)
     assert "flowrt.context" in graph["flowrt.llm.model"] and "flowrt.context" in graph["flowrt.runner.executor"]
     assert import_circles(graph) == []
@@ -258,7 +291,7 @@ def _layer(module: str) -> str:
 
 
 def test_flowrt_folders_are_layers():
-    graph = flowrt_import_graph(ROOT)
+    graph = repo_import_graph()
     assert {_layer(m) for m in graph} == set(LAYERS), "a folder of flowrt/ that LAYERS does not place"
     bad = [f"{m} -> {d}" for m, deps in sorted(graph.items()) for d in sorted(deps)
            if _layer(m) != _layer(d) and LAYERS[_layer(d)] >= LAYERS[_layer(m)]]
@@ -294,7 +327,7 @@ def _engine_upward(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_engine_folders_are_layers():
-    graph = flowrt_import_graph(ROOT, "engine", "flowrt.engine")
+    graph = repo_import_graph("engine", "flowrt.engine")
     assert {"flowrt.engine.core.scheduler", "flowrt.engine.cpu.ops", "flowrt.engine.kv.block_pool",
             "flowrt.engine.model.runner", "flowrt.engine.decoding.sampler", "flowrt.engine.request.sequence",
             "flowrt.engine.llm_engine"} <= set(graph)
@@ -307,7 +340,7 @@ def test_engine_folders_are_layers():
 def test_no_module_of_the_engine_imports_one_that_imports_it_back():
     # A module's own package is loaded before it (``from . import sibling`` names the package): no circle.
     graph = {m: {d for d in deps if not m.startswith(d + ".")}
-             for m, deps in flowrt_import_graph(ROOT, "engine", "flowrt.engine").items()}
+             for m, deps in repo_import_graph("engine", "flowrt.engine").items()}
     assert "flowrt.engine.quant.dequant" in graph["flowrt.engine.quant.linear"]
     assert import_circles(graph) == []
 

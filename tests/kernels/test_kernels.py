@@ -253,6 +253,7 @@ def test_paged_prefill_dtypes_and_padding_rows(dtype):
     assert torch.equal(out[-4:], torch.full_like(out[-4:], 3.0)), "padding rows were written"
 
 
+@pytest.mark.slow  # two interpreted launches over 12 heads (the fast tier runs each kernel in the tests above)
 def test_prefill_of_decode_rows_matches_decode_kernel():
     """One launch can serve a mixed batch: q_len == 1 rows give what the decode kernel gives."""
     bt = Batch([(1, c) for c in (300, 16, 1, 77)], 12, 4, 80, 16, torch.float16, seed=9)
