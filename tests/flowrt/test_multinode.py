@@ -157,6 +157,28 @@ def test_busy_holder_pull_instead_of_prefill(rt):
     assert second.outputs["report"] == first.outputs["report"]
 
 
+def test_kv_export_asks_past_a_stale_index(rt):
+    """A checkpoint saves a thread's blocks right after its generation, often before the poller has heard that its
+    replica stored the last of them: the export must still come from the replica that holds them, not from one that
+    (by the index) holds only their shared beginning."""
+    from flowrt.engine import SamplingParams
+
+    rs = rs_of(rt)
+    client = rt.llm.engine.bind()
+    holder, other = rs.replicas[0], rs.replicas[1]
+    client._bind_to(holder)
+    ids = [(7 * i) % 500 + 3 for i in range(5 * rs.block_size + 3)]   # no other test's prompt
+    asyncio.run(client.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1)))
+    client.release()
+    hashes = rs.index.hashes(ids)
+    wait(lambda: rs.index.match(hashes, [holder.index])[holder.index] == len(hashes))   # the poller heard
+    with rs.router.lock:   # as seen before it had: the other replica looks like the best holder
+        rs.index.clear(holder.index)
+        rs.index.add(other.index, hashes[:2])
+    blocks = rt.llm.engine.kv_export(ids)
+    assert len(blocks) == len(hashes) and all(d for _, d in blocks)
+
+
 @FLAKY
 def test_node_killed_mid_run_postgres(rt, cluster):
     """A worker node dies while its replica generates: its runs are taken over by the survivors from their last
