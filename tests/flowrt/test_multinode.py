@@ -65,24 +65,33 @@ def rs_of(rt):
 class Hold:
     """Holds each fork of the answer step of the runs it names once that fork is generating (its request on the
     run's replica, the run past its context checkpoint), until released: the kill test kills a node at that point,
-    however slowly a loaded machine got there."""
+    however slowly a loaded machine got there. A run fails with its replica's death if one of its forks has more to
+    read from it: one whose first read brought only part of its tokens."""
 
     def __init__(self, tags: list[str], forks: int = 4) -> None:
         self.tags, self.forks = set(tags), forks
         self.generating: collections.Counter = collections.Counter()   # tag -> forks held
         self.replica: dict[str, int] = {}                              # tag -> the replica its run is bound to
+        self.unread: set[str] = set()                                  # tags with a fork that has more to read
         self.released = False
 
-    async def at(self, tag: str, replica: int) -> None:
+    async def at(self, tag: str, replica: int, more: bool) -> None:
         if tag not in self.tags or self.released:
             return
         self.replica[tag] = replica
         self.generating[tag] += 1
+        if more:
+            self.unread.add(tag)
         while not self.released:   # the steps and the test share one event loop
             await asyncio.sleep(0.01)
 
     def all_held(self) -> bool:
         return all(self.generating[t] == self.forks for t in self.tags)
+
+    def victims(self) -> list[int]:
+        """The replicas each of whose runs will fail when it dies."""
+        return sorted({r for r in self.replica.values()
+                       if all(t in self.unread for t, x in self.replica.items() if x == r)})
 
 
 def make_wf(max_tokens: int, hold: Hold | None = None):
@@ -102,12 +111,13 @@ def make_wf(max_tokens: int, hold: Hold | None = None):
 
     async def held_gen(s: fr.Thread, tag: str, llm: fr.Model) -> str:
         assert hold is not None
-        pieces = []
+        pieces, before = [], len(s.token_ids)
         async with contextlib.aclosing(s.stream(max_tokens=max_tokens, temperature=0, ignore_eos=True)) as it:
             async for piece in it:
                 pieces.append(piece)
-                if len(pieces) == 1:
-                    await hold.at(tag, llm.engine.replica.index)
+                if len(pieces) == 1:   # token_ids: what the stream has read so far
+                    more = len(s.token_ids) - before < max_tokens // 2
+                    await hold.at(tag, llm.engine.replica.index, more)
         return "".join(pieces)
 
     @wf.step
@@ -240,7 +250,8 @@ def test_node_killed_mid_run_postgres(rt, cluster):
     async def go():
         tasks = [asyncio.create_task(rt.run(wf, tag=t)) for t in tags]
         await until(hold.all_held, tasks, lambda: (dict(hold.generating), rs.replica_stats()))
-        victim = rs.replicas[hold.replica[tags[0]]]
+        assert hold.victims(), f"every replica had a run whose forks read all their tokens at once: {hold.replica}"
+        victim = rs.replicas[hold.victims()[0]]
         node = next(w for w in workers if w.node_id == victim.node_id)
         kill_now(node, victim.pid)
         hold.released = True   # the victim's runs fail on their next read of its streams, the others go on
