@@ -314,14 +314,13 @@ class ReplicaSet:
         if src.healthy:
             self.queue_op(h, h.epoch, ("pull", None, src.actor, ids, plan.wait_s))
 
-    def holder_of(self, hashes: Sequence[bytes]) -> ReplicaHandle | None:
-        """The live replica whose cache (by the index) holds the longest run of these leading blocks."""
+    def holders_of(self, hashes: Sequence[bytes]) -> list[ReplicaHandle]:
+        """The live replicas, those whose cache (by the index) holds the longest run of these leading blocks
+        first (then the least loaded)."""
         live = self.router.live()
-        if not live:
-            return None
         with self.router.lock:
             match = self.index.match(list(hashes)[:self.index.max_query_blocks], [h.index for h in live])
-        return max(live, key=lambda h: (match.get(h.index, 0), -h.load))
+        return sorted(live, key=lambda h: (-match.get(h.index, 0), h.load))
 
     def queue_op(self, h: ReplicaHandle, epoch: str | None, op: tuple) -> None:
         # No lock: garbage collection may run a sequence's finalizer anywhere, even inside submit().
@@ -527,24 +526,32 @@ class RouterClient:
         return int(self._rs.info.get("block_bytes", 0))
 
     def kv_export(self, token_ids: Sequence[int], skip: Any = None) -> list[tuple[bytes, bytes | None]]:
-        """The blocks of ``token_ids`` from the live replica whose cache holds most of them (blocking)."""
+        """The blocks of ``token_ids`` from the live replica whose cache holds most of them (blocking).
+
+        The index is a step behind the replicas (the poller hears of a stored block a poll later), and a
+        checkpoint exports a thread's blocks right after its generation: the replica the index names may hold
+        only their shared beginning. Until one answers with every full block, the next replica is asked; the
+        longest answer wins."""
         ids = [int(t) for t in token_ids]
         hashes = chain_hashes(ids, self._rs.block_size)
         skipped = [h for h in hashes if skip is not None and skip(h)]
-        saved = []   # the leading blocks the caller has already: still referred to when no replica answers
+        best = []   # the leading blocks the caller has already: still referred to when no replica answers
         for h in hashes:
             if h not in skipped:
                 break
-            saved.append((h, None))
-        holder = self._rs.holder_of(hashes)
-        if holder is None:
-            return saved
-        try:
-            return _ray().get(holder.actor.export_kv.remote(ids, skipped, self.kv_fingerprint()), timeout=60)
-        except Exception as e:  # noqa: BLE001 - saving KV is an optimisation: the run goes on
-            logger.warning("%s: KV export failed (%s); these blocks are not saved", holder.name,
-                           type(_cause(e)).__name__)
-            return saved
+            best.append((h, None))
+        for holder in self._rs.holders_of(hashes):
+            if len(best) >= len(hashes):
+                break
+            try:
+                got = _ray().get(holder.actor.export_kv.remote(ids, skipped, self.kv_fingerprint()), timeout=60)
+            except Exception as e:  # noqa: BLE001 - saving KV is an optimisation: the run goes on
+                logger.warning("%s: KV export failed (%s); asking the next replica", holder.name,
+                               type(_cause(e)).__name__)
+                continue
+            if len(got) > len(best):
+                best = got
+        return best
 
     def kv_import(self, blocks: Iterable[tuple[bytes, bytes]]) -> int:
         """Load saved blocks into the replica the router places their prefix on (a ``RunClient`` binds to it, so
