@@ -23,6 +23,7 @@ MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "
 # 4e8 loop iterations: minutes of CPU if it were ever rendered
 HOSTILE = "{% for i in range(20000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}x"
 # a few seconds of CPU, then the last message
+TEMPLATE_CAP_S = 2.0  # the trusting server's render cap: a /health call waiting out a render would take about this
 SLOW = "{% for i in range(100000) %}{% for j in range(3000) %}{% endfor %}{% endfor %}{{ messages[-1]['content'] }}"
 TEMPLATE_THREAD = "flowrt-chat-template"
 
@@ -40,7 +41,7 @@ def server(chat_model_dir):
 @pytest.fixture(scope="module")
 def trusting_server(chat_model_dir):
     yield from serve_model(chat_model_dir, served_model_name=MODEL, trust_request_chat_template=True,
-                           chat_template_timeout=1.0)
+                           chat_template_timeout=TEMPLATE_CAP_S)
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +187,9 @@ def test_trusted_request_template_is_capped_off_the_event_loop(trusting_server):
         assert httpx.get(trusting_server.url + "/health", timeout=10).status_code == 200
         latencies.append(time.monotonic() - t0)
     caller.join()
-    assert latencies and max(latencies) < 0.8, latencies  # on the event loop it would wait out the render
+    # on the event loop a call would wait out the render (~TEMPLATE_CAP_S); half of it leaves a loaded machine's
+    # scheduling delays room (a 0.8 s bound against a 1 s cap failed once in a full fast-tier run on 2 cores)
+    assert latencies and max(latencies) < TEMPLATE_CAP_S / 2, latencies
     r = result["r"]
     assert r.status_code == 400, r.text
     err = r.json()["error"]
