@@ -21,7 +21,6 @@
 #endif
 
 #include <type_traits>
-#include <utility>
 
 namespace {
 
@@ -69,75 +68,42 @@ static inline void qv16(const uint8_t* r, int b, __m256i& q0, __m256i& q1) {
     }
 }
 
-// Lanes j < n of all ones (the valid blocks of a group).
-static inline __m256i lanes_below(int n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-// The halves at p + j * S for lanes j < n (0 after): 16-bit inserts, as a gather costs more on the AMD cores.
-template <int S, int... J>
-static inline __m128i halfs_at(const uint8_t* p, int n, std::integer_sequence<int, J...>) {
-    __m128i v = _mm_setzero_si128();
-    uint16_t h;
-    ((J < n ? (std::memcpy(&h, p + J * S, 2), v = _mm_insert_epi16(v, h, J)) : v), ...);
-    return v;
-}
-
-// The scales of group g's blocks, lane j for block 8g + j (0 past the n valid ones): D[0] (each half's own in D[0],
-// D[1] for HALVES formats) and the minimums M[0] (M[1]).
+// The scales of super-block g's eight blocks, lane j for block j: D[0] (each half's own in D[0], D[1] for HALVES
+// formats) and the minimums M[0] (M[1]).
 template <typename F>
-__attribute__((always_inline)) static inline void group_scales(const uint8_t* r, int64_t g, int n, __m256* D, __m256* M) {
-    if constexpr (F::QK == 32) {  // every 32-block format starts with its half d (and the MIN ones' m after it)
-        const uint8_t* p = r + GROUP * g * F::BYTES;
-        const std::make_integer_sequence<int, GROUP> lanes;
-        const __m128i d = halfs_at<F::BYTES>(p, n, lanes);
-        D[0] = _mm256_cvtph_ps(d);
-        if constexpr (F::MIN) M[0] = _mm256_cvtph_ps(halfs_at<F::BYTES>(p + 2, n, lanes));
+__attribute__((always_inline)) static inline void group_scales(const uint8_t* r, int64_t g, __m256* D, __m256* M) {
+    static_assert(F::QK == 32 * GROUP);
+    alignas(32) float Ds[16], Ms[16] = {};
+    F::scales8(r + g * F::BYTES, Ds, Ms);
+    const auto even_odd = [](const float* v, __m256& e, __m256& o) {  // v[2j], v[2j + 1] -> lane j of e, o
+        const __m256 a = _mm256_load_ps(v), b = _mm256_load_ps(v + 8);
+        e = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+        o = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+    };
+    if constexpr (F::HALVES) {
+        even_odd(Ds, D[0], D[1]);
+        if constexpr (F::MIN) even_odd(Ms, M[0], M[1]);
     } else {
-        alignas(32) float Ds[16], Ms[16] = {};
-        F::scales8(r + g * F::BYTES, Ds, Ms);
-        const auto even_odd = [](const float* v, __m256& e, __m256& o) {  // v[2j], v[2j + 1] -> lane j of e, o
-            const __m256 a = _mm256_load_ps(v), b = _mm256_load_ps(v + 8);
-            e = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
-            o = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
-        };
-        if constexpr (F::HALVES) {
-            even_odd(Ds, D[0], D[1]);
-            if constexpr (F::MIN) even_odd(Ms, M[0], M[1]);
-        } else {
-            D[0] = _mm256_load_ps(Ds);
-            if constexpr (F::MIN) M[0] = _mm256_load_ps(Ms);
-        }
+        D[0] = _mm256_load_ps(Ds);
+        if constexpr (F::MIN) M[0] = _mm256_load_ps(Ms);
     }
 }
 
-// 8 floats from p, lanes j < n (the rest 0): a plain load for a whole group.
-template <bool FULL>
-static inline __m256 load_group(const float* p, int n) {
-    if constexpr (FULL) return _mm256_loadu_ps(p);
-    else return _mm256_maskload_ps(p, lanes_below(n));
-}
-
-// Group g of rows [r0, r0 + R) against one row of W into acc[R]; FULL: all eight blocks valid (else the first n).
-template <typename F, int R, bool FULL>
-__attribute__((always_inline)) static inline void group(const Act& a, int64_t r0, const uint8_t* row, int64_t g, int n, __m256* acc) {
+// Super-block g of rows [r0, r0 + R) against one row of W into acc[R].
+template <typename F, int R>
+__attribute__((always_inline)) static inline void group(const Act& a, int64_t r0, const uint8_t* row, int64_t g,
+                                                        __m256* acc) {
     constexpr int H = F::HALVES ? 2 : 1;
     // the block products' lanes, reduced as they come (pairs of blocks by hadd, then pairs of pairs), so few
     // registers stay live: h[r][half][k] holds blocks 2k, 2k + 1
     __m256i h[R][H][4];
-    const uint8_t* rg = row + g * (GROUP * 32 / F::QK) * F::BYTES;  // the group's first byte: blocks j = 0..7 from it
+    const uint8_t* rg = row + g * F::BYTES;  // the super-block: blocks j = 0..7 from it
     #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
         __m256i v[2][R][H];
         #pragma GCC unroll 2
         for (int e = 0; e < 2; ++e) {
             const int j = 2 * k + e;
-            if (!FULL && j >= n) {
-                #pragma GCC unroll 4
-                for (int r = 0; r < R; ++r)
-                    for (int hh = 0; hh < H; ++hh) v[e][r][hh] = _mm256_setzero_si256();
-                continue;
-            }
             const int64_t b = GROUP * g + j;
             __m256i q0, q1;
             qv16<F>(rg, j, q0, q1);  // j a constant: the block's offsets fold
@@ -155,11 +121,11 @@ __attribute__((always_inline)) static inline void group(const Act& a, int64_t r0
             for (int hh = 0; hh < H; ++hh) h[r][hh][k] = _mm256_hadd_epi32(v[0][r][hh], v[1][r][hh]);
     }
     __m256 D[2], Mn[2];
-    group_scales<F>(row, g, FULL ? GROUP : n, D, Mn);
+    group_scales<F>(row, g, D, Mn);
     #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
         const int64_t at = (r0 + r) * a.nb + GROUP * g;
-        const __m256 dx = load_group<FULL>(a.d + at, n);
+        const __m256 dx = _mm256_loadu_ps(a.d + at);
         #pragma GCC unroll 2
         for (int hh = 0; hh < H; ++hh) {  // lane j = block j's sum
             const __m256i x = _mm256_hadd_epi32(h[r][hh][0], h[r][hh][1]), y = _mm256_hadd_epi32(h[r][hh][2], h[r][hh][3]);
@@ -168,7 +134,7 @@ __attribute__((always_inline)) static inline void group(const Act& a, int64_t r0
         }
         if constexpr (F::MIN) {
             const float* sp = a.sx + (r0 + r) * 2 * a.nb + GROUP * g;
-            const __m256 s0 = load_group<FULL>(sp, n), s1 = load_group<FULL>(sp + a.nb, n);
+            const __m256 s0 = _mm256_loadu_ps(sp), s1 = _mm256_loadu_ps(sp + a.nb);
             if constexpr (F::HALVES) {
                 acc[r] = _mm256_fmadd_ps(Mn[0], s0, acc[r]);
                 acc[r] = _mm256_fmadd_ps(Mn[1], s1, acc[r]);
@@ -230,7 +196,7 @@ static inline void tile_blocks(const Act& a, int64_t r0, const uint8_t* w, int64
             put(y + (r0 + r) * ys + c0 + c, lanes_sum(acc[r][c]) + mins[r][c] + (bias ? bias[c0 + c] : 0.f));
 }
 
-// The K-quants (and every format in the scalar build): rows [r0, r0 + R) against column c, by groups.
+// The K-quants (and every format in the scalar build): rows [r0, r0 + R) against column c, a super-block at a time.
 template <typename F, int R, typename T>
 static inline void tile(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, int64_t c, const float* bias, T* y,
                         int64_t ys) {
@@ -242,13 +208,11 @@ static inline void tile(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, 
     __m256 acc[R];
     #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const int64_t full = a.nb / GROUP;
-    for (int64_t g = 0; g < full; ++g) {
+    for (int64_t g = 0; g < a.nb / GROUP; ++g) {  // K is a multiple of 256 for these formats
         #pragma GCC unroll 4
         for (int o = 0; o < PF; o += 64) _mm_prefetch((const char*)(next + g * PF + o), _MM_HINT_T0);
-        group<F, R, true>(a, r0, row, g, GROUP, acc);
+        group<F, R>(a, r0, row, g, acc);
     }
-    if (a.nb % GROUP) group<F, R, false>(a, r0, row, full, (int)(a.nb % GROUP), acc);
     #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) put(y + (r0 + r) * ys + c, lanes_sum(acc[r]) + (bias ? bias[c] : 0.f));
 }
@@ -258,6 +222,7 @@ static inline void tile(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, 
 template <typename F, int R, typename T>
 static inline void tile(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, int64_t c, const float* bias, T* y,
                         int64_t ys) {
+    static_assert(R == 1, "the scalar build runs one row per tile");
     const uint8_t* row = w + c * rb;
     float acc[GROUP] = {};
     int8_t q[32];
@@ -265,7 +230,7 @@ static inline void tile(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, 
         float D[2], Mn[2] = {0.f, 0.f};
         F::q(row, (int)b, q);
         F::scales(row, (int)b, D, Mn);
-        const int64_t r = r0;  // R == 1 here
+        const int64_t r = r0;
         const int16_t* x = a.q + r * a.K + 32 * b;
         int s[2] = {0, 0};
         for (int i = 0; i < 32; ++i) s[i >> 4] += (int)q[i] * (int)x[i];
@@ -292,6 +257,26 @@ static inline void tile(const Act& a, int64_t r0, const uint8_t* w, int64_t rb, 
 }
 #endif
 
+// Rows [r0, r1) against the columns [c0, c1) in tiles of up to RT rows by one column (a column's blocks unpacked once
+// per tile).
+template <typename F, int RT, typename T>
+static void rows_by_groups(const Act& a, int64_t r0, int64_t r1, const uint8_t* w, int64_t rb, int64_t c0, int64_t c1,
+                           const float* bias, T* y, int64_t ys) {
+    for (int64_t r = r0; r < r1;) {
+        const int R = (int)std::min<int64_t>(RT, r1 - r);
+        for (int64_t c = c0; c < c1; ++c) {
+            if constexpr (RT == 2) {
+                if (R == 2) {
+                    tile<F, 2>(a, r, w, rb, c, bias, y, ys);
+                    continue;
+                }
+            }
+            tile<F, 1>(a, r, w, rb, c, bias, y, ys);
+        }
+        r += R;
+    }
+}
+
 // The rows [r0, r1) against the columns [c0, c1). The K-quants: tiles of up to two rows by one column, a column's
 // blocks unpacked once per tile. The 32-block formats: tiles of up to 4 rows by 4 columns (one row: four columns'
 // chains in flight).
@@ -317,25 +302,12 @@ static void block(const Act& a, int64_t r0, int64_t r1, const uint8_t* w, int64_
             for (; c + 2 <= c1; c += 2) rows(std::integral_constant<int, 2>{}, c);
             for (; c < c1; ++c) rows(std::integral_constant<int, 1>{}, c);
         }
-        return;
+    } else {
+        rows_by_groups<F, 2>(a, r0, r1, w, rb, c0, c1, bias, y, ys);
     }
-    constexpr int RT = 2;
 #else
-    constexpr int RT = 1;
+    rows_by_groups<F, 1>(a, r0, r1, w, rb, c0, c1, bias, y, ys);
 #endif
-    for (int64_t r = r0; r < r1;) {
-        const int R = (int)std::min<int64_t>(RT, r1 - r);
-        for (int64_t c = c0; c < c1; ++c) {
-            if constexpr (RT == 2) {
-                if (R == 2) {
-                    tile<F, 2>(a, r, w, rb, c, bias, y, ys);
-                    continue;
-                }
-            }
-            tile<F, 1>(a, r, w, rb, c, bias, y, ys);
-        }
-        r += R;
-    }
 }
 
 constexpr int64_t COLS = 16;  // columns per work item
