@@ -54,7 +54,9 @@ ISAS: tuple[Isa, ...] = (
     Isa("generic", (), ()),
     _AVX2,
     _AVX512,
-    Isa("avx512bf16", _AVX512.flags + ("-mavx512bf16",), _AVX512.cpu + ("avx512_bf16",)),
+    # every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids on, Zen4 on) also has AVX512-VNNI
+    Isa("avx512bf16", _AVX512.flags + ("-mavx512bf16", "-mavx512vnni"),
+        _AVX512.cpu + ("avx512_bf16", "avx512_vnni")),
 )
 ISA_NAMES = tuple(i.name for i in ISAS)
 

@@ -121,118 +121,126 @@ static inline __m256i field(const uint8_t* p, int s, int mask) {
 }
 #endif
 
+// The K-quants' low bits: runs of 32 bytes holding 8 / BITS blocks each, block j of a super-block (0..7) in run
+// j / (8 / BITS) at bit BITS * (j % (8 / BITS)); qs is the super-block's first run. low_bits: its 32 values.
+template <int BITS>
+static inline const uint8_t* low_bits_run(const uint8_t* qs, int j, int& shift) {
+    constexpr int PER = 8 / BITS;
+    shift = BITS * (j % PER);
+    return qs + (j / PER) * 32;
+}
+
+template <int BITS>
+static inline void low_bits(const uint8_t* qs, int j, int8_t* q) {
+    int sh;
+    const uint8_t* s = low_bits_run<BITS>(qs, j, sh);
+    for (int i = 0; i < 32; ++i) q[i] = (int8_t)((s[i] >> sh) & ((1 << BITS) - 1));
+}
+
+#ifdef FLOWRT_AVX2
+template <int BITS>
+static inline __m256i low_bits_v(const uint8_t* qs, int j) {
+    int sh;
+    const uint8_t* s = low_bits_run<BITS>(qs, j, sh);
+    return field(s, sh, (1 << BITS) - 1);
+}
+#endif
+
 // Each format: QK elements in BYTES bytes; MIN: w = D q + M with unsigned q (else w = D q, q signed); HALVES: the two
 // 16-element halves of a 32-block have their own D (and M). scales() gives D[2], M[2]; q() the 32 values (scalar);
 // qv() the same as one vector (AVX2); the K-quants' scales8() all of a super-block's D, M at once (the values of
 // scales() for its eight 32-blocks: two per block with HALVES, else one).
-struct Q8_0F {
-    static constexpr int QK = 32, BYTES = 34;
-    static constexpr bool MIN = false, HALVES = false;
-    static void scales(const uint8_t* r, int b, float* D, float*) { D[0] = D[1] = half(r + b * BYTES); }
-    static void q(const uint8_t* r, int b, int8_t* q) { std::memcpy(q, r + b * BYTES + 2, 32); }
+
+// The 32-element formats: a block of NBYTES opens with its half scale d (and, WITH_MIN, its half minimum m), one D
+// (and M) for the whole block; Q is where its quants start.
+template <int NBYTES, bool WITH_MIN>
+struct Block32 {
+    static constexpr int QK = 32, BYTES = NBYTES, Q = WITH_MIN ? 4 : 2;
+    static constexpr bool MIN = WITH_MIN, HALVES = false;
+    static void scales(const uint8_t* r, int b, float* D, float* M) {
+        D[0] = D[1] = half(r + b * BYTES);
+        if constexpr (WITH_MIN) M[0] = M[1] = half(r + b * BYTES + 2);
+    }
+    // the quants of block b, for the formats that pack 32 of them in 16 bytes of nibbles: element i is the low
+    // nibble of byte i, element i + 16 its high one, each mapped by value()
+    template <typename V>
+    static void nibbles(const uint8_t* r, int b, int8_t* q, V value) {
+        const uint8_t* s = r + b * BYTES + Q;
+        for (int i = 0; i < 16; ++i) { q[i] = value(s[i] & 0xF); q[i + 16] = value(s[i] >> 4); }
+    }
+    // ... the Q5 ones: a nibble and a fifth bit from the 32-bit word h that precedes the 16 nibble bytes
+    template <typename V>
+    static void nibbles5(const uint8_t* r, int b, int8_t* q, V value) {
+        const uint8_t* p = r + b * BYTES + Q;
+        const uint32_t h = u32(p);
+        for (int i = 0; i < 16; ++i) {
+            q[i] = value((p[4 + i] & 0xF) | (((h >> i) & 1) << 4));
+            q[i + 16] = value((p[4 + i] >> 4) | (((h >> (i + 16)) & 1) << 4));
+        }
+    }
+};
+
+struct Q8_0F : Block32<34, false> {
+    static void q(const uint8_t* r, int b, int8_t* q) { std::memcpy(q, r + b * BYTES + Q, 32); }
 #ifdef FLOWRT_AVX2
     static __m256i qv(const uint8_t* r, int b) {
-        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + b * BYTES + 2));
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + b * BYTES + Q));
     }
     static void qv16(const uint8_t* r, int b, __m256i& q0, __m256i& q1) {
-        q0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + b * BYTES + 2)));
-        q1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + b * BYTES + 18)));
+        q0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + b * BYTES + Q)));
+        q1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + b * BYTES + Q + 16)));
     }
 #endif
 };
 
-struct Q4_0F {
-    static constexpr int QK = 32, BYTES = 18;
-    static constexpr bool MIN = false, HALVES = false;
-    static void scales(const uint8_t* r, int b, float* D, float*) { D[0] = D[1] = half(r + b * BYTES); }
-    static void q(const uint8_t* r, int b, int8_t* q) {
-        const uint8_t* s = r + b * BYTES + 2;
-        for (int i = 0; i < 16; ++i) { q[i] = (int8_t)((s[i] & 0xF) - 8); q[i + 16] = (int8_t)((s[i] >> 4) - 8); }
-    }
+struct Q4_0F : Block32<18, false> {
+    static void q(const uint8_t* r, int b, int8_t* q) { nibbles(r, b, q, [](int v) { return (int8_t)(v - 8); }); }
 #ifdef FLOWRT_AVX2
     static __m256i qv(const uint8_t* r, int b) {
-        return _mm256_sub_epi8(nibbles16(r + b * BYTES + 2), _mm256_set1_epi8(8));
+        return _mm256_sub_epi8(nibbles16(r + b * BYTES + Q), _mm256_set1_epi8(8));
     }
     static void qv16(const uint8_t* r, int b, __m256i& q0, __m256i& q1) {
-        nibbles16_i16(r + b * BYTES + 2, q0, q1);
+        nibbles16_i16(r + b * BYTES + Q, q0, q1);
         q0 = _mm256_sub_epi16(q0, _mm256_set1_epi16(8));
         q1 = _mm256_sub_epi16(q1, _mm256_set1_epi16(8));
     }
 #endif
 };
 
-struct Q4_1F {
-    static constexpr int QK = 32, BYTES = 20;
-    static constexpr bool MIN = true, HALVES = false;
-    static void scales(const uint8_t* r, int b, float* D, float* M) {
-        D[0] = D[1] = half(r + b * BYTES);
-        M[0] = M[1] = half(r + b * BYTES + 2);
-    }
-    static void q(const uint8_t* r, int b, int8_t* q) {
-        const uint8_t* s = r + b * BYTES + 4;
-        for (int i = 0; i < 16; ++i) { q[i] = (int8_t)(s[i] & 0xF); q[i + 16] = (int8_t)(s[i] >> 4); }
-    }
+struct Q4_1F : Block32<20, true> {
+    static void q(const uint8_t* r, int b, int8_t* q) { nibbles(r, b, q, [](int v) { return (int8_t)v; }); }
 #ifdef FLOWRT_AVX2
-    static __m256i qv(const uint8_t* r, int b) { return nibbles16(r + b * BYTES + 4); }
-    static void qv16(const uint8_t* r, int b, __m256i& q0, __m256i& q1) { nibbles16_i16(r + b * BYTES + 4, q0, q1); }
+    static __m256i qv(const uint8_t* r, int b) { return nibbles16(r + b * BYTES + Q); }
+    static void qv16(const uint8_t* r, int b, __m256i& q0, __m256i& q1) { nibbles16_i16(r + b * BYTES + Q, q0, q1); }
 #endif
 };
 
-struct Q5_0F {
-    static constexpr int QK = 32, BYTES = 22;
-    static constexpr bool MIN = false, HALVES = false;
-    static void scales(const uint8_t* r, int b, float* D, float*) { D[0] = D[1] = half(r + b * BYTES); }
-    static void q(const uint8_t* r, int b, int8_t* q) {
-        const uint8_t* p = r + b * BYTES;
-        const uint32_t h = u32(p + 2);
-        for (int i = 0; i < 16; ++i) {
-            q[i] = (int8_t)(((p[6 + i] & 0xF) | (((h >> i) & 1) << 4)) - 16);
-            q[i + 16] = (int8_t)(((p[6 + i] >> 4) | (((h >> (i + 16)) & 1) << 4)) - 16);
-        }
-    }
+struct Q5_0F : Block32<22, false> {
+    static void q(const uint8_t* r, int b, int8_t* q) { nibbles5(r, b, q, [](int v) { return (int8_t)(v - 16); }); }
 #ifdef FLOWRT_AVX2
     static __m256i qv(const uint8_t* r, int b) {  // (nibble | bit << 4) - 16 = the nibble, or it | 0xF0 without the bit
-        const uint8_t* p = r + b * BYTES;
-        return _mm256_or_si256(nibbles16(p + 6), _mm256_andnot_si256(bits_set(u32(p + 2)), _mm256_set1_epi8((char)0xF0)));
+        const uint8_t* p = r + b * BYTES + Q;
+        return _mm256_or_si256(nibbles16(p + 4), _mm256_andnot_si256(bits_set(u32(p)), _mm256_set1_epi8((char)0xF0)));
     }
 #endif
 };
 
-struct Q5_1F {
-    static constexpr int QK = 32, BYTES = 24;
-    static constexpr bool MIN = true, HALVES = false;
-    static void scales(const uint8_t* r, int b, float* D, float* M) {
-        D[0] = D[1] = half(r + b * BYTES);
-        M[0] = M[1] = half(r + b * BYTES + 2);
-    }
-    static void q(const uint8_t* r, int b, int8_t* q) {
-        const uint8_t* p = r + b * BYTES;
-        const uint32_t h = u32(p + 4);
-        for (int i = 0; i < 16; ++i) {
-            q[i] = (int8_t)((p[8 + i] & 0xF) | (((h >> i) & 1) << 4));
-            q[i + 16] = (int8_t)((p[8 + i] >> 4) | (((h >> (i + 16)) & 1) << 4));
-        }
-    }
+struct Q5_1F : Block32<24, true> {
+    static void q(const uint8_t* r, int b, int8_t* q) { nibbles5(r, b, q, [](int v) { return (int8_t)v; }); }
 #ifdef FLOWRT_AVX2
     static __m256i qv(const uint8_t* r, int b) {
-        const uint8_t* p = r + b * BYTES;
-        return _mm256_or_si256(nibbles16(p + 8), _mm256_and_si256(bits_set(u32(p + 4)), _mm256_set1_epi8(0x10)));
+        const uint8_t* p = r + b * BYTES + Q;
+        return _mm256_or_si256(nibbles16(p + 4), _mm256_and_si256(bits_set(u32(p)), _mm256_set1_epi8(0x10)));
     }
 #endif
 };
 
-struct IQ4_NLF {
-    static constexpr int QK = 32, BYTES = 18;
-    static constexpr bool MIN = false, HALVES = false;
-    static void scales(const uint8_t* r, int b, float* D, float*) { D[0] = D[1] = half(r + b * BYTES); }
-    static void q(const uint8_t* r, int b, int8_t* q) {
-        const uint8_t* s = r + b * BYTES + 2;
-        for (int i = 0; i < 16; ++i) { q[i] = IQ4NL_VALUES[s[i] & 0xF]; q[i + 16] = IQ4NL_VALUES[s[i] >> 4]; }
-    }
+struct IQ4_NLF : Block32<18, false> {
+    static void q(const uint8_t* r, int b, int8_t* q) { nibbles(r, b, q, [](int v) { return IQ4NL_VALUES[v]; }); }
 #ifdef FLOWRT_AVX2
     static __m256i qv(const uint8_t* r, int b) {
         const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4NL_VALUES));
-        return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nibbles16(r + b * BYTES + 2));
+        return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nibbles16(r + b * BYTES + Q));
     }
 #endif
 };
@@ -255,15 +263,9 @@ struct Q2_KF {
         const float d = half(p + 80), dmin = half(p + 82);
         for (int i = 0; i < 16; ++i) { D[i] = d * (float)(p[i] & 0xF); M[i] = -(dmin * (float)(p[i] >> 4)); }
     }
-    static void q(const uint8_t* r, int b, int8_t* q) {
-        const uint8_t* s = r + (b >> 3) * BYTES + 16 + ((b & 7) >> 2) * 32;
-        const int sh = 2 * (b & 3);
-        for (int i = 0; i < 32; ++i) q[i] = (int8_t)((s[i] >> sh) & 3);
-    }
+    static void q(const uint8_t* r, int b, int8_t* q) { low_bits<2>(r + (b >> 3) * BYTES + 16, b & 7, q); }
 #ifdef FLOWRT_AVX2
-    static __m256i qv(const uint8_t* r, int b) {
-        return field(r + (b >> 3) * BYTES + 16 + ((b & 7) >> 2) * 32, 2 * (b & 3), 3);
-    }
+    static __m256i qv(const uint8_t* r, int b) { return low_bits_v<2>(r + (b >> 3) * BYTES + 16, b & 7); }
 #endif
 };
 
@@ -286,38 +288,36 @@ struct Q3_KF {
         const float d = half(p + 108);
         for (int i = 0; i < 16; ++i) D[i] = d * (float)scale(p + 96, i);
     }
-    static void q(const uint8_t* r, int b, int8_t* q) {
+    static void q(const uint8_t* r, int b, int8_t* q) {  // hmask bit j of byte i: block j's element i
         const uint8_t* p = r + (b >> 3) * BYTES;
-        const int n = (b & 7) >> 2, sh = 2 * (b & 3), bit = n * 4 + (b & 3);
-        for (int i = 0; i < 32; ++i)
-            q[i] = (int8_t)(((p[32 + n * 32 + i] >> sh) & 3) - (((p[i] >> bit) & 1) ? 0 : 4));
+        const int j = b & 7;
+        low_bits<2>(p + 32, j, q);
+        for (int i = 0; i < 32; ++i) q[i] = (int8_t)(q[i] - (((p[i] >> j) & 1) ? 0 : 4));
     }
 #ifdef FLOWRT_AVX2
     static __m256i qv(const uint8_t* r, int b) {
         const uint8_t* p = r + (b >> 3) * BYTES;
-        const int n = (b & 7) >> 2, sh = 2 * (b & 3), bit = n * 4 + (b & 3);
-        const __m256i lo = field(p + 32 + n * 32, sh, 3);
-        const __m256i hb = field(p, bit, 1);  // 1 where the offset is 0
+        const __m256i lo = low_bits_v<2>(p + 32, b & 7);
+        const __m256i hb = field(p, b & 7, 1);  // 1 where the offset is 0
         return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 2)), _mm256_set1_epi8(4));
     }
 #endif
 };
 
 // Q4_K: d, dmin, scales[12] (8 6-bit scales and minimums), qs[128] (sub-blocks 2i / 2i+1: low / high nibbles).
-struct Q4_KF {
-    static constexpr int QK = 256, BYTES = 144;
+// Q4_K and Q5_K open alike (d, dmin, the 12 scale bytes): one D and one M per 32-block.
+template <int NBYTES>
+struct K4Block {
+    static constexpr int QK = 256, BYTES = NBYTES;
     static constexpr bool MIN = true, HALVES = false;
     static void scales(const uint8_t* r, int b, float* D, float* M) { scales_k4(r + (b >> 3) * BYTES, b & 7, D, M); }
     static void scales8(const uint8_t* p, float* D, float* M) { scales8_k4(p, D, M); }
-    static void q(const uint8_t* r, int b, int8_t* q) {
-        const uint8_t* s = r + (b >> 3) * BYTES + 16 + ((b & 7) >> 1) * 32;
-        const int sh = 4 * (b & 1);
-        for (int i = 0; i < 32; ++i) q[i] = (int8_t)((s[i] >> sh) & 0xF);
-    }
+};
+
+struct Q4_KF : K4Block<144> {
+    static void q(const uint8_t* r, int b, int8_t* q) { low_bits<4>(r + (b >> 3) * BYTES + 16, b & 7, q); }
 #ifdef FLOWRT_AVX2
-    static __m256i qv(const uint8_t* r, int b) {
-        return nibbles32(r + (b >> 3) * BYTES + 16 + ((b & 7) >> 1) * 32, b & 1);
-    }
+    static __m256i qv(const uint8_t* r, int b) { return low_bits_v<4>(r + (b >> 3) * BYTES + 16, b & 7); }
     static void qv16(const uint8_t* r, int b, __m256i& q0, __m256i& q1) {
         const uint8_t* p = r + (b >> 3) * BYTES + 16 + ((b & 7) >> 1) * 32;
         const __m128i sh = _mm_cvtsi32_si128(4 * (b & 1));
@@ -329,21 +329,17 @@ struct Q4_KF {
 };
 
 // Q5_K: Q4_K's fields, then qh[32] (bit j of byte i: sub-block j's fifth bit of element i) before qs[128].
-struct Q5_KF {
-    static constexpr int QK = 256, BYTES = 176;
-    static constexpr bool MIN = true, HALVES = false;
-    static void scales(const uint8_t* r, int b, float* D, float* M) { scales_k4(r + (b >> 3) * BYTES, b & 7, D, M); }
-    static void scales8(const uint8_t* p, float* D, float* M) { scales8_k4(p, D, M); }
+struct Q5_KF : K4Block<176> {
     static void q(const uint8_t* r, int b, int8_t* q) {
         const uint8_t* p = r + (b >> 3) * BYTES;
-        const uint8_t* s = p + 48 + ((b & 7) >> 1) * 32;
-        const int sh = 4 * (b & 1), j = b & 7;
-        for (int i = 0; i < 32; ++i) q[i] = (int8_t)(((s[i] >> sh) & 0xF) | (((p[16 + i] >> j) & 1) << 4));
+        const int j = b & 7;
+        low_bits<4>(p + 48, j, q);
+        for (int i = 0; i < 32; ++i) q[i] = (int8_t)(q[i] | (((p[16 + i] >> j) & 1) << 4));
     }
 #ifdef FLOWRT_AVX2
     static __m256i qv(const uint8_t* r, int b) {
         const uint8_t* p = r + (b >> 3) * BYTES;
-        const __m256i lo = nibbles32(p + 48 + ((b & 7) >> 1) * 32, b & 1);
+        const __m256i lo = low_bits_v<4>(p + 48, b & 7);
         return _mm256_or_si256(lo, _mm256_slli_epi16(field(p + 16, b & 7, 1), 4));
     }
 #endif

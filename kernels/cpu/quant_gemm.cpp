@@ -11,8 +11,9 @@
 // 16 columns handed to the threads dynamically.
 //
 // ISA: the AVX2 code (madd on 256-bit vectors) also serves the avx512 and avx512bf16 variants (their builds
-// define __AVX2__): no AVX-512 or VNNI path here, as none could be tested on the AVX2-only machines these were
-// written on. The generic variant runs the same arithmetic in scalar C++.
+// define __AVX2__); where the build has AVX512-VNNI (the avx512bf16 variant), madd_add's multiply and add are one
+// vpdpwssd, the same exact int32 sums. Wider (512-bit) vectors are not used: on Zen4 they split into two 256-bit
+// halves, and a 32-block's products fill one 256-bit pair. The generic variant runs the same arithmetic in scalar C++.
 #include "flowrt_cpu.h"
 #include "common.h"
 #include "quant_blocks.h"
@@ -50,6 +51,15 @@ static inline float lanes_sum(__m256 v) {
     const __m256 h = _mm256_hadd_ps(v, v);
     const __m256 h2 = _mm256_hadd_ps(h, h);
     return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
+}
+
+// acc + madd(a, b), exact in int32: one vpdpwssd where AVX512-VNNI reaches 256-bit vectors.
+static inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
 }
 
 template <typename F, typename = void> struct has_qv16 : std::false_type {};
@@ -110,10 +120,11 @@ __attribute__((always_inline)) static inline void group(const Act& a, int64_t r0
             #pragma GCC unroll 4
             for (int r = 0; r < R; ++r) {
                 const int16_t* xb = a.q + (r0 + r) * a.K + 32 * b;
-                const __m256i m0 = _mm256_madd_epi16(q0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
-                const __m256i m1 = _mm256_madd_epi16(q1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16)));
-                if constexpr (F::HALVES) v[e][r][0] = m0, v[e][r][1] = m1;
-                else v[e][r][0] = _mm256_add_epi32(m0, m1);
+                const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+                const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16));
+                const __m256i m0 = _mm256_madd_epi16(q0, x0);
+                if constexpr (F::HALVES) v[e][r][0] = m0, v[e][r][1] = _mm256_madd_epi16(q1, x1);
+                else v[e][r][0] = madd_add(m0, q1, x1);
             }
         }
         #pragma GCC unroll 4
@@ -178,10 +189,11 @@ static inline void tile_blocks(const Act& a, int64_t r0, const uint8_t* w, int64
             #pragma GCC unroll 4
             for (int r = 0; r < R; ++r) {
                 const int16_t* xb = xq + r * a.K + 32 * b;
-                const __m256i p0 = _mm256_madd_epi16(q0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
-                const __m256i p1 = _mm256_madd_epi16(q1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16)));
+                const __m256i p = madd_add(
+                    _mm256_madd_epi16(q0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))), q1,
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16)));
                 const __m256 scale = _mm256_mul_ps(Dv, _mm256_broadcast_ss(xd + r * a.nb + b));
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), scale, acc[r][c]);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r][c]);
                 if constexpr (F::MIN) {
                     const float* sx = xs + r * 2 * a.nb + b;
                     mins[r][c] = std::fma(Mn[0], sx[0] + sx[a.nb], mins[r][c]);
