@@ -63,18 +63,39 @@ static inline void scales_k4(const uint8_t* p, int j, float* D, float* M) {
     M[0] = M[1] = -(half(p + 2) * (float)mn);
 }
 
-// ... and all eight of a super-block at once, D[0..7] and M[0..7] (the same values): the 12 bytes as three words.
+#ifdef FLOWRT_AVX2
+// Q4_K / Q5_K: all eight of a super-block's D (lane j: 32-block j) and M at once, in registers: the 12 scale bytes
+// as three words u0, u1, u2 rearranged in one vector into the eight 6-bit scales (bytes 0-7) and minimums (8-15).
+// scale j < 4: u0 byte j & 63; j >= 4: (u2 byte & 15) | (u0 byte >> 6) << 4; minimum: u1 in u0's place, u2 >> 4.
+static inline void scales8_k4v(const uint8_t* p, __m256& D, __m256& M) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));  // u0, u1, u2 (and 4 bytes more)
+    const __m128i x = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));            // u0, u2, u1, u2
+    const __m128i y = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));            // u0, u0, u1, u1
+    const __m128i lo = _mm_and_si128(x, _mm_setr_epi32(0x3f3f3f3f, 0, 0x3f3f3f3f, 0));
+    const __m128i hi4 = _mm_and_si128(_mm_srlv_epi32(x, _mm_setr_epi32(0, 0, 0, 4)),
+                                      _mm_setr_epi32(0, 0x0f0f0f0f, 0, 0x0f0f0f0f));
+    const __m128i hi2 = _mm_and_si128(_mm_srli_epi32(y, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    const __m128i sm = _mm_or_si128(lo, _mm_or_si128(hi4, hi2));
+    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)u32(p)));  // d, dmin
+    D = _mm256_mul_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
+    M = _mm256_xor_ps(_mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)),
+                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)))),
+                      _mm256_set1_ps(-0.0f));
+}
+#endif
+
+// ... the same as arrays, D[0..7] and M[0..7].
 static inline void scales8_k4(const uint8_t* p, float* D, float* M) {
+#ifdef FLOWRT_AVX2
+    __m256 d, m;
+    scales8_k4v(p, d, m);
+    _mm256_storeu_ps(D, d);
+    _mm256_storeu_ps(M, m);
+#else
     const float d = half(p), dmin = half(p + 2);
     const uint32_t u0 = u32(p + 4), u1 = u32(p + 8), u2 = u32(p + 12);
     const uint32_t sc[2] = {u0 & 0x3f3f3f3fu, (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4)};
     const uint32_t mn[2] = {u1 & 0x3f3f3f3fu, ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4)};
-#ifdef FLOWRT_AVX2
-    const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc[1], (int)sc[0])));
-    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn[1], (int)mn[0])));
-    _mm256_storeu_ps(D, _mm256_mul_ps(_mm256_set1_ps(d), s));
-    _mm256_storeu_ps(M, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), m), _mm256_set1_ps(-0.0f)));
-#else
     for (int j = 0; j < 8; ++j) {
         D[j] = d * (float)((sc[j >> 2] >> (8 * (j & 3))) & 0xff);
         M[j] = -(dmin * (float)((mn[j >> 2] >> (8 * (j & 3))) & 0xff));
@@ -312,6 +333,9 @@ struct K4Block {
     static constexpr bool MIN = true, HALVES = false;
     static void scales(const uint8_t* r, int b, float* D, float* M) { scales_k4(r + (b >> 3) * BYTES, b & 7, D, M); }
     static void scales8(const uint8_t* p, float* D, float* M) { scales8_k4(p, D, M); }
+#ifdef FLOWRT_AVX2
+    static void scales8v(const uint8_t* p, __m256* D, __m256* M) { scales8_k4v(p, D[0], M[0]); }
+#endif
 };
 
 struct Q4_KF : K4Block<144> {
@@ -358,15 +382,18 @@ struct Q6_KF {
     }
     static void scales8(const uint8_t* p, float* D, float*) {
         const float d = half(p + 208);
-#ifdef FLOWRT_AVX2
-        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
-        const __m256 dv = _mm256_set1_ps(d);
-        _mm256_storeu_ps(D, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
-        _mm256_storeu_ps(D + 8, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
-#else
         for (int i = 0; i < 16; ++i) D[i] = d * (float)(int8_t)p[192 + i];
-#endif
     }
+#ifdef FLOWRT_AVX2
+    // the sixteen scales as the first halves' (lane j: block j's elements 0-15) and the second halves' D
+    static void scales8v(const uint8_t* p, __m256* D, __m256*) {
+        const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)),
+                                            _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+        const __m256 dv = _mm256_set1_ps(half(p + 208));
+        D[0] = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        D[1] = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+    }
+#endif
     static void q(const uint8_t* r, int b, int8_t* q) {
         const uint8_t* p = r + (b >> 3) * BYTES;
         const int n = (b & 7) >> 2, c = b & 3;

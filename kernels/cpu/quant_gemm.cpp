@@ -80,9 +80,16 @@ static inline void qv16(const uint8_t* r, int b, __m256i& q0, __m256i& q1) {
 
 // The scales of super-block g's eight blocks, lane j for block j: D[0] (each half's own in D[0], D[1] for HALVES
 // formats) and the minimums M[0] (M[1]).
+template <typename F, typename = void> struct has_scales8v : std::false_type {};
+template <typename F> struct has_scales8v<F, std::void_t<decltype(&F::scales8v)>> : std::true_type {};
+
 template <typename F>
 __attribute__((always_inline)) static inline void group_scales(const uint8_t* r, int64_t g, __m256* D, __m256* M) {
     static_assert(F::QK == 32 * GROUP);
+    if constexpr (has_scales8v<F>::value) {  // decoded in registers
+        F::scales8v(r + g * F::BYTES, D, M);
+        return;
+    }
     alignas(32) float Ds[16], Ms[16] = {};
     F::scales8(r + g * F::BYTES, Ds, Ms);
     const auto even_odd = [](const float* v, __m256& e, __m256& o) {  // v[2j], v[2j + 1] -> lane j of e, o
