@@ -319,6 +319,8 @@ def test_sqlite_run_taken_over_when_its_replica_dies(ray_instance, stories_path,
         assert all(r.ok for r in results), [r.errors for r in results]
         taken = [r for r in results if r.stats.get("takeovers")]
         assert len(taken) == 2 and all(r.outputs["answer"]["replica"] == 1 for r in taken)
+        for r in taken:   # the takeover's own prompt tokens; the run's count its first attempt's calls too
+            assert 0 < r.stats["takeover_tokens_computed"] <= r.stats["run_tokens_computed"], r.stats
         assert set(finished.values()) == {1} and len(finished) == 8   # every step of every run finished once
         for r in taken:   # the same greedy text as a run that no death interrupted
             tag = runtime.checkpointer.get_run(r.run_id, with_state=False).inputs["tag"]
