@@ -26,6 +26,7 @@ from typing import Any
 WORDS = ("the little girl saw a big red ball under a tree and she wanted to play with it but her mom said no "
          "so she went home and sat down by the window to watch the birds fly over the green hills far away").split()
 FINISHED: collections.Counter = collections.Counter()
+STARTED: collections.Counter = collections.Counter()   # (question, step) -> times the step started
 KILL: dict[str, Any] = {"armed": None, "countdown": 0}   # node_loss: the n-th answer step kills its replica's node
 
 
@@ -103,6 +104,7 @@ def make_workflow(max_tokens: int):
 
     @wf.step
     async def context(system: str, question: str, llm: fr.Model) -> fr.Thread:
+        STARTED[(question, "context")] += 1
         t = llm.thread(system) + question
         await t.gen(max_tokens=24, temperature=0, ignore_eos=True)   # this run's own blocks
         FINISHED[(question, "context")] += 1
@@ -139,7 +141,7 @@ def summary(r: Any) -> dict[str, Any]:
     if not getattr(r, "ok", False):
         return {"ok": False, "error": repr(getattr(r, "errors", r))[:300]}
     return {"ok": True, "takeovers": r.stats.get("takeovers", 0), "kv_blocks_loaded": r.stats.get("kv_blocks_loaded", 0),
-            "tokens_computed": r.stats.get("run_tokens_computed", 0)}   # of its last attempt (the takeover)
+            "tokens_computed": r.stats.get("takeover_tokens_computed", 0)}   # by its takeover attempts alone
 
 
 def reset(rs) -> None:
@@ -160,11 +162,12 @@ async def drive(rt, wf, system: str, n: int, seed: int, on_half=None) -> tuple[f
     async def one(i: int, at: float):
         nonlocal done
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
-        r = await rt.run(wf, system=system, question=f" Question {i}: what happened next?")
+        question = f" Question {i}: what happened next?"
+        r = await rt.run(wf, system=system, question=question)
         done += 1
         if on_half is not None and done == n // 3:
             await on_half()
-        return summary(r)
+        return {**summary(r), "question": question}
 
     results = await asyncio.gather(*(one(i, at) for i, at in enumerate(times)), return_exceptions=True)
     return time.perf_counter() - t0, [x if isinstance(x, dict) else summary(x) for x in results]
@@ -222,8 +225,12 @@ def sharing(model: str, runs: int, max_tokens: int, seed: int) -> list[dict[str,
 def node_loss(model: str, c, workers: list, runs: int, max_tokens: int, seed: int, checkpoint: str | None,
               kv: bool) -> dict[str, Any]:
     """Runs with checkpoints; a node killed once a third of them finished. Prefill tokens recomputed: what the
-    taken-over runs' takeover attempts computed (a run's stats count its last attempt): every token of their
-    prompts had been computed once already, on the dead replica."""
+    taken-over runs' takeover attempts computed (``takeover_tokens_computed``; the run's ``run_tokens_computed``
+    also counts its first attempt's calls): every token of their prompts had been computed once already, on
+    the dead replica. Per thread: of the runs whose thread was in their checkpoint (the node died in their
+    answer step), which the shared KV store restores; a run the node took down in its context step (the step
+    that starts its thread, so its checkpoint holds none) computes that step's own blocks again, as a fresh
+    run would: ``recomputed_per_thread_all`` counts those too."""
     import flowrt as fr
 
     wf, system = make_workflow(max_tokens), long_prefix()
@@ -237,6 +244,7 @@ def node_loss(model: str, c, workers: list, runs: int, max_tokens: int, seed: in
     asyncio.run(drive(rt, wf, "Warm up. " + system[:60], 3, seed))
     reset(rs)
     FINISHED.clear()
+    STARTED.clear()
     killed: list = []
 
     async def kill(victim):
@@ -253,11 +261,14 @@ def node_loss(model: str, c, workers: list, runs: int, max_tokens: int, seed: in
     victim, node = killed[0]
     workers.remove(node)
     recomputed = sum(r["tokens_computed"] for r in taken)
+    restored = [r for r in taken if STARTED[(r["question"], "context")] == 1]   # died in the answer step
     row = {"config": f"node killed, checkpoint={'postgres' if checkpoint else 'sqlite'}, shared KV store={kv}",
            "runs_completed": len(ok), "runs": runs, "taken_over": len(taken),
+           "taken_over_in_context_step": len(taken) - len(restored),
            "steps_run_twice": sum(1 for n in FINISHED.values() if n > 1),
            "prefill_tokens_recomputed": recomputed,
-           "recomputed_per_thread": round(recomputed / max(1, len(taken)), 1),   # one thread per run
+           "recomputed_per_thread": round(sum(r["tokens_computed"] for r in restored) / max(1, len(restored)), 1),
+           "recomputed_per_thread_all": round(recomputed / max(1, len(taken)), 1),   # one thread per run
            "block_size": rs.block_size,
            "kv_blocks_loaded": sum(r["kv_blocks_loaded"] for r in taken),
            "runs_per_s": round(runs / wall, 2)}

@@ -15,6 +15,10 @@ Protocol with the client (flowrt/replicas/client.py):
   once the request is queued (a bad request raises there), and ``poll(rid)`` long-polls its snapshots.
 * ``state()`` is the router's health check and event feed: stats, and the prefix-cache events (blocks
   stored / evicted) of the block pool since the last call, or a full snapshot after an overflow.
+* ``rejoin(epoch)`` is how the client takes a replica back that it gave up on (it died, or only did not
+  answer in time): the client dropped what it had queued for that epoch (appends, closes), so if this
+  incarnation is the one it gave up on, it ends here (its sequences closed, once their requests are over)
+  and a new epoch begins; its sequences are restored from their token ids wherever they are used next.
 * KV between replicas: a ``("pull", None, source_actor, token_ids, wait_s)`` operation copies the prefix's blocks
   from another replica (its ``export_kv``, through Ray's object store) into this one's prefix cache before the
   batch's other operations; ``export_kv`` / ``import_kv`` also serve KV checkpoints (the client side writes
@@ -75,6 +79,7 @@ class ReplicaServer:
         self.tasks: set[asyncio.Task] = set()
         self._next_batch = 0
         self._cond: asyncio.Condition | None = None
+        self._retired: dict[str, Any] = {}   # sequences of an ended epoch, closed once their request is over
         if model is not None and not os.path.exists(model):
             self.start_error = (f"replica {index}: the model path {model!r} does not exist on node {self.node} "
                                 f"(pid {self.pid}); it must exist at the same path on every node")
@@ -106,6 +111,23 @@ class ReplicaServer:
                 "num_kv_blocks": st["num_kv_blocks"], "model_path": self.engine.model_path, "cores": self.cores,
                 "node_id": self.node_id, "fingerprint": self.fingerprint,
                 "block_bytes": self.engine.kv_block_bytes()}
+
+    async def rejoin(self, epoch: str | None) -> dict[str, Any]:
+        """``info()`` for a client taking this replica back after giving up on ``epoch``: that epoch ends here
+        if it is this incarnation's (a slow replica, not a restarted one), so that no sequence of it, missing
+        the operations the client dropped, is used again."""
+        if epoch is not None and epoch == self.epoch:
+            self.epoch, self._next_batch = uuid.uuid4().hex, 0
+            old, self.seqs = self.seqs, {}
+            for sid, seq in old.items():
+                if sid in self.busy:
+                    self._retired[sid] = seq   # generating: closed when its request ends (_unmark_busy)
+                else:
+                    seq.close()
+            if self._cond is not None:
+                async with self._cond:
+                    self._cond.notify_all()   # calls of the old epoch waiting for their turn fail now
+        return self.info()
 
     def tokenizer(self) -> Any:
         if self.start_error is not None:
@@ -147,22 +169,29 @@ class ReplicaServer:
         return out
 
     # ------------------------------------------------------------------ ordered calls
-    async def _in_order(self, epoch: str, batch: int) -> None:
+    def _check_epoch(self, epoch: str) -> None:
         if epoch != self.epoch:
             raise StaleEpochError(f"replica {self.index} restarted (its sequences are gone)")
+
+    async def _in_order(self, epoch: str, batch: int) -> None:
+        self._check_epoch(epoch)
         if self._cond is None:
             self._cond = asyncio.Condition()
         async with self._cond:
             if self._next_batch < batch:
                 try:
-                    await asyncio.wait_for(self._cond.wait_for(lambda: self._next_batch >= batch),
-                                           BATCH_ORDER_TIMEOUT_S)
+                    await asyncio.wait_for(
+                        self._cond.wait_for(lambda: self._next_batch >= batch or epoch != self.epoch),
+                        BATCH_ORDER_TIMEOUT_S)
                 except asyncio.TimeoutError:
                     logger.error("replica %d: operation batch %d never came; going on", self.index, self._next_batch)
+        self._check_epoch(epoch)
 
-    async def _advance(self, batch: int) -> None:
+    async def _advance(self, epoch: str, batch: int) -> None:
+        assert self._cond is not None   # _in_order made it
         async with self._cond:
-            self._next_batch = max(self._next_batch, batch + 1)
+            if epoch == self.epoch:   # a call of an ended epoch does not move the new one's count
+                self._next_batch = max(self._next_batch, batch + 1)
             self._cond.notify_all()
 
     def _apply(self, ops: list[tuple]) -> None:
@@ -258,6 +287,7 @@ class ReplicaServer:
             for op in ops:
                 if op[0] == "pull":
                     await self._pull(op[2], op[3], op[4])
+            self._check_epoch(epoch)   # not rejoined meanwhile: the ops are of this epoch's sequences
             self._apply([op for op in ops if op[0] != "pull"])
             if req is None:
                 return None
@@ -274,7 +304,7 @@ class ReplicaServer:
                 return None
             coro = self.engine.generate(target, req["params"], **self._kwargs(req))
         finally:
-            await self._advance(batch)
+            await self._advance(epoch, batch)
         self._mark_busy(sid)
         try:
             return await coro
@@ -290,6 +320,9 @@ class ReplicaServer:
             ev = self.busy.pop(sid, None)
             if ev is not None:
                 ev.set()
+            retired = self._retired.pop(sid, None)
+            if retired is not None:
+                retired.close()
 
     async def _pump(self, it, q: asyncio.Queue, sid: str | None) -> None:
         try:

@@ -291,7 +291,7 @@ class ReplicaSet:
             h.epoch, h.node, h.pid, h.cores = info["epoch"], info["node"], info["pid"], info.get("cores")
             h.node_id, h.fingerprint = info.get("node_id", ""), info.get("fingerprint", "")
             h.block_bytes = int(info.get("block_bytes", 0))
-            h.batch = 0
+            h.batch, h.lost_epoch = 0, None
             h.ops.clear()
             h.healthy, h.error = True, None
 
@@ -302,6 +302,8 @@ class ReplicaSet:
             if h.healthy:
                 h.deaths += 1
                 logger.warning("%s is down: %s", h.name, why)
+            if h.epoch is not None:   # its queued operations go: that epoch ends when it rejoins
+                h.lost_epoch = h.epoch
             h.healthy, h.error, h.epoch = False, why, None
             h.ops.clear()
         with self.router.lock:
@@ -344,8 +346,9 @@ class ReplicaSet:
 
     def _poll_loop(self) -> None:
         """Every ``poll_interval``: each live replica's state (stats + cache events; all polled at once), and
-        a health probe of each dead one (``info``; answers once Ray has restarted it)."""
-        probes: dict[int, Any] = {}  # replica index -> outstanding info() call of a dead replica
+        a health probe of each dead one (``rejoin``; answers once Ray has restarted it, or once a replica that
+        only did not answer in time answers again, in a new epoch)."""
+        probes: dict[int, Any] = {}  # replica index -> outstanding rejoin() call of a dead replica
         while not self._stop.wait(self.poll_interval):
             try:
                 self._poll_once(probes)
@@ -356,7 +359,7 @@ class ReplicaSet:
 
     def _poll_once(self, probes: dict[int, Any]) -> None:
         """One round: each live replica's state (stats + cache events; all polled at once), and a health probe
-        of each dead one (``info``; answers once Ray has restarted it)."""
+        of each dead one (``rejoin``: see ``_poll_loop``)."""
         ray = _ray()
         polls = []
         for h in self.replicas:
@@ -372,7 +375,7 @@ class ReplicaSet:
                     self.mark_dead(h, f"{type(e).__name__}: {e}", h.epoch)
             elif h.index not in probes:
                 try:
-                    probes[h.index] = h.actor.info.remote()
+                    probes[h.index] = h.actor.rejoin.remote(h.lost_epoch)
                 except Exception as e:  # noqa: BLE001 - gone for good (its restarts used up): stays dead
                     h.error = f"{type(e).__name__}: {e}"
         for h, epoch, ref in polls:

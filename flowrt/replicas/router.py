@@ -47,6 +47,7 @@ class ReplicaHandle:
     pid: int = 0
     cores: list[int] | None = None     # the cores it is pinned to (None: not pinned)
     epoch: str | None = None          # None while dead / restarting
+    lost_epoch: str | None = None     # the epoch it was marked dead in (ended when it rejoins)
     healthy: bool = False
     error: str | None = None          # why it is not healthy
     in_flight: int = 0                # requests submitted and not finished (client side)

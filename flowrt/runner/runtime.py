@@ -220,9 +220,11 @@ class Runtime:
         """The run, taken over by a live replica from its last checkpoint while its own replica died under it."""
         result = await self._execute_held(wf, inputs, run, kw)
         rs = replica_set_of(self._resources.get("llm")) if run is not None else None
-        takeovers = 0
+        takeovers, computed = 0, 0
         while rs is not None and lost_to_replica(result) and takeovers < rs.max_takeovers:
             takeovers += 1   # its replica died: a live one continues it from its last checkpoint (takeover.py)
+            if takeovers == 1:   # the run's stats sum every attempt's LLM calls (one tracer): what came before
+                computed = kw["tracer"].llm_totals["tokens_computed"]
             run_id = result.run_id
             assert run_id is not None  # a checkpointed run (run is not None) has its id
             await wait_for_replica(rs, run_id)
@@ -233,6 +235,8 @@ class Runtime:
             kw["checkpoint"] = run
             result = await self._execute_held(wf, inputs, run, kw)
             result.stats["takeovers"] = takeovers
+            # The prompt tokens the takeovers computed: what neither the loaded KV nor a prefix cache held.
+            result.stats["takeover_tokens_computed"] = kw["tracer"].llm_totals["tokens_computed"] - computed
         return result
 
     async def _execute_held(self, wf: Workflow, inputs: dict[str, Any], run: Any, kw: dict[str, Any]) -> RunResult:

@@ -122,12 +122,12 @@ def make_wf(max_tokens: int, hold: Hold | None = None):
 
     @wf.step
     async def answer(context: fr.Thread, tag: str, llm: fr.Model) -> dict:
-        t = context + f" Question {tag}:"
         if hold is None:
+            t = context + f" Question {tag}:"
             texts = await fr.gather(*(s.gen(max_tokens=max_tokens, temperature=0, ignore_eos=True)
                                       for s in t.fork(4)))
-        else:
-            texts = await fr.gather(*(held_gen(s, tag, llm) for s in t.fork(hold.forks)))
+        else:   # the forks generate from the checkpointed thread itself: a takeover computes what its KV lacks
+            texts = await fr.gather(*(held_gen(s, tag, llm) for s in context.fork(hold.forks)))
         FINISHED[(tag, "answer")] += 1
         return {"text": texts[0], "replica": llm.engine.replica.index}
 
@@ -275,6 +275,9 @@ def test_node_killed_mid_run_postgres(rt, cluster):
     assert set(FINISHED) == {(t, s) for t in tags + ["ref"] for s in ("prep", "context", "answer", "report")}
     for r in taken:
         assert r.stats["kv_blocks_loaded"] >= 2 and not r.stats["kv_blocks_rejected"], r.stats   # the shared store
+        # The takeover computes at most one block of the restored thread (its last partial one, which its forks
+        # share) and each fork's last token; without the store it would compute the run's own blocks (~50 tokens)
+        assert hold.forks <= r.stats["takeover_tokens_computed"] <= rs.block_size + hold.forks, r.stats
         rec = rt.checkpointer.get_run(r.run_id, with_state=False)
         assert rec.status == "done"
     assert reference.ok

@@ -89,3 +89,35 @@ def test_replica_export_import_check_fingerprints(stories_path):
     finally:
         src.shutdown()
         dst.shutdown()
+
+
+@pytest.mark.slow   # one engine
+def test_rejoin_ends_the_epoch_the_client_gave_up_on(stories_path):
+    """A client that marked a replica dead (it did not answer in time) dropped what it had queued for it; taking
+    it back, it must not find that epoch's sequences as they were: ``rejoin`` of that epoch closes them and starts
+    a new one, whose batches count from 0; a call of the old epoch fails, one waiting for its turn at once."""
+    from flowrt.replicas.actor import ReplicaServer, StaleEpochError
+
+    rep = ReplicaServer(0, stories_path, {"dtype": "float32", "num_kv_blocks": 64})
+
+    async def go():
+        old = rep.epoch
+        await rep.call(old, 0, [("open", "s1", list(range(1, 40)), None)], None)
+        waiting = asyncio.ensure_future(rep.call(old, 5, [("open", "s2", [1, 2, 3], None)], None))
+        await asyncio.sleep(0)   # it waits for batches 1..4
+        assert (await rep.rejoin("a restarted incarnation's"))["epoch"] == old   # not this one: kept
+        assert await rep.seq_tokens("s1") is not None
+        new = (await rep.rejoin(old))["epoch"]
+        assert new != old and await rep.seq_tokens("s1") is None   # closed
+        with pytest.raises(StaleEpochError):
+            await waiting
+        with pytest.raises(StaleEpochError):
+            await rep.call(old, 1, [("open", "s3", [1, 2], None)], None)
+        await rep.call(new, 0, [("open", "s4", [1, 2], None)], None)   # the new epoch's first batch
+        assert await rep.seq_tokens("s4") == [1, 2]
+        assert await rep.seq_tokens("s2") is None and await rep.seq_tokens("s3") is None
+
+    try:
+        asyncio.run(go())
+    finally:
+        rep.shutdown()

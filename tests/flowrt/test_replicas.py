@@ -250,6 +250,34 @@ def test_router_is_an_engine_client_behind_the_server(rt, stories_path):
     assert metrics.count("flowrt_replica_load{") == 2
 
 
+def test_replica_given_up_on_comes_back_in_a_new_epoch(rt):
+    """The poller gives a replica up when it does not answer in time (a loaded machine), dropping what was queued
+    for it (here a thread's append); when it answers again it is taken back in a new epoch, so that the thread is
+    restored from its token ids instead of generating from its stale copy there, which is closed."""
+    from flowrt.engine import SamplingParams
+
+    rs = rs_of(rt)
+    client = rt.llm.engine.bind()
+    h = rs.replicas[1]   # not the death test's victim (it counts that one's restarts)
+    client._bind_to(h)
+    seq = client.open(rs.tokenizer(SYSTEM_A)["input_ids"])
+    asyncio.run(client.generate(seq, SamplingParams(max_tokens=1, temperature=0)))
+    seq.append(rs.tokenizer(" Then a big dog came and barked at the moon.")["input_ids"])   # queued for h
+    old, sid, tokens = h.epoch, seq.sid, seq.token_ids
+    rs.mark_dead(h, "GetTimeoutError: state() did not answer in 10 s", old)   # what the poller does then
+    deadline = time.monotonic() + 60
+    while not h.healthy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert h.healthy
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    out = asyncio.run(client.generate(seq, params))
+    expected = asyncio.run(client.generate({"prompt_token_ids": tokens}, params))
+    client.release()
+    assert list(out.outputs[0].token_ids) == list(expected.outputs[0].token_ids)   # the append is in its context
+    assert h.epoch != old
+    assert ray.get(h.actor.seq_tokens.remote(sid)) is None   # its stale copy is not left holding KV there
+
+
 def test_sqlite_run_taken_over_when_its_replica_dies(ray_instance, stories_path, tmp_path):
     """One node, SQLite: a replica killed mid-run leaves its checkpointed runs to the other replica, which
     continues each from its last checkpoint (the finished steps are not run again) to the same greedy output."""
@@ -291,6 +319,8 @@ def test_sqlite_run_taken_over_when_its_replica_dies(ray_instance, stories_path,
         assert all(r.ok for r in results), [r.errors for r in results]
         taken = [r for r in results if r.stats.get("takeovers")]
         assert len(taken) == 2 and all(r.outputs["answer"]["replica"] == 1 for r in taken)
+        for r in taken:   # the takeover's own prompt tokens; the run's count its first attempt's calls too
+            assert 0 < r.stats["takeover_tokens_computed"] <= r.stats["run_tokens_computed"], r.stats
         assert set(finished.values()) == {1} and len(finished) == 8   # every step of every run finished once
         for r in taken:   # the same greedy text as a run that no death interrupted
             tag = runtime.checkpointer.get_run(r.run_id, with_state=False).inputs["tag"]
