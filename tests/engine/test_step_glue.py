@@ -160,6 +160,13 @@ FORMATS = {"qkv": "Q8_0", "o": "Q4_1", "gate_up": "Q5_0", "down": "Q4_0"}
 MIXED = {"qkv": ("Q8_0", "Q4_0", "Q5_1"), "gate_up": ("Q4_1", "Q8_0")}
 
 
+def _weight_of(projection) -> torch.Tensor:
+    """A packed projection's weight: flowrt's kernel's, or oneDNN's reordered copy (the bfloat16 projections where
+    the variant has no bf16 kernel, e.g. the generic one on an AVX512-BF16 CPU) back in the plain layout."""
+    kernel = getattr(projection, "kernel", None)
+    return kernel.weight() if kernel is not None else projection.resident[0].to_dense()
+
+
 def _quantize(model, mixed: bool) -> dict[str, list[int]]:
     """Every layer's projections kept quantized (engine.quant.QuantLinear), a different GGUF format per projection;
     mixed: qkv and gate_up of parts in different formats. Returns each projection's ggml types."""
@@ -173,7 +180,7 @@ def _quantize(model, mixed: bool) -> dict[str, list[int]]:
     for layer in model.layers:
         for name, fmt in FORMATS.items():
             w = getattr(layer, name, None)
-            w = (w if w is not None else layer.mm[name].kernel.weight()).float()
+            w = (w if w is not None else _weight_of(layer.mm[name])).float()
             bias = layer.qkv_bias if name == "qkv" else None
             formats = MIXED[name] if mixed and name in MIXED else (fmt,)
             ws = w.split(splits[name]) if len(formats) > 1 else [w]
