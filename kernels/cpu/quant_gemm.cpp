@@ -28,9 +28,17 @@ namespace {
 struct Act {
     const int16_t* q;  // [M, K]
     const float* d;    // [M, nb]
-    const float* sx;   // [M, nb, 8]
+    const float* sx;   // [M, 2, nb]
     int64_t K, nb;
+    // q's bytes as two planes [M, K] (VNNI builds, decode rows; else null): lo the low bytes (unsigned), hi the high
+    // ones (signed), q = 256 hi + lo
+    const uint8_t* lo = nullptr;
+    const int8_t* hi = nullptr;
 };
+
+#if defined(FLOWRT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define FLOWRT_VNNI 1
+#endif
 
 template <typename T>
 static inline void put(T* y, float v) { *y = from_f32<T>(v); }
@@ -61,6 +69,42 @@ static inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
 }
+
+#ifdef FLOWRT_VNNI
+// The formats whose q are unsigned and below 128 (the minimum formats but Q2_K, whose halves have their own scales)
+// multiply their bytes as they unpack them: a block's product with q_x = 256 hi + lo is 256 (q . hi) + (lo . q), two
+// vpdpbusd (unsigned x signed bytes; q fits both), the same exact int32 sum as the int16 madd path in fewer operations:
+// no widening of q to int16.
+template <typename F>
+constexpr bool BYTE_PRODUCTS = F::MIN && !F::HALVES;
+
+// block b of row r's activations against the block's 32 weight bytes w: eight int32 lanes that sum to the product
+static inline __m256i byte_product(const Act& a, int64_t r, int64_t b, __m256i w) {
+    const int64_t at = r * a.K + 32 * b;
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.hi + at));
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.lo + at));
+    const __m256i ph = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, hi);
+    return _mm256_dpbusd_epi32(_mm256_slli_epi32(ph, 8), lo, w);
+}
+
+// q [M, K] into its byte planes lo, hi
+static void byte_planes(const int16_t* q, int64_t n, uint8_t* lo, int8_t* hi) {
+    const __m256i low = _mm256_set1_epi16(0xFF);
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i + 16));
+        const __m256i l = _mm256_packus_epi16(_mm256_and_si256(a, low), _mm256_and_si256(b, low));
+        const __m256i h = _mm256_packs_epi16(_mm256_srai_epi16(a, 8), _mm256_srai_epi16(b, 8));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), _mm256_permute4x64_epi64(l, 0xD8));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), _mm256_permute4x64_epi64(h, 0xD8));
+    }
+    for (; i < n; ++i) {
+        lo[i] = (uint8_t)(q[i] & 0xFF);
+        hi[i] = (int8_t)(q[i] >> 8);
+    }
+}
+#endif
 
 template <typename F, typename = void> struct has_qv16 : std::false_type {};
 template <typename F> struct has_qv16<F, std::void_t<decltype(&F::qv16)>> : std::true_type {};
@@ -122,6 +166,14 @@ __attribute__((always_inline)) static inline void group(const Act& a, int64_t r0
         for (int e = 0; e < 2; ++e) {
             const int j = 2 * k + e;
             const int64_t b = GROUP * g + j;
+#ifdef FLOWRT_VNNI
+            if constexpr (BYTE_PRODUCTS<F>) {
+                const __m256i w = F::qv(rg, j);  // j a constant: the block's offsets fold
+                #pragma GCC unroll 4
+                for (int r = 0; r < R; ++r) v[e][r][0] = byte_product(a, r0 + r, b, w);
+                continue;
+            }
+#endif
             __m256i q0, q1;
             qv16<F>(rg, j, q0, q1);  // j a constant: the block's offsets fold
             #pragma GCC unroll 4
@@ -191,14 +243,22 @@ static inline void tile_blocks(const Act& a, int64_t r0, const uint8_t* w, int64
             float D[2], Mn[2];
             F::scales(row, (int)b, D, Mn);
             const __m256 Dv = _mm256_set1_ps(D[0]);
-            __m256i q0, q1;
+            __m256i q0, q1, w;
+#ifdef FLOWRT_VNNI
+            if constexpr (BYTE_PRODUCTS<F>) w = F::qv(row, (int)b);
+            else
+#endif
             qv16<F>(row, (int)b, q0, q1);
             #pragma GCC unroll 4
             for (int r = 0; r < R; ++r) {
                 const int16_t* xb = xq + r * a.K + 32 * b;
-                const __m256i p = madd_add(
-                    _mm256_madd_epi16(q0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))), q1,
-                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16)));
+                __m256i p;
+#ifdef FLOWRT_VNNI
+                if constexpr (BYTE_PRODUCTS<F>) p = byte_product(a, r0 + r, b, w);
+                else
+#endif
+                p = madd_add(_mm256_madd_epi16(q0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))), q1,
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16)));
                 const __m256 scale = _mm256_mul_ps(Dv, _mm256_broadcast_ss(xd + r * a.nb + b));
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r][c]);
                 if constexpr (F::MIN) {
@@ -461,12 +521,20 @@ int quant_gemm(const T* x, int64_t x_st, int64_t M, int64_t K, const FrWeightPar
         if (K % qk) return -2;
     }
     const int64_t nb = K / 32;
-    uint8_t* buf = scratch((size_t)(2 * M * K + M * nb * 12 + 64));
+    uint8_t* buf = scratch((size_t)(4 * M * K + M * nb * 12 + 64));
     float* d = reinterpret_cast<float*>(buf + ((2 * M * K + 31) & ~(int64_t)31));
     float* sx = d + M * nb;
     if constexpr (std::is_same_v<T, float>) quant_act_f32(x, x_st, M, K, (int16_t*)buf, d, sx);
     else quant_act_bf16(x, x_st, M, K, (int16_t*)buf, d, sx);
-    const Act a{(const int16_t*)buf, d, sx, K, nb};
+    Act a{(const int16_t*)buf, d, sx, K, nb};
+#ifdef FLOWRT_VNNI
+    if (M < FLOAT_ROWS) {
+        uint8_t* lo = reinterpret_cast<uint8_t*>(sx + 2 * M * nb);
+        byte_planes(a.q, M * K, lo, reinterpret_cast<int8_t*>(lo + M * K));
+        a.lo = lo;
+        a.hi = reinterpret_cast<const int8_t*>(lo + M * K);
+    }
+#endif
     int64_t off = 0;
     for (int p = 0; p < nparts; off += parts[p++].rows)
         qfmt::dispatch(parts[p].ggml_type, [&](auto tag) {
