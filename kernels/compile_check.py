@@ -29,6 +29,8 @@ def _compile(kernel, ptrs, consts, arch, num_warps=4, num_stages=2):
     import triton
     from triton.backends.compiler import GPUTarget
 
+    from .paged_args import PagedStrides
+
     fn = kernel.jit()
     sig = {}
     for name in fn.arg_names:
@@ -36,6 +38,8 @@ def _compile(kernel, ptrs, consts, arch, num_warps=4, num_stages=2):
             sig[name] = "constexpr"
         elif name in ptrs:
             sig[name] = _TY[ptrs[name]]
+        elif name == "strides":  # the paged attention kernels' PagedStrides: a tuple of ints
+            sig[name] = PagedStrides(*["i32"] * len(PagedStrides._fields))
         else:
             sig[name] = "fp32" if name.startswith("scale") else "i32"
     src = triton.compiler.ASTSource(fn, sig, consts)

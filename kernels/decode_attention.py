@@ -12,7 +12,7 @@ import torch
 
 from ._dispatch import (LOG2E, Kernel, cdiv, dot_precision, dot_upcast, next_pow2, num_sms,  # noqa: F401
                         tl, tl_dtype, triton)
-from .paged_args import check_paged_caches, unit_stride_inputs
+from .paged_args import PagedStrides, check_paged_caches, unit_stride_inputs
 from .online_softmax import online_softmax_output
 from .paged_tile import attend_paged_range
 
@@ -21,12 +21,7 @@ __all__ = ["paged_decode_attention", "choose_num_splits", "split_plan"]
 
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    scale_log2, tokens_per_split, num_splits, num_heads,
-    stride_qb, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_bt,
-    stride_ob, stride_oh,
+    scale_log2, tokens_per_split, num_splits, num_heads, strides,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -46,7 +41,7 @@ def _decode_kernel(
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
 
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+    q = tl.load(q_ptr + b.to(tl.int64) * strides.q_row + heads[:, None] * strides.q_head + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
@@ -54,15 +49,14 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    bt_row = bt_ptr + b.to(tl.int64) * strides.table_row
     m_i, l_i, acc = attend_paged_range(
-        q, m_i, l_i, acc, start, end, None, k_ptr, v_ptr, bt_row, kvh, offs_n, offs_d, d_mask, scale_log2,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        q, m_i, l_i, acc, start, end, None, k_ptr, v_ptr, bt_row, kvh, offs_n, offs_d, d_mask, scale_log2, strides,
         PAGE=PAGE, BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=False, DOT_PREC=DOT_PREC, UPCAST=UPCAST)
     o = online_softmax_output(acc, l_i)
     o_mask = g_mask[:, None] & d_mask[None, :]
     if not IS_SPLIT:
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+        tl.store(out_ptr + b.to(tl.int64) * strides.out_row + heads[:, None] * strides.out_head + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         # part_o: [B, H, num_splits, HEAD_DIM] fp32, part_lse: [B, H, num_splits] fp32 (log2 domain)
@@ -185,11 +179,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
     _DECODE.on(dev)[(bsz, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_lse,
         float(scale) * LOG2E, tokens_per_split, num_splits, num_heads,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        PagedStrides.of(q, k_cache, v_cache, block_tables, out),
         GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=block_size, BLOCK_N=DECODE_BLOCK_N,

@@ -6,9 +6,54 @@ tables' rows; these checks say what is wrong in the caller's terms instead of re
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-__all__ = ["check_paged_caches", "unit_stride_inputs"]
+__all__ = ["PagedStrides", "check_paged_caches", "unit_stride_inputs"]
+
+
+class PagedStrides(NamedTuple):
+    """The element strides a paged attention kernel indexes with, passed as one argument (a Triton tuple; the kernels
+    read ``strides.k_block``, ...): both kernels and their shared key loop take the same set, so it is spelled once.
+    The last dimensions are unit-stride (checked below) and have none."""
+
+    q_row: int
+    q_head: int
+    k_block: int
+    k_slot: int
+    k_head: int
+    v_block: int
+    v_slot: int
+    v_head: int
+    table_row: int
+    out_row: int
+    out_head: int
+
+    @classmethod
+    def of(
+        cls,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        out: torch.Tensor,
+    ) -> PagedStrides:
+        """Of ``q`` / ``out`` ``[N, H, D]``, the pools ``[num_blocks, block_size, Hkv, D]`` and ``block_tables``."""
+        ks, vs = k_cache.stride(), v_cache.stride()
+        return cls(
+            q.stride(0),
+            q.stride(1),
+            ks[0],
+            ks[1],
+            ks[2],
+            vs[0],
+            vs[1],
+            vs[2],
+            block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+        )
 
 
 def check_paged_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:

@@ -2,8 +2,9 @@
 
 ``attend_paged_range`` walks the positions ``[start, stop)`` of one KV head in tiles of BLOCK_N (position p
 lives in block ``block_table[p // PAGE]`` at offset ``p % PAGE``), scores each tile's keys against the query rows
-``q`` and folds its values in (``online_softmax_update``). Masks are constexpr switches, so a range that needs
-none (prefill keys every row sees, in whole tiles) compiles without them:
+``q`` and folds its values in (``online_softmax_update``), indexing the pools with the launch's ``strides``
+(``paged_args.PagedStrides``). Masks are constexpr switches, so a range that needs none (prefill keys every row
+sees, in whole tiles) compiles without them:
 
 - ``BOUNDS``: positions from ``stop`` on do not exist (their loads are skipped, their scores -inf);
 - ``CAUSAL`` (with ``BOUNDS``): row r sees position p only if ``p <= q_pos[r]``.
@@ -22,9 +23,7 @@ __all__ = ["attend_paged_range"]
 
 def _attend_paged_range(
     q, m_i, l_i, acc, start, stop, q_pos,
-    k_ptr, v_ptr, bt_row, kvh, offs_n, offs_d, d_mask, scale_log2,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    k_ptr, v_ptr, bt_row, kvh, offs_n, offs_d, d_mask, scale_log2, strides,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -38,10 +37,10 @@ def _attend_paged_range(
             blk = tl.load(bt_row + pos // PAGE).to(tl.int64)
             kv_mask = d_mask[None, :]
         within = pos % PAGE
-        k = tl.load(k_ptr + (blk * stride_kb + within * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + (blk * stride_vb + within * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        k_row = blk * strides.k_block + within * strides.k_slot + kvh * strides.k_head
+        v_row = blk * strides.v_block + within * strides.v_slot + kvh * strides.v_head
+        k = tl.load(k_ptr + k_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + v_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2

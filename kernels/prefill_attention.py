@@ -18,7 +18,7 @@ import torch
 
 from ._dispatch import (LOG2E, Kernel, dot_precision, dot_upcast, log2_ceil, next_pow2,  # noqa: F401
                         tl, tl_dtype, triton)
-from .paged_args import check_paged_caches, unit_stride_inputs
+from .paged_args import PagedStrides, check_paged_caches, unit_stride_inputs
 from .online_softmax import online_softmax_output
 from .paged_tile import attend_paged_range
 
@@ -27,12 +27,7 @@ __all__ = ["paged_prefill_attention"]
 
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
-    scale_log2, num_seqs, search_steps,
-    stride_qt, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_bt,
-    stride_ot, stride_oh,
+    scale_log2, num_seqs, search_steps, strides,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -68,7 +63,7 @@ def _prefill_kernel(
     d_mask = offs_d < HEAD_DIM
     head = kvh * GROUP + g
     row = (q_begin + tok).to(tl.int64)
-    q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+    q = tl.load(q_ptr + row[:, None] * strides.q_row + head[:, None] * strides.q_head + offs_d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
@@ -77,23 +72,22 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    bt_row = bt_ptr + b.to(tl.int64) * strides.table_row
 
     # Phase 1: keys every row of the tile sees (positions <= prefix + q0), whole tiles, no masks.
     full_end = ((prefix + q0 + 1) // BLOCK_N) * BLOCK_N
     m_i, l_i, acc = attend_paged_range(
-        q, m_i, l_i, acc, 0, full_end, None, k_ptr, v_ptr, bt_row, kvh, offs_n, offs_d, d_mask, scale_log2,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        q, m_i, l_i, acc, 0, full_end, None, k_ptr, v_ptr, bt_row, kvh, offs_n, offs_d, d_mask, scale_log2, strides,
         PAGE=PAGE, BLOCK_N=BLOCK_N, BOUNDS=False, CAUSAL=False, DOT_PREC=DOT_PREC, UPCAST=UPCAST)
 
     # Phase 2: the causal diagonal, up to the tile's last valid query position.
     kv_end = prefix + tl.minimum(q0 + BLOCK_Q, q_len)
     m_i, l_i, acc = attend_paged_range(
         q, m_i, l_i, acc, full_end, kv_end, q_pos, k_ptr, v_ptr, bt_row, kvh, offs_n, offs_d, d_mask, scale_log2,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        strides,
         PAGE=PAGE, BLOCK_N=BLOCK_N, BOUNDS=True, CAUSAL=True, DOT_PREC=DOT_PREC, UPCAST=UPCAST)
     o = online_softmax_output(acc, l_i)
-    tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+    tl.store(out_ptr + row[:, None] * strides.out_row + head[:, None] * strides.out_head + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
@@ -145,12 +139,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
     grid = (num_tokens // block_q + bsz, num_kv_heads)
     _PREFILL.on(dev)[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        float(scale) * LOG2E, bsz, log2_ceil(bsz),
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        float(scale) * LOG2E, bsz, log2_ceil(bsz), PagedStrides.of(q, k_cache, v_cache, block_tables, out),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),  # tl.dot needs K >= 16
         PAGE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, dev),

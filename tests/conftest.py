@@ -6,6 +6,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP threads that find no work sleep at once instead of spinning for a while first (GNU OpenMP's default): on a
+# shared 2-core machine a spinning thread takes the core the other one needs, and the CPU-kernel tests ran twice as
+# long (tests/engine/test_cpu_ops.py at load 5: 23 s against 11 s). Read when torch loads libgomp, so before any
+# test module imports torch; the subprocesses the tests start inherit it. Results do not depend on it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from support import STORIES  # noqa: E402  (after the offline switches: support's helpers import transformers)
 

@@ -14,6 +14,15 @@
 #define FLOWRT_AVX2 1
 #endif
 
+// FLOWRT_ON(FLAG): 1 where FLAG is #defined as 1 (FLOWRT_AVX2, FLOWRT_GEMM_BF16), else 0, as an expression (Linux's
+// IS_ENABLED): the *_available() probes, which tell the callers whether this variant compiled an entry point in,
+// return it instead of each spelling out its own #ifdef.
+#define FLOWRT_ON(flag) FLOWRT_ON_(flag)
+#define FLOWRT_ON_(value) FLOWRT_ON_PICK(FLOWRT_ON_IF_##value)
+#define FLOWRT_ON_IF_1 0,
+#define FLOWRT_ON_PICK(one_or_junk) FLOWRT_ON_SECOND(one_or_junk 1, 0, 0)
+#define FLOWRT_ON_SECOND(ignored, value, ...) value
+
 // bfloat16 as its bits (the upper half of a float32).
 #include "flowrt_cpu.h"  // bf16_t
 

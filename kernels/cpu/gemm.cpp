@@ -8,13 +8,7 @@ int flowrt_threads = 1;
 extern "C" {
 
 // 1 when the packed projections are compiled in (AVX2 + FMA), else 0 (callers keep their other path).
-int gemm_packed_available() {
-#ifdef FLOWRT_AVX2
-    return 1;
-#else
-    return 0;
-#endif
-}
+int gemm_packed_available() { return FLOWRT_ON(FLOWRT_AVX2); }
 
 // W [N, K] row-major (row stride w_st) -> panels (see above); wp holds ceil(N/16) * K * 16 floats, 32-byte aligned.
 void gemm_pack_f32(const float* w, int64_t w_st, int64_t N, int64_t K, float* wp) {

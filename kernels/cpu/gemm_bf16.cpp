@@ -34,13 +34,8 @@ int panels_for(int64_t M) { return M >= 7 ? 1 : M >= 5 ? 2 : M >= 3 ? 3 : 4; }
 
 extern "C" {
 
-int gemm_bf16_available() {
-#ifdef FLOWRT_GEMM_BF16
-    return 1;
-#else
-    return 0;
-#endif
-}
+// 1 when the bfloat16 projections are compiled in (the avx512bf16 variant), else 0 (callers keep oneDNN).
+int gemm_bf16_available() { return FLOWRT_ON(FLOWRT_GEMM_BF16); }
 
 // W [N, K] bf16 row-major (row stride w_st) -> wp: ceil(N/32) panels of ceil(K/2) k pairs x 32 features x 2
 // (zero past N and K), 64-byte aligned. Returns -1 where the kernels are not compiled in.

@@ -43,6 +43,11 @@ def dtype_params(fast: torch.dtype) -> list:
     return [pytest.param(dt, id=DT_ID[dt], marks=() if dt == fast else pytest.mark.slow) for dt in DTYPES]
 
 
+def attention_shapes(*shapes: tuple):
+    """Parametrizes an attention test over (gqa, hkv, d, bs, dtype) rows, each id its values (dtypes by name)."""
+    return pytest.mark.parametrize("gqa,hkv,d,bs,dtype", shapes, ids=lambda v: DT_ID.get(v, str(v)))
+
+
 def close(out, ref, dtype, what=""):
     tol = TOL[dtype]
     assert torch.isfinite(out.float()).all(), f"{what}: non-finite output"
@@ -134,13 +139,8 @@ def test_write_kv_converts_dtype_and_int32_slots():
 DECODE_CTX = [1328, 18, 463, 512, 1, 33]
 
 
-@pytest.mark.parametrize("gqa,hkv,d,bs,dtype", [
-    (1, 4, 64, 16, torch.float32),
-    (3, 2, 80, 16, torch.float16),
-    (4, 2, 128, 32, torch.bfloat16),
-    (8, 2, 96, 16, torch.float16),
-    (4, 1, 128, 16, torch.float32),
-], ids=lambda v: DT_ID.get(v, str(v)))
+@attention_shapes((1, 4, 64, 16, torch.float32), (3, 2, 80, 16, torch.float16), (4, 2, 128, 32, torch.bfloat16),
+                  (8, 2, 96, 16, torch.float16), (4, 1, 128, 16, torch.float32))
 @pytest.mark.slow
 @pytest.mark.parametrize("num_splits", [1, 5, None])
 def test_paged_decode(gqa, hkv, d, bs, dtype, num_splits):
@@ -224,12 +224,8 @@ def test_paged_decode_many_splits_and_graph_bound():
 PREFILL_SEQS = [(1, 1328), (5, 18), (129, 463), (0, 20), (32, 32), (1, 1), (17, 64), (40, 103)]
 
 
-@pytest.mark.parametrize("gqa,hkv,d,bs,dtype", [
-    (1, 2, 64, 16, torch.float32),
-    (3, 2, 80, 32, torch.float16),
-    (4, 2, 128, 16, torch.bfloat16),
-    (8, 1, 96, 16, torch.float16),
-], ids=lambda v: DT_ID.get(v, str(v)))
+@attention_shapes((1, 2, 64, 16, torch.float32), (3, 2, 80, 32, torch.float16), (4, 2, 128, 16, torch.bfloat16),
+                  (8, 1, 96, 16, torch.float16))
 @pytest.mark.slow
 def test_paged_prefill_mixed_batch(gqa, hkv, d, bs, dtype):
     bt = Batch(PREFILL_SEQS, gqa * hkv, hkv, d, bs, dtype, seed=gqa * d)
