@@ -8,7 +8,7 @@
 //
 // Up to 9 rows (decode) in small tiles (block() below), which stream each weight byte once per tile; from FLOAT_ROWS
 // rows (batched decode, prefill) float32 FMAs on the dequantized weights (gemm_float below). Work items are chunks of
-// 16 columns handed to the threads dynamically.
+// 16 columns, handed to the threads in guided runs (gemm() below).
 //
 // ISA: the AVX2 code (madd on 256-bit vectors) also serves the avx512 and avx512bf16 variants (their builds
 // define __AVX2__); where the build has AVX512-VNNI (the avx512bf16 variant), madd_add's multiply and add are one
@@ -497,7 +497,11 @@ static void gemm(const Act& a, int64_t M, const uint8_t* w, int64_t N, const flo
     // from 64 rows, blocks of rows whose activations (~1.1 bytes an element) stay in L2 while a chunk's columns run
     const int64_t MB = M < 64 ? M : std::max<int64_t>(4, (98304 / a.K) & ~(int64_t)3);
     const int64_t RB = (M + MB - 1) / MB;
-    #pragma omp parallel for schedule(dynamic, 1) if (M * N * a.K >= (1 << 18)) num_threads(flowrt_threads)
+    // guided: a thread's first items are long runs of adjacent columns (half of them, then half of the rest, ...),
+    // which the hardware prefetchers stream well, and the last ones still balance a thread that fell behind. Against
+    // one chunk of 16 columns at a time: one row, cold weights, 2 threads, Zen4 (a 16384 x 2048 projection,
+    // 113 MB of copies cycled): 1B gate_up Q8_0 1.61 -> 1.26 ms, Q4_K 1.09 -> 0.86 ms; the 1B Q4_K_M decode step 1.36x.
+    #pragma omp parallel for schedule(guided) if (M * N * a.K >= (1 << 18)) num_threads(flowrt_threads)
     for (int64_t it = 0; it < RB * NC; ++it) {
         const int64_t r0 = it / NC * MB, c0 = it % NC * COLS;
         block<F>(a, r0, std::min(M, r0 + MB), w, rb, c0, std::min(N, c0 + COLS), bias, y, ys);
