@@ -140,6 +140,31 @@ static inline __m256i field(const uint8_t* p, int s, int mask) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(s)), _mm256_set1_epi8((char)mask));
 }
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+// AVX512-BW byte masks: a format's single high bit per element (Q5_0 / Q5_1 / Q5_K's fifth, Q3_K's third) becomes a
+// mask register and one masked add or subtract, instead of being spread to bytes, shifted into place and or-ed in.
+#define FLOWRT_BYTE_MASKS 1
+
+// bit j of each of the 32 bytes at p (bit e of the mask: byte e)
+static inline __mmask32 bit_j(const uint8_t* p, int j) {
+    return _mm256_test_epi8_mask(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_set1_epi8((char)(1 << j)));
+}
+
+// v + add in the bytes where m is set
+static inline __m256i add_where(__m256i v, __mmask32 m, int add) {
+    return _mm256_mask_add_epi8(v, m, v, _mm256_set1_epi8((char)add));
+}
+
+// A Q5_0 / Q5_1 block's quants as int16 (p: its 32-bit word of fifth bits, then 16 bytes of nibbles): each nibble,
+// plus `add` where its fifth bit is set (add 16: Q5_1), or where it is clear (add -16: Q5_0's offset folded in).
+static inline void nibbles5_i16(const uint8_t* p, int add, __m256i& q0, __m256i& q1) {
+    const uint32_t h = add < 0 ? ~u32(p) : u32(p);
+    nibbles16_i16(p + 4, q0, q1);
+    q0 = _mm256_mask_add_epi16(q0, (__mmask16)h, q0, _mm256_set1_epi16((short)add));
+    q1 = _mm256_mask_add_epi16(q1, (__mmask16)(h >> 16), q1, _mm256_set1_epi16((short)add));
+}
+#endif
 #endif
 
 // The K-quants' low bits: runs of 32 bytes holding 8 / BITS blocks each, block j of a super-block (0..7) in run
@@ -241,8 +266,15 @@ struct Q5_0F : Block32<22, false> {
 #ifdef FLOWRT_AVX2
     static __m256i qv(const uint8_t* r, int b) {  // (nibble | bit << 4) - 16 = the nibble, or it | 0xF0 without the bit
         const uint8_t* p = r + b * BYTES + Q;
+#ifdef FLOWRT_BYTE_MASKS
+        return add_where(nibbles16(p + 4), (__mmask32)~u32(p), -16);
+#else
         return _mm256_or_si256(nibbles16(p + 4), _mm256_andnot_si256(bits_set(u32(p)), _mm256_set1_epi8((char)0xF0)));
+#endif
     }
+#ifdef FLOWRT_BYTE_MASKS
+    static void qv16(const uint8_t* r, int b, __m256i& q0, __m256i& q1) { nibbles5_i16(r + b * BYTES + Q, -16, q0, q1); }
+#endif
 #endif
 };
 
@@ -251,8 +283,15 @@ struct Q5_1F : Block32<24, true> {
 #ifdef FLOWRT_AVX2
     static __m256i qv(const uint8_t* r, int b) {
         const uint8_t* p = r + b * BYTES + Q;
+#ifdef FLOWRT_BYTE_MASKS
+        return add_where(nibbles16(p + 4), (__mmask32)u32(p), 16);
+#else
         return _mm256_or_si256(nibbles16(p + 4), _mm256_and_si256(bits_set(u32(p)), _mm256_set1_epi8(0x10)));
+#endif
     }
+#ifdef FLOWRT_BYTE_MASKS
+    static void qv16(const uint8_t* r, int b, __m256i& q0, __m256i& q1) { nibbles5_i16(r + b * BYTES + Q, 16, q0, q1); }
+#endif
 #endif
 };
 
@@ -319,8 +358,12 @@ struct Q3_KF {
     static __m256i qv(const uint8_t* r, int b) {
         const uint8_t* p = r + (b >> 3) * BYTES;
         const __m256i lo = low_bits_v<2>(p + 32, b & 7);
+#ifdef FLOWRT_BYTE_MASKS
+        return add_where(lo, (__mmask32)~bit_j(p, b & 7), -4);
+#else
         const __m256i hb = field(p, b & 7, 1);  // 1 where the offset is 0
         return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 2)), _mm256_set1_epi8(4));
+#endif
     }
 #endif
 };
@@ -364,7 +407,11 @@ struct Q5_KF : K4Block<176> {
     static __m256i qv(const uint8_t* r, int b) {
         const uint8_t* p = r + (b >> 3) * BYTES;
         const __m256i lo = low_bits_v<4>(p + 48, b & 7);
+#ifdef FLOWRT_BYTE_MASKS
+        return add_where(lo, bit_j(p + 16, b & 7), 16);
+#else
         return _mm256_or_si256(lo, _mm256_slli_epi16(field(p + 16, b & 7, 1), 4));
+#endif
     }
 #endif
 };
