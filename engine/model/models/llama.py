@@ -296,9 +296,12 @@ class LlamaModel(nn.Module):
         projections, pools), or None where a projection would not run kernels decode_layers calls at T rows (see
         _decode_projection). Cached while the projections are the same objects (the cache holds them, so their ids
         stay theirs) and the pools the same memory."""
-        fns = [f for layer in self.layers for f in layer.mm.values()]
+        layers = list(self.layers)
+        fns = [f for layer in layers for f in layer.mm.values()]
+        # the norms straight from each layer's parameter dict: Module.__getattr__ made them 2/3 of this check's time
+        norms = [p[n] for layer in layers for p in (layer._parameters,) for n in ("input_norm", "post_norm")]
         key = (*map(id, fns), *(c.data_ptr() for pair in kv_caches for c in pair),
-               *(w.data_ptr() for layer in self.layers for w in (layer.input_norm, layer.post_norm)))
+               *(w.data_ptr() if w is not None else 0 for w in norms))
         if self._table_cache is None or self._table_cache[0] != key:
             kind = cpu_ops.PackedLinearBF16 if self.dtype == torch.bfloat16 else cpu_ops.PackedLinear
             rows: list[ctypes.Structure] = []
