@@ -105,6 +105,16 @@ def float_rows() -> int:
     return int(kernels.quant_gemm_float_rows())
 
 
+def bf16_rows() -> bool:
+    """Whether bfloat16 inputs of float_rows() rows and more multiply the weights rounded to bfloat16 with x itself
+    (vdpbf16ps: the avx512bf16 variant), which is what the dequantized bfloat16 path computes, instead of float32
+    products on the int16-rounded x."""
+    kernels = cpu_ops.lib()
+    if kernels is None:
+        raise RuntimeError("the CPU kernels are not loaded")
+    return bool(kernels.quant_gemm_bf16_rows())
+
+
 @cpu_ops._profiled("quant_dequant")
 def dequantize(data: torch.Tensor, qtype: QuantType, n_rows: int, k: int, ids: torch.Tensor | None,
                dtype: torch.dtype) -> torch.Tensor:

@@ -159,6 +159,8 @@ int quant_gemm_proj_f32(const float* x, int64_t x_st, int64_t M, const FrProject
 int quant_gemm_proj_bf16(const bf16_t* x, int64_t x_st, int64_t M, const FrProjection* p, bf16_t* y, int64_t y_st);
 // from this many rows the products run in float32 on the dequantized operands (below: int16 madd)
 int quant_gemm_float_rows();
+// 1 where bfloat16 activations from that row count multiply bfloat16 weights (x itself, not its int16 blocks).
+int quant_gemm_bf16_rows();
 // rows ids[0..n) (null: rows 0..n-1) of W (n_rows rows) -> out; 0, -1, -2 as above, -3 an id out of range (quant_dequant.cpp)
 int quant_dequant_f32(const uint8_t* w, int qtype, int64_t K, const int64_t* ids, int64_t n, int64_t n_rows, float* out, int64_t out_st);
 int quant_dequant_bf16(const uint8_t* w, int qtype, int64_t K, const int64_t* ids, int64_t n, int64_t n_rows, bf16_t* out, int64_t out_st);

@@ -58,6 +58,22 @@ def _reference(x, data, qtype, n, k, bias):
     return ref, bound
 
 
+def _reference_bf16_weights(x, data, qtype, n, k, bias):
+    """What the dequantized bfloat16 path computes (the file's values rounded to bfloat16, times x itself), which
+    bfloat16 inputs of float_rows() rows and more run where kernels.bf16_rows(): float32 summation and the output's
+    rounding."""
+    w = _gguf(data, qtype, n, k).bfloat16().double()
+    ref = x.double() @ w.T + (0 if bias is None else bias.double())
+    return ref, x.double().abs() @ w.abs().T * 1e-5 + 1e-6 + ref.abs() * 2.0**-8
+
+
+def _expected(x, data, qtype, n, k, bias, M):
+    """The reference the products of x[:M] are held to in the variant loaded now."""
+    bf16_weights = x.dtype == torch.bfloat16 and M >= kernels.float_rows() and kernels.bf16_rows()
+    ref, bound = (_reference_bf16_weights if bf16_weights else _reference)(x[:M], data, qtype, n, k, bias)
+    return ref, bound
+
+
 def _assert_within(y, ref, bound, what):
     err = (y.double() - ref).abs()
     assert (err <= bound).all(), f"{what}: max error {err.max().item():.3g} over bound"
@@ -66,7 +82,8 @@ def _assert_within(y, ref, bound, what):
 @pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_products_match_reference(name, qtype):
-    """M rows 1, 3, 4, 17 (decode tiles and their tails) and 70 (prefill panels): each row against the reference."""
+    """M rows 1, 3, 4, 17 (decode tiles and their tails) and 70 (prefill panels): each row against the reference
+    (bfloat16 from float_rows() rows where bf16_rows(): against the dequantized bfloat16 path's product)."""
     k = _k(qtype)
     data = _blocks(qtype, N, k, seed=int(qtype))
     bias = torch.randn(N)
@@ -76,11 +93,11 @@ def test_products_match_reference(name, qtype):
             assert lin.runs_kernels
             for dtype in (torch.float32, torch.bfloat16):
                 x = torch.randn(70, k).to(dtype)
-                ref, bound = _reference(x, data, qtype, N, k, b)
                 for M in (1, 3, 4, 17, 70):
                     y = lin(x[:M])
                     assert y.dtype == dtype and y.shape == (M, N)
-                    _assert_within(y, ref[:M], bound[:M], f"{qtype.name} M={M} {dtype} bias={b is not None}")
+                    ref, bound = _expected(x, data, qtype, N, k, b, M)
+                    _assert_within(y, ref, bound, f"{qtype.name} M={M} {dtype} bias={b is not None}")
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -90,24 +107,25 @@ def test_threads_and_batches_give_the_same_bits(name, qtype):
     regime), and inside a batch of float rows + 11 equals it inside one of 70 and 130 (all float regime)."""
     k = _k(qtype)
     lin = QuantLinear(qtype, _blocks(qtype, N, k, seed=7), N, k, torch.randn(N))
-    x = torch.randn(130, k)
-    n = torch.get_num_threads()
-    out = {}
-    try:
-        with _variant(name):
-            small, big = min(9, max(2, kernels.float_rows() - 1)), min(17, kernels.float_rows() + 11)
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                out[threads] = {M: lin(x[:M]) for M in (1, small, big, 70, 130)}
-            alone = torch.cat([lin(x[i:i + 1]) for i in range(small)])
-    finally:
-        torch.set_num_threads(n)
-        cpu_ops.lib()
-    for M in out[1]:
-        assert torch.equal(out[1][M], out[2][M]), M
-    assert torch.equal(alone, out[1][small])
-    assert torch.equal(out[1][130][:70], out[1][70])
-    assert torch.equal(out[1][70][:big], out[1][big])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(130, k).to(dtype)
+        n = torch.get_num_threads()
+        out = {}
+        try:
+            with _variant(name):
+                small, big = min(9, max(2, kernels.float_rows() - 1)), min(17, kernels.float_rows() + 11)
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    out[threads] = {M: lin(x[:M]) for M in (1, small, big, 70, 130)}
+                alone = torch.cat([lin(x[i:i + 1]) for i in range(small)])
+        finally:
+            torch.set_num_threads(n)
+            cpu_ops.lib()
+        for M in out[1]:
+            assert torch.equal(out[1][M], out[2][M]), (dtype, M)
+        assert torch.equal(alone, out[1][small]), dtype
+        assert torch.equal(out[1][130][:70], out[1][70]), dtype
+        assert torch.equal(out[1][70][:big], out[1][big]), dtype
 
 
 @pytest.mark.parametrize("name", cpu_build.ISA_NAMES)
