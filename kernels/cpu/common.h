@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #include <omp.h>
 
@@ -22,6 +23,16 @@
 #define FLOWRT_ON_IF_1 0,
 #define FLOWRT_ON_PICK(one_or_junk) FLOWRT_ON_SECOND(one_or_junk 1, 0, 0)
 #define FLOWRT_ON_SECOND(ignored, value, ...) value
+
+// f(std::integral_constant<int, c>{}) with c = n clamped to 1..N: a tile's runtime row or column count as the
+// template argument its kernel is instantiated for (instead of a switch over each count).
+template <int N, typename Fn>
+static inline void with_count(int n, Fn&& f) {
+    if constexpr (N > 1) {
+        if (n < N) return with_count<N - 1>(n, f);
+    }
+    f(std::integral_constant<int, N>{});
+}
 
 // bfloat16 as its bits (the upper half of a float32).
 #include "flowrt_cpu.h"  // bf16_t

@@ -519,18 +519,8 @@ static inline void dot_tile(const bf16_t* x, int64_t xs, const bf16_t* w, int64_
     #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r)
         #pragma GCC unroll 4
-        for (int j = 0; j < NJ; ++j) y[r * ys + j] = f32_to_bf16(_mm512_reduce_add_ps(c[r][j]) + (bias ? bias[j] : 0.f));
-}
-
-template <int MR>
-static inline void dot_cols(int nj, const bf16_t* x, int64_t xs, const bf16_t* w, int64_t K, const float* bias,
-                            bf16_t* y, int64_t ys) {
-    switch (nj) {
-        case 4: return dot_tile<MR, 4>(x, xs, w, K, bias, y, ys);
-        case 3: return dot_tile<MR, 3>(x, xs, w, K, bias, y, ys);
-        case 2: return dot_tile<MR, 2>(x, xs, w, K, bias, y, ys);
-        default: return dot_tile<MR, 1>(x, xs, w, K, bias, y, ys);
-    }
+        for (int j = 0; j < NJ; ++j)
+            y[r * ys + j] = f32_to_bf16(_mm512_reduce_add_ps(c[r][j]) + (bias ? bias[j] : 0.f));
 }
 
 template <typename F>
@@ -560,12 +550,11 @@ static void gemm_bf16_rows(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, 
                     const bf16_t* wj = wb + j * K;
                     const float* bj = bias ? bias + n0 + j : nullptr;
                     bf16_t* yr = y + r * ys + n0 + j;
-                    switch (mr) {
-                        case 4: dot_cols<4>(nj, xr, x_st, wj, K, bj, yr, ys); break;
-                        case 3: dot_cols<3>(nj, xr, x_st, wj, K, bj, yr, ys); break;
-                        case 2: dot_cols<2>(nj, xr, x_st, wj, K, bj, yr, ys); break;
-                        default: dot_cols<1>(nj, xr, x_st, wj, K, bj, yr, ys); break;
-                    }
+                    with_count<4>(mr, [&](auto R) {
+                        with_count<4>(nj, [&](auto C) {
+                            dot_tile<decltype(R)::value, decltype(C)::value>(xr, x_st, wj, K, bj, yr, ys);
+                        });
+                    });
                 }
             }
         }
