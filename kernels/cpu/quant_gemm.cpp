@@ -611,7 +611,10 @@ int quant_gemm(const T* x, int64_t x_st, int64_t M, int64_t K, const FrWeightPar
     else quant_act_bf16(x, x_st, M, K, (int16_t*)buf, d, sx);
     Act a{(const int16_t*)buf, d, sx, K, nb};
 #ifdef FLOWRT_VNNI
-    if (M < FLOAT_ROWS) {
+    bool planes = false;  // only the byte-product formats read them: a Q8_0 or Q6_K projection skips the split
+    for (int p = 0; p < nparts; ++p)
+        qfmt::dispatch(parts[p].ggml_type, [&](auto tag) { planes |= BYTE_PRODUCTS<typename decltype(tag)::type>; });
+    if (M < FLOAT_ROWS && planes) {
         uint8_t* lo = reinterpret_cast<uint8_t*>(sx + 2 * M * nb);
         byte_planes(a.q, M * K, lo, reinterpret_cast<int8_t*>(lo + M * K));
         a.lo = lo;
