@@ -1,6 +1,6 @@
 """Builds and loads the CPU kernel library from its sources in kernels/cpu/ (shipped as package data).
 
-One library per instruction-set variant (ISAS: generic, AVX2 + FMA, AVX-512, AVX-512 + BF16), each compiled with
+One library per instruction-set variant (ISAS: generic, AVX2 + FMA, AVX-512, AVX-512 + BF16, AMX), each compiled with
 that variant's flags (and -mtune=native), so one set of sources serves every x86 CPU and a run can be forced onto a
 lower variant (FLOWRT_CPU_ISA=avx2) to test or compare it. The library is compiled lazily with the system's C++
 compiler ($CXX or g++), the translation units in parallel, and cached under ~/.cache/flowrt/cpu_ops/ keyed by the
@@ -49,14 +49,17 @@ class Isa:
 _AVX2 = Isa("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"))
 _AVX512 = Isa("avx512", _AVX2.flags + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
               _AVX2.cpu + ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+# every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids on, Zen4 on) also has AVX512-VNNI
+_AVX512BF16 = Isa("avx512bf16", _AVX512.flags + ("-mavx512bf16", "-mavx512vnni"),
+                  _AVX512.cpu + ("avx512_bf16", "avx512_vnni"))
 #: lowest first; the default is the highest the CPU runs
 ISAS: tuple[Isa, ...] = (
     Isa("generic", (), ()),
     _AVX2,
     _AVX512,
-    # every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids on, Zen4 on) also has AVX512-VNNI
-    Isa("avx512bf16", _AVX512.flags + ("-mavx512bf16", "-mavx512vnni"),
-        _AVX512.cpu + ("avx512_bf16", "avx512_vnni")),
+    _AVX512BF16,
+    # Sapphire Rapids and later Xeons: bfloat16 products on the AMX tiles (gemm_amx.h) from a few rows
+    Isa("amx", _AVX512BF16.flags + ("-mamx-tile", "-mamx-bf16"), _AVX512BF16.cpu + ("amx_tile", "amx_bf16")),
 )
 ISA_NAMES = tuple(i.name for i in ISAS)
 

@@ -41,6 +41,14 @@ static inline void with_count(int n, Fn&& f) {
 // (flowrt_set_num_threads) so the kernels never depend on which thread set OpenMP's own per-thread value.
 extern int flowrt_threads;
 
+// A buffer per thread, grown as needed, 64-byte aligned; slots: 0 the activations, 1 x' (packed), 2 rows of W,
+// 3 the AMX tiles' padded rows (gemm_amx.h).
+static inline uint8_t* scratch(size_t bytes, int slot = 0) {
+    static thread_local std::vector<uint8_t> buf[4];
+    if (buf[slot].size() < bytes + 64) buf[slot].resize(bytes + 64);
+    return buf[slot].data() + (-(uintptr_t)buf[slot].data() & 63);
+}
+
 static inline float bf16_to_f32(bf16_t b) {
     const uint32_t u = (uint32_t)b << 16;
     float f;

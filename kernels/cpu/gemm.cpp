@@ -70,7 +70,9 @@ int flowrt_get_num_threads() { return flowrt_threads; }
 
 // The instruction set this library was compiled for (the Python side checks it against the variant it asked for).
 const char* flowrt_cpu_isa() {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    return "amx";
+#elif defined(__AVX512BF16__) && defined(__AVX512F__)
     return "avx512bf16";
 #elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
     return "avx512";

@@ -2,6 +2,7 @@
 // only where the compiler targets AVX512-BF16 (the avx512bf16 variant); elsewhere the entry points report so and
 // the callers keep oneDNN.
 #include "flowrt_cpu.h"
+#include "gemm_amx.h"
 #include "gemm_bf16.h"
 #include "panels.h"
 
@@ -59,6 +60,16 @@ int gemm_packed_bf16(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, const 
 #ifdef FLOWRT_GEMM_BF16
     if (M <= 0 || N <= 0) return 0;
     const int64_t P = (N + 31) / 32, pst = (K + 1) / 2 * 64;
+#ifdef FLOWRT_AMX
+    if (M >= AMX_ROWS && K % 32 == 0 && amx_permitted()) {
+        // from 128 rows groups of panels of at most 512 KiB (in L2), every 32-row block of x (in L1) running over a
+        // group's panels: x read from L2 once per group rather than the panel from L2 for every block (one thread,
+        // Xeon with AMX, SmolLM2 gate_up at 256 rows: 1.48 -> 1.17 ms); fewer rows stream one panel at a time
+        const int64_t G = M >= 128 ? std::max<int64_t>(1, ((int64_t)512 << 10) / (K * 64)) : 1;
+        amx_gemm<true>(x, x_st, M, K, N, bias, y, y_st, G, M, [&](int64_t g, int64_t) { return wp + g * pst; });
+        return 0;
+    }
+#endif
     const int np = panels_for(M), mr = MR_MAX[np - 1];
     const int nt = (int)std::min<int64_t>(flowrt_threads, P);
     #pragma omp parallel num_threads(nt) if (nt > 1 && M * N * K >= 262144)

@@ -104,12 +104,8 @@ void widen_row(const T* p, float* out, int n) {
     }
 }
 
-// Per-thread float scratch of at least n elements (slot 0 or 1: separate buffers), kept between calls.
-static inline float* scratch(int slot, size_t n) {
-    static thread_local std::vector<float> buf[2];
-    if (buf[slot].size() < n) buf[slot].resize(n);
-    return buf[slot].data();
-}
+// Per-thread float scratch of at least n elements (slot 0 or 1: separate buffers; common.h's scratch), kept between calls.
+static inline float* floats(int slot, size_t n) { return reinterpret_cast<float*>(scratch(n * 4, slot)); }
 
 // silu(g) rounded as the storage type, sixteen lanes: silu8's operations (bit-identical to the scalar path; bf16
 // through fexp16_bf16_silu, the same bits).
@@ -145,7 +141,7 @@ void add_rmsnorm(T* h, const T* delta, const T* w, T* out, int64_t Tn, int E, fl
 #ifdef GLUE_AVX512
     const float* wf;
     if constexpr (sizeof(T) == 2) {
-        float* buf = scratch(0, E);
+        float* buf = floats(0, E);
         widen_row(w, buf, E);
         wf = buf;
     } else {
@@ -153,7 +149,7 @@ void add_rmsnorm(T* h, const T* delta, const T* w, T* out, int64_t Tn, int E, fl
     }
     #pragma omp parallel if (Tn * E >= 8192) num_threads(flowrt_threads)
     {
-        float* xs = sizeof(T) == 2 ? scratch(1, E) : nullptr;
+        float* xs = sizeof(T) == 2 ? floats(1, E) : nullptr;
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < Tn; ++t)
             add_rmsnorm_row16<T>(h + t * E, delta ? delta + t * E : nullptr, wf, out + t * E, E, eps,
@@ -186,7 +182,7 @@ inline void rope_row(T* row, int nh, int D, const T* c, const T* s) {
     const int h = D / 2;
 #ifdef GLUE_AVX512
     if constexpr (sizeof(T) == 2) {  // the position's table rows widened once for all the row's heads
-        float* cf = scratch(1, 2 * (size_t)D);
+        float* cf = floats(1, 2 * (size_t)D);
         widen_row(c, cf, D);
         widen_row(s, cf + D, D);
         for (int j = 0; j < nh; ++j) rope_head16<T>(row + (int64_t)j * D, cf, cf + D, h);

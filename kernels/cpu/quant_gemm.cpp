@@ -19,6 +19,7 @@
 #include "quant_blocks.h"
 #ifdef FLOWRT_AVX2
 #include "gemm.h"
+#include "gemm_amx.h"
 #endif
 
 #include <type_traits>
@@ -385,13 +386,6 @@ static void block(const Act& a, int64_t r0, int64_t r1, const uint8_t* w, int64_
 
 constexpr int64_t COLS = 16;  // columns per work item
 
-// A buffer per thread, grown as needed, 32-byte aligned; slots: 0 the activations, 1 x' (packed), 2 rows of W.
-static uint8_t* scratch(size_t bytes, int slot = 0) {
-    static thread_local std::vector<uint8_t> buf[3];
-    if (buf[slot].size() < bytes + 32) buf[slot].resize(bytes + 32);
-    return buf[slot].data() + (-(uintptr_t)buf[slot].data() & 31);
-}
-
 #ifdef FLOWRT_AVX2
 // From FLOAT_ROWS rows (batched decode, prefill) the integer pairs above cost more than float32 FMAs on AVX2 (a pair's
 // block takes ~7 operations for 32 products against 4 FMAs; the crossover measured at 10 rows, Zen3, 1 thread, cold
@@ -523,11 +517,50 @@ static inline void dot_tile(const bf16_t* x, int64_t xs, const bf16_t* w, int64_
             y[r * ys + j] = f32_to_bf16(_mm512_reduce_add_ps(c[r][j]) + (bias ? bias[j] : 0.f));
 }
 
+#ifdef FLOWRT_AMX
+// Panels g .. g + gn - 1 of W (32 rows each, zeros past N) dequantized into dst in gemm_bf16.h's packed layout (k pairs
+// side by side), each value rounded to bf16 as above: the AMX tiles' B operand. wf: K floats of scratch.
+template <typename F>
+static void dequant_panels(const uint8_t* w, int64_t rb, int64_t N, int64_t K, int64_t g, int64_t gn, bf16_t* dst,
+                           float* wf) {
+    const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(32));
+    for (int64_t q = 0; q < gn; ++q)
+        for (int j = 0; j < 32; ++j) {
+            const int64_t n = 32 * (g + q) + j;
+            int32_t* d = reinterpret_cast<int32_t*>(dst + q * K * 32) + j;  // k pair kk of row j at d[32 kk]
+            if (n >= N) {
+                for (int64_t kk = 0; kk < K / 2; ++kk) d[32 * kk] = 0;
+                continue;
+            }
+            row_values<F>(w + n * rb, K / 32, wf);
+            for (int64_t k = 0; k < K; k += 32) {
+                const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(wf + k));
+                const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(wf + k + 16));
+                _mm512_i32scatter_epi32(d + k / 2 * 32, lanes, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), 4);
+            }
+        }
+}
+#endif
+
 template <typename F>
 static void gemm_bf16_rows(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                            const float* bias, bf16_t* y, int64_t ys) {
     constexpr int NW = 16;  // rows of W per work item: 64 KiB of bf16 at K = 2048, in L2 while every row tile runs
     const int64_t rb = K / F::QK * F::BYTES, nb = K / 32, S = (N + NW - 1) / NW;
+#ifdef FLOWRT_AMX
+    if (amx_permitted()) {
+        // on the AMX tiles, panels dequantized a group at a time (at most 256 KiB of bf16, in L2) and every row run
+        // over each group: the weights dequantized once per call
+        const int64_t G = std::max<int64_t>(1, ((int64_t)256 << 10) / (K * 64));
+        amx_gemm<false>(x, x_st, M, K, N, bias, y, ys, G, M, [&](int64_t g, int64_t gn) {
+            bf16_t* dst = reinterpret_cast<bf16_t*>(scratch((size_t)(gn * K * 64), 1));
+            dequant_panels<F>(w, rb, N, K, g, gn, dst, reinterpret_cast<float*>(scratch((size_t)(K * 4), 2)));
+            return static_cast<const bf16_t*>(dst);
+        });
+        return;
+    }
+#endif
     #pragma omp parallel num_threads(flowrt_threads)
     {
         float* wf = reinterpret_cast<float*>(scratch((size_t)(K * 4), 2));

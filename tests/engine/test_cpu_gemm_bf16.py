@@ -49,16 +49,18 @@ def test_close_to_onednn_and_checks_input():
 
 
 def test_lower_variants_report_it_unavailable():
-    """The kernel is compiled only into the avx512bf16 variant: the others say so and the model keeps oneDNN."""
-    lower = [i.name for i in cpu_build.supported() if i.name != "avx512bf16"]
+    """The kernel is compiled only into the variants with AVX512-BF16 (avx512bf16, amx): the others say so and the
+    model keeps oneDNN."""
+    lower = [i.name for i in cpu_build.supported() if "avx512_bf16" not in i.cpu]
     with cpu_ops.use_isa(lower[-1]) as lib:
         assert lib.gemm_bf16_available() == 0
         assert cpu_ops.PackedLinearBF16.create(torch.zeros(32, 8, dtype=torch.bfloat16)) is None
 
 
-def test_model_uses_it_at_every_row_count_with_one_copy(stories_path):
+def test_model_uses_it_at_every_row_count_with_one_copy(stories_path, bf16_kernel_cpu):
     """A bfloat16 model's projections run the kernel at every row count while the kernels are on, holding only its
-    packed weights; turned off, oneDNN runs on the weights unpacked from the panels, with the same results."""
+    packed weights; turned off, oneDNN runs on the weights unpacked from the panels, with the same results. (The
+    CPU is presented without AMX, where the dispatch keeps oneDNN: test_model_keeps_onednn_on_amx.)"""
     llm = LLM(stories_path, dtype="bfloat16")
     model = llm.engine.runner.model
     _kernel_or_skip(torch.zeros(32, 8, dtype=torch.bfloat16))

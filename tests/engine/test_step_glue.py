@@ -29,7 +29,7 @@ def _steps(llm, prompts):
 @pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "bfloat16")],
                          ids=["fp32", "bf16", "fp32-kv-bf16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a qkv bias
-def test_glued_forward_matches_layer_by_layer(tmp_path, dtype, kv, arch):
+def test_glued_forward_matches_layer_by_layer(tmp_path, dtype, kv, arch, bf16_kernel_cpu):
     """Bit-equal hidden states, prefill and decode; the KV write fused with rotary where the pool has the model's
     dtype, the backend's write where it does not."""
     llm = LLM(make_tiny_model(tmp_path / arch, arch=arch), dtype=dtype, kv_cache_dtype=kv)
@@ -122,7 +122,7 @@ def test_one_call_pointers_follow_the_projections(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("min_shared", [0, 10**9], ids=["prefixes-by-flash", "whole-contexts"])
-def test_glued_cascade_decode_matches_layer_by_layer(tmp_path, monkeypatch, dtype, min_shared):
+def test_glued_cascade_decode_matches_layer_by_layer(tmp_path, monkeypatch, dtype, min_shared, bf16_kernel_cpu):
     """Decode steps of sequences sharing a cached prefix (the cascade: each member's own keys, then the shared prefix
     once for all by the flash kernel, or each member's whole context below the threshold) run in the one-call layer
     loop, with the same bits as the backend's per-layer forward."""
