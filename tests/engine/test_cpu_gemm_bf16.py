@@ -38,6 +38,23 @@ def test_matches_torch_for_every_row_count(N, K, with_bias):
         torch.testing.assert_close(y.double(), exact[70 - M:], rtol=2**-8, atol=1e-5 * K, msg=f"M={M}")
 
 
+@pytest.mark.parametrize("N,K", [(1100, 576), (200, 2048)])
+def test_prefill_rows_in_groups_of_panels(N, K):
+    """Prefill row counts (on AMX from 128 rows the panels go in groups, every 32-row block of x over a group: more
+    than one group per thread here; 32- and 16-row blocks and a padded tail of M % 16 rows): within one bf16
+    rounding of the exact product, a row's bits the same in a batch of 137 as of 300."""
+    g = torch.Generator().manual_seed(N + K)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16()
+    lin = _kernel_or_skip(w, b)
+    x = torch.randn(300, K, generator=g).bfloat16()
+    exact = x.double() @ w.double().T + b.double()
+    out = {M: lin(x[:M]) for M in (137, 300)}
+    for M, y in out.items():
+        torch.testing.assert_close(y.double(), exact[:M], rtol=2**-8, atol=1e-5 * K, msg=f"M={M}")
+    assert torch.equal(out[300][:137], out[137])
+
+
 def test_close_to_onednn_and_checks_input():
     w = (torch.randn(96, 160) * 0.05).bfloat16()
     lin = _kernel_or_skip(w)

@@ -101,6 +101,22 @@ def test_products_match_reference(name, qtype):
 
 
 @pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("qtype", [QuantType.Q8_0, QuantType.Q4_K], ids=lambda t: t.name)
+def test_wide_projection_in_groups(name, qtype):
+    """A projection wide enough that each thread dequantizes several groups of panels (the AMX path: at most 256 KiB
+    of bf16 per group) with a tail of rows: against the reference, bias included."""
+    n, k = 1100, 512
+    data = _blocks(qtype, n, k, seed=5)
+    bias = torch.randn(n)
+    with _variant(name):
+        lin = QuantLinear(qtype, data, n, k, bias)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(45, k).to(dtype)
+            ref, bound = _expected(x, data, qtype, n, k, bias, 45)
+            _assert_within(lin(x), ref, bound, f"{qtype.name} {dtype}")
+
+
+@pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_threads_and_batches_give_the_same_bits(name, qtype):
     """1 thread vs 2 bit-equal; a row alone (decode) equals it inside a batch below the float rows (both integer
