@@ -42,9 +42,9 @@ static inline void with_count(int n, Fn&& f) {
 extern int flowrt_threads;
 
 // A buffer per thread, grown as needed, 64-byte aligned; slots: 0 the activations, 1 x' (packed), 2 rows of W,
-// 3 the AMX tiles' padded rows (gemm_amx.h).
+// 3 the AMX tiles' padded rows (gemm_amx.h), 4 rows of W as bf16 (the AMX quantized path).
 static inline uint8_t* scratch(size_t bytes, int slot = 0) {
-    static thread_local std::vector<uint8_t> buf[4];
+    static thread_local std::vector<uint8_t> buf[5];
     if (buf[slot].size() < bytes + 64) buf[slot].resize(bytes + 64);
     return buf[slot].data() + (-(uintptr_t)buf[slot].data() & 63);
 }
