@@ -237,9 +237,9 @@ def test_glued_quantized_decode_matches_layer_by_layer(tmp_path, dtype, arch, mi
 @pytest.mark.slow  # a build per variant on a first run, and a model per variant
 @pytest.mark.parametrize("name", cpu_build.ISA_NAMES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_glued_decode_every_variant(tmp_path, name, dtype):
+def test_glued_decode_every_variant(tmp_path, name, dtype, bf16_kernel_cpu):
     """The one-call decode step (float projections where the variant packs them, and quantized ones of mixed parts
     in every variant) has the per-layer forward's bits in each instruction-set variant the CPU runs."""
     with cpu_variant(name):
-        test_glued_forward_matches_layer_by_layer(tmp_path / "float", dtype, "auto", "qwen2")
+        test_glued_forward_matches_layer_by_layer(tmp_path / "float", dtype, "auto", "qwen2", bf16_kernel_cpu)
         _glued_quantized_matches(tmp_path / "quant", dtype, "qwen2", mixed=True)
