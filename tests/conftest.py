@@ -49,10 +49,9 @@ def bf16_kernel_cpu(monkeypatch):
     """The CPU presented without AMX, so a bfloat16 model runs flowrt's packed kernels (PackedLinearBF16, the one-call
     decode step) wherever they are compiled, as on a Zen4: with AMX the model keeps oneDNN (llama._packed_bf16).
     The kernels themselves still run the loaded variant (AMX tiles from a few rows on an AMX build)."""
-    from flowrt.engine.cpu import build as cpu_build
+    from flowrt.engine.model.models import llama
 
-    flags = cpu_build.cpu_flags() - {"amx_bf16"}
-    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(llama, "_onednn_on_amx", lambda: False)
 
 
 SLOW_FIXTURES = {"pg_server"}  # fixtures of the conftests that start a server process (PostgreSQL)

@@ -566,6 +566,11 @@ def _packed(weight, bias, batch_hint: int):
     return fn
 
 
+def _onednn_on_amx() -> bool:
+    """Whether the bf16 projections keep oneDNN because the CPU has AMX (tests present a CPU without it)."""
+    return "amx_bf16" in cpu_build.cpu_flags()
+
+
 def _packed_bf16(weight, bias, batch_hint: int):
     """flowrt's AVX512-BF16 kernel (cpu_ops.PackedLinearBF16) at every row count, its packed weights the only copy;
     oneDNN prepacked where that kernel is unavailable or the CPU has AMX (oneDNN runs bf16 on AMX tiles there; the
@@ -575,7 +580,7 @@ def _packed_bf16(weight, bias, batch_hint: int):
     at 128 rows, 0.99x at 512 (it computes only the rows that need logits). One path and one copy of the weights
     (~270 MB less than keeping oneDNN's beside it for SmolLM2-135M). While the CPU kernels are turned off (tests,
     A/B benchmarks) oneDNN runs on the weights unpacked from the panels, packed on first use."""
-    if "amx_bf16" in cpu_build.cpu_flags():
+    if _onednn_on_amx():
         return _packed(weight, bias, batch_hint)
     kernel = cpu_ops.PackedLinearBF16.create(weight, bias)
     if kernel is None:
