@@ -59,6 +59,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the activations' dtype (bfloat16: what dtype='auto' runs on AVX512-BF16 CPUs; the baseline "
+                         "is then cpu_ops.PackedLinearBF16)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -68,7 +71,9 @@ def main() -> None:
     if cpu_ops.lib() is None:
         sys.exit("the CPU kernels are unavailable here")
     clock = time.perf_counter if args.clock == "wall" else time.process_time
-    print(banner("float32", f"kernels {cpu_ops.isa()}, weights cold (>= {COLD_BYTES >> 20} MiB per path), "
+    dtype = getattr(torch, args.dtype)
+    packed = cpu_ops.PackedLinear if dtype == torch.float32 else cpu_ops.PackedLinearBF16
+    print(banner(args.dtype, f"kernels {cpu_ops.isa()}, weights cold (>= {COLD_BYTES >> 20} MiB per path), "
                             f"{args.clock} time, best of {args.reps}"))
     types = [QuantType.parse(t) for t in args.types.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
@@ -76,15 +81,16 @@ def main() -> None:
     with torch.inference_mode():
         for model in args.models.split(","):
             for name, n, k in SHAPES[model]:
-                f32 = [cpu_ops.PackedLinear.create(torch.randn(n, k) * 0.02) for _ in range(copies(n * k * 4))]
-                paths = {"f32": (f32, n * k * 4)}
+                size = n * k * dtype.itemsize
+                f32 = [packed.create((torch.randn(n, k) * 0.02).to(dtype)) for _ in range(copies(size))]
+                paths = {"f32": (f32, size)}
                 for t in types:
                     if k % block_shape(t)[0] == 0:
                         one = random_blocks(t, n, k, g)
                         paths[t.name] = ([QuantLinear(t, one if i == 0 else one.clone(), n, k)
                                           for i in range(copies(one.numel()))], one.numel())
                 for m in rows:
-                    x = torch.randn(m, k)
+                    x = torch.randn(m, k).to(dtype)
                     best = dict.fromkeys(paths, 1e9)
                     calls = {p: max(1, len(ws)) for p, (ws, _) in paths.items()}
                     for _ in range(args.reps):
