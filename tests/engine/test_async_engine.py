@@ -189,3 +189,39 @@ def test_engine_failure_reaches_callers_as_the_error(engine):
 
     run(main())
     assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["num_running"] == 0
+
+
+def test_engine_is_built_on_the_thread_that_steps_it(stories_path, monkeypatch):
+    """Every OpenMP region must start on one thread: a second thread's team makes libgomp's workers sleep between
+    regions (built on the caller's thread, the server decoded 1.7x slower on 2 cores)."""
+    import threading
+
+    from flowrt.engine import async_llm
+
+    seen: dict[str, set[int]] = {"init": set(), "step": set()}
+    real_init, real_step = async_llm.LLMEngine.__init__, async_llm.LLMEngine.step
+
+    def init(self, *a, **k):
+        seen["init"].add(threading.get_ident())
+        real_init(self, *a, **k)
+
+    def step(self, *a, **k):
+        seen["step"].add(threading.get_ident())
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(async_llm.LLMEngine, "__init__", init)
+    monkeypatch.setattr(async_llm.LLMEngine, "step", step)
+    eng = AsyncLLM(stories_path, dtype="float32")
+    try:
+        run(eng.generate("Once upon a time", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
+    finally:
+        eng.shutdown()
+    assert seen["init"] == seen["step"] == {eng._thread.ident}
+    assert threading.get_ident() not in seen["init"]
+
+
+def test_a_bad_engine_argument_raises_in_the_callers_thread(stories_path, tmp_path):
+    with pytest.raises(pydantic.ValidationError):
+        AsyncLLM(stories_path, dtype="float13")
+    with pytest.raises(Exception, match="does-not-exist"):
+        AsyncLLM(str(tmp_path / "does-not-exist"), dtype="float32")
