@@ -7,7 +7,10 @@ wall time of --reps interleaved rounds per (shape, rows), the ratio to float32, 
 GB/s. K-quants need K a multiple of 256 (SmolLM2's 576 is not: n/a there, as llama-quantize falls back too).
 
     python bench/quant_gemm.py [--types Q8_0,Q4_K,Q6_K,Q4_0,Q4_1] [--rows 1,4,16,64,512] [--threads 0] [--reps 3]
-                               [--models smollm2,1b] [--clock wall|cpu]
+                               [--models smollm2,1b] [--clock wall|cpu] [--dtype float32|bfloat16]
+
+--dtype bfloat16 times what dtype="auto" runs on AVX512-BF16 CPUs (from 10 rows the weights dequantized to bfloat16,
+on AMX tiles where the CPU has them), against cpu_ops.PackedLinearBF16 (the "f32" column then holds that baseline).
 
 --clock cpu times the process's CPU time instead of the wall clock: on a shared, busy host (where other processes
 take the cores) with --threads 1 it still measures the kernels' own work; wall time is what a quiet machine sees.
