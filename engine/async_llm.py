@@ -86,16 +86,17 @@ class AsyncLLM:
         # of its own, and once the process has more OpenMP threads than cores, libgomp's workers stop spinning
         # between regions (100 spins, then a futex sleep and wake-up each time): built on the caller's thread and
         # stepped on this one, SmolLM2-135M Q8_0 decoded 1.7x slower (2 cores, Xeon, bf16: 108 vs 184 tok/s).
-        built: list[LLMEngine | BaseException] = []
+        built: list[LLMEngine | Exception] = []
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(args, built, ready), name="flowrt-engine",
                                         daemon=True)
         self._thread.start()
         ready.wait()
-        if isinstance(built[0], BaseException):
+        engine = built[0] if built else RuntimeError("the engine thread stopped while building the engine")
+        if not isinstance(engine, LLMEngine):
             self._thread.join()
-            raise built[0]
-        self.engine: LLMEngine = built[0]
+            raise engine
+        self.engine: LLMEngine = engine
 
     # ---- properties ------------------------------------------------------------------------------
     @property
@@ -134,16 +135,15 @@ class AsyncLLM:
         return self.engine.kv_import(blocks)
 
     # ---- the loop ----------------------------------------------------------------------------------
-    def _run(self, args: EngineArgs, built: list, ready: threading.Event) -> None:
+    def _run(self, args: EngineArgs, built: list[LLMEngine | Exception], ready: threading.Event) -> None:
         try:
-            eng = LLMEngine(args)
-        except BaseException as exc:  # raised again in the constructor's thread
+            built.append(LLMEngine(args))
+        except Exception as exc:  # noqa: BLE001 - any failure is raised again in the constructor's thread
             built.append(exc)
+        finally:
             ready.set()
-            return
-        built.append(eng)
-        ready.set()
-        self._loop(eng)
+        if built and isinstance(built[0], LLMEngine):
+            self._loop(built[0])
 
     def _loop(self, eng: LLMEngine) -> None:
         while not self._stopping:
