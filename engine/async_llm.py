@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 
 from .beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from .config import EngineArgs
+from .cpu.threads import release_openmp_team
 from .llm_engine import LLMEngine
 from .request.outputs import RequestOutput
 from .request.program import ProgramContext
@@ -97,6 +98,7 @@ class AsyncLLM:
             self._thread.join()
             raise engine
         self.engine: LLMEngine = engine
+        release_openmp_team()  # a team this caller's thread holds (a torch op before) would slow every step
 
     # ---- properties ------------------------------------------------------------------------------
     @property

@@ -175,9 +175,18 @@ class Embedder:
                 )
                 out.append(np.asarray(vecs, dtype=np.float32))
                 advance(len(batch))
+        _release_openmp_team()
         arr = np.empty((len(items), out[0].shape[1]), dtype=np.float32)
         arr[order] = np.concatenate(out, axis=0)
         return arr[0] if single else arr
+
+
+def _release_openmp_team() -> None:
+    """The OpenMP workers of this thread's torch ops end (flowrt.engine.cpu.threads.release_openmp_team: a team
+    that outlives the embedding slows a flowrt engine's steps in the same process)."""
+    from flowrt.engine.cpu.threads import release_openmp_team
+
+    release_openmp_team()
 
 
 @contextmanager

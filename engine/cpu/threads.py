@@ -16,6 +16,9 @@ CPU op of the process. `EngineArgs(adaptive_threads=False)` turns it off.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -94,3 +97,28 @@ class StepClock:
         if self.gov is not None:
             w = time.perf_counter()
             self.gov.observe(w - self._w, time.process_time() - self._c, w)
+
+
+@functools.cache
+def _libgomp_pause() -> Callable[[int], int] | None:
+    """libgomp's omp_pause_resource_all (OpenMP 5.0, GCC 9+) from the copy torch loaded, or None without one."""
+    try:
+        fn = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY).omp_pause_resource_all
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def release_openmp_team() -> bool:
+    """Ends the OpenMP worker threads of the calling thread's team (its next parallel region starts new ones).
+
+    One libgomp serves torch and the kernels, and every thread that starts a parallel region keeps a team of its own.
+    Once the process has more OpenMP threads than cores, libgomp's workers stop spinning between regions (100 spins,
+    then a futex sleep and wake-up each time): a thread that ran a torch op (a retriever's embedding, a model load)
+    and lives on made the engine's decode steps 1.7x slower (2 cores, Xeon, SmolLM2-135M Q8_0: 176 -> 103 tok/s).
+    So a thread other than the engine's calls this when its compute is done. True when the team was released; False
+    where the OpenMP runtime is not libgomp, is older than GCC 9, or the thread is inside a parallel region.
+    """
+    pause = _libgomp_pause()
+    return pause is not None and pause(1) == 0  # 1: omp_pause_soft

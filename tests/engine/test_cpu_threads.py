@@ -86,3 +86,42 @@ def test_engine_governs_threads_unless_turned_off(stories_path):
     off = LLM(stories_path, dtype="float32", adaptive_threads=False)
     assert off.engine.threads is None and off.engine.stats()["cpu_thread_changes"] == 0
     torch.set_num_threads(n)
+
+
+def _native_threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_release_openmp_team_ends_the_calling_threads_workers():
+    """A thread that ran a torch op keeps an OpenMP team (native worker threads) until it exits; released, its
+    workers end, so the engine's team is again the process's only one (libgomp spins only while the process has no
+    more OpenMP threads than cores)."""
+    import threading
+
+    import pytest
+    import torch
+
+    from flowrt.engine.cpu import threads as cpu_threads
+
+    if cpu_threads._libgomp_pause() is None:
+        pytest.skip("the OpenMP runtime here is not libgomp 9+")
+    seen: dict[str, int | bool] = {}
+    before_threads = torch.get_num_threads()
+
+    def work():
+        torch.set_num_threads(2)
+        before = _native_threads()
+        torch.nn.functional.gelu(torch.randn(4_000_000))  # a parallel region: this thread's team of 2
+        seen["with_team"] = _native_threads() - before
+        seen["released"] = cpu_threads.release_openmp_team()
+        seen["after"] = _native_threads() - before
+
+    try:
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+    finally:
+        torch.set_num_threads(before_threads)
+    assert seen == {"with_team": 1, "released": True, "after": 0}

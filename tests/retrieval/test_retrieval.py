@@ -489,3 +489,18 @@ def test_cli_build_add_query_info_delete(tmp_path, capsys):
     assert "not in the index" in capsys.readouterr().err
     assert _cli("index", "build", tmp_path / "more" / "..", "-o", tmp_path / "x", "--overlap", "500", "-q") == 1
     assert "overlap" in capsys.readouterr().err
+
+
+def test_embedding_releases_its_threads_openmp_team(monkeypatch):
+    """Embedding in a worker thread (Retriever.search runs there) leaves no OpenMP team behind, which would slow an
+    engine's decode steps in the same process (engine/cpu/threads.py release_openmp_team)."""
+    import threading
+
+    from flowrt.engine.cpu import threads as cpu_threads
+
+    calls: list[int] = []
+    monkeypatch.setattr(cpu_threads, "release_openmp_team", lambda: calls.append(threading.get_ident()) or True)
+    t = threading.Thread(target=lambda: get_embedder().encode(["a query", "another one"]))
+    t.start()
+    t.join()
+    assert calls == [t.ident]
