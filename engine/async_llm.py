@@ -131,10 +131,22 @@ class AsyncLLM:
         return self.engine.kv_block_bytes()
 
     def kv_export(self, token_ids, skip=None) -> list[tuple[bytes, bytes | None]]:
-        return self.engine.kv_export(token_ids, skip)
+        try:
+            return self.engine.kv_export(token_ids, skip)
+        finally:
+            self._release_callers_team()
 
     def kv_import(self, blocks) -> int:
-        return self.engine.kv_import(blocks)
+        try:
+            return self.engine.kv_import(blocks)
+        finally:
+            self._release_callers_team()
+
+    def _release_callers_team(self) -> None:
+        """After torch work on the caller's thread (the KV copies of a checkpoint's worker thread): its OpenMP team
+        would slow the engine's steps (engine/cpu/threads.py release_openmp_team)."""
+        if threading.current_thread() is not self._thread:
+            release_openmp_team()
 
     # ---- the loop ----------------------------------------------------------------------------------
     def _run(self, args: EngineArgs, built: list[LLMEngine | Exception], ready: threading.Event) -> None:

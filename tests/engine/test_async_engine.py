@@ -225,3 +225,17 @@ def test_a_bad_engine_argument_raises_in_the_callers_thread(stories_path, tmp_pa
         AsyncLLM(stories_path, dtype="float13")
     with pytest.raises(Exception, match="does-not-exist"):
         AsyncLLM(str(tmp_path / "does-not-exist"), dtype="float32")
+
+
+def test_kv_copies_on_the_callers_thread_release_its_openmp_team(engine, monkeypatch):
+    import threading
+
+    from flowrt.engine import async_llm
+
+    calls: list[int] = []
+    monkeypatch.setattr(async_llm, "release_openmp_team", lambda: calls.append(threading.get_ident()) or True)
+    ids = engine.tokenizer.encode("Once upon a time there was a little girl named Lily")
+    run(engine.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, temperature=0)))
+    blocks = engine.kv_export(ids)
+    engine.kv_import(blocks)
+    assert calls == [threading.get_ident()] * 2
