@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Sequence as Seq
+from typing import Any, Iterator, Sequence as Seq
 
 from .beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from .config import EngineArgs
+from .cpu.threads import release_openmp_team
 from .core.input_processor import is_token_ids
 from .llm_engine import LLMEngine
 from .request.outputs import RequestOutput
@@ -19,6 +21,11 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self._generate_lock = threading.Lock()
+        # One OpenMP team at a time (engine/cpu/threads.py release_openmp_team): the building thread's ends here (the
+        # first step on it starts a new one), and a call from another thread ends that thread's when it returns, so
+        # calls from a thread pool do not leave teams behind that make every later step's workers sleep.
+        self._home = threading.get_ident()
+        release_openmp_team()
 
     @property
     def tokenizer(self):
@@ -59,8 +66,16 @@ class LLM:
             if p.max_tokens == 0:
                 raise ValueError(f"sampling_params[{i}].max_tokens must be >= 1")
         resolved = [eng.validate(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, params))]
-        with self._generate_lock:
+        with self._generate_lock, self._own_team():
             return self._run(resolved, params, use_tqdm)
+
+    @contextlib.contextmanager
+    def _own_team(self) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            if threading.get_ident() != self._home:
+                release_openmp_team()
 
     def _run(self, resolved, params, use_tqdm: bool) -> list[RequestOutput]:
         eng = self.engine
@@ -102,7 +117,7 @@ class LLM:
             prompts = [prompts]
         check = SamplingParams(max_tokens=params.max_tokens, structured_outputs=params.structured_outputs)
         resolved = [eng.validate(p, check, f"prompt {i}") for i, p in enumerate(prompts)]
-        with self._generate_lock:
+        with self._generate_lock, self._own_team():
             searches: list[BeamSearch] = []
             try:
                 for _, ids in resolved:

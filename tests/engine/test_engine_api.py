@@ -351,3 +351,24 @@ def test_empty_prompts_are_refused(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate({"prompt_token_ids": np.array([], dtype=np.int64)}, SamplingParams(max_tokens=2))
     assert llm.stats()["num_waiting"] == 0
+
+
+def test_llm_leaves_one_openmp_team_whatever_thread_calls_it(stories_path, monkeypatch):
+    """The building thread's team ends after construction, and a call from another thread ends that thread's
+    (engine/cpu/threads.py release_openmp_team: leftover teams make the engine's workers sleep between regions)."""
+    import threading
+
+    from flowrt.engine import llm as llm_module
+
+    calls: list[int] = []
+    monkeypatch.setattr(llm_module, "release_openmp_team", lambda: calls.append(threading.get_ident()) or True)
+    llm = LLM(stories_path, dtype="float32")
+    main = threading.get_ident()
+    assert calls == [main]
+    p = SamplingParams(max_tokens=2, temperature=0)
+    llm.generate("Once upon a time", p)
+    assert calls == [main]  # the building thread keeps its team between its own calls
+    t = threading.Thread(target=lambda: llm.generate("Once upon a time", p))
+    t.start()
+    t.join()
+    assert calls == [main, t.ident]
