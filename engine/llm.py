@@ -21,10 +21,9 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self._generate_lock = threading.Lock()
-        # One OpenMP team at a time (engine/cpu/threads.py release_openmp_team): the building thread's ends here (the
-        # first step on it starts a new one), and a call from another thread ends that thread's when it returns, so
-        # calls from a thread pool do not leave teams behind that make every later step's workers sleep.
-        self._home = threading.get_ident()
+        # One OpenMP team at a time (engine/cpu/threads.py release_openmp_team): the building thread's ends here and
+        # each call's when it returns (its next region starts a new one, ~0.1 ms), so calls from several threads, or
+        # a thread pool, leave no team behind that would make the next caller's workers sleep between regions.
         release_openmp_team()
 
     @property
@@ -74,8 +73,7 @@ class LLM:
         try:
             yield
         finally:
-            if threading.get_ident() != self._home:
-                release_openmp_team()
+            release_openmp_team()
 
     def _run(self, resolved, params, use_tqdm: bool) -> list[RequestOutput]:
         eng = self.engine

@@ -354,8 +354,8 @@ def test_empty_prompts_are_refused(llm):
 
 
 def test_llm_leaves_one_openmp_team_whatever_thread_calls_it(stories_path, monkeypatch):
-    """The building thread's team ends after construction, and a call from another thread ends that thread's
-    (engine/cpu/threads.py release_openmp_team: leftover teams make the engine's workers sleep between regions)."""
+    """The building thread's team ends after construction and each call's when it returns (engine/cpu/threads.py
+    release_openmp_team: a team left on another thread makes the caller's workers sleep between regions)."""
     import threading
 
     from flowrt.engine import llm as llm_module
@@ -367,8 +367,8 @@ def test_llm_leaves_one_openmp_team_whatever_thread_calls_it(stories_path, monke
     assert calls == [main]
     p = SamplingParams(max_tokens=2, temperature=0)
     llm.generate("Once upon a time", p)
-    assert calls == [main]  # the building thread keeps its team between its own calls
+    assert calls == [main, main]
     t = threading.Thread(target=lambda: llm.generate("Once upon a time", p))
     t.start()
     t.join()
-    assert calls == [main, t.ident]
+    assert calls == [main, main, t.ident]
