@@ -116,6 +116,23 @@ def test_wide_projection_in_groups(name, qtype):
             _assert_within(lin(x), ref, bound, f"{qtype.name} {dtype}")
 
 
+@pytest.mark.parametrize("qtype", [QuantType.Q8_0, QuantType.Q4_K], ids=lambda t: t.name)
+def test_prefill_groups_on_amx(qtype):
+    """From 256 rows the AMX path dequantizes 1 MiB groups of panels (below, 256 KiB): a projection with several of
+    each per thread, 260 rows (a tail of 4) against the bfloat16-weight reference, and its first 45 rows bit-equal to
+    the same rows run alone in the smaller groups (a group's size changes no output's summation)."""
+    n, k = 2300, 512
+    data = _blocks(qtype, n, k, seed=9)
+    bias = torch.randn(n)
+    with _variant("amx"):
+        lin = QuantLinear(qtype, data, n, k, bias)
+        x = torch.randn(260, k).bfloat16()
+        y = lin(x)
+        ref, bound = _reference_bf16_weights(x, data, qtype, n, k, bias)
+        _assert_within(y, ref, bound, f"{qtype.name} 260 rows")
+        assert torch.equal(y[:45], lin(x[:45]))
+
+
 @pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_threads_and_batches_give_the_same_bits(name, qtype):
