@@ -500,38 +500,58 @@ static void gemm_float(const Act& a, int64_t M, const uint8_t* w, int64_t N, con
 // them) and multiplied with x itself by vdpbf16ps, 32 products an instruction: what the dequantized bfloat16 path
 // computes (PackedLinearBF16), in another summation order, at twice the float32 FMAs' rate. Each output is one
 // accumulator chain over k and one horizontal sum, whatever the tile: batch and thread invariant.
-// Row n of W (nb blocks of 32) as bfloat16: row_values' float32 values (the same multiply and add) rounded to nearest
-// even, 32 a block in one vector, without the float32 row in memory. The K-quants take a super-block's scales as
-// vectors (scales8v, lane j for block j) and block j's from lane j by one permute, not extracted and broadcast one by
-// one from scalars (1B Q4_K gate_up at 16 rows, one thread, Xeon with AMX: 5.9 -> 4.x ms with both changes).
+// A row's block scales as broadcasts for its blocks' 32 values (d0, m0 for elements 0-15, d1, m1 for 16-31): the
+// K-quants decode a super-block's at once as vectors (scales8v, lane j for block j) and take block j's by one permute,
+// not extracted and broadcast one by one from scalars; the other formats read each block's own. load() takes the
+// SPAN blocks from b0 on.
 template <typename F>
-static inline void row_bf16(const uint8_t* row, int64_t nb, bf16_t* out) {
-    const auto put = [&](int b, __m512 d0, __m512 d1, __m512 m0, __m512 m1) {
-        const __m256i q = F::qv(row, b);
+struct BlockScales {
+    static constexpr bool VEC = F::QK == 32 * GROUP && has_scales8v<F>::value;
+    static constexpr int SPAN = VEC ? GROUP : 1;
+    __m256 D[2], M[2];
+    float Ds[2], Ms[2];
+
+    void load(const uint8_t* row, int64_t b0) {
+        if constexpr (VEC) {
+            F::scales8v(row + b0 / GROUP * F::BYTES, D, M);
+        } else {
+            Ms[0] = Ms[1] = 0.f;
+            F::scales(row, (int)b0, Ds, Ms);
+        }
+    }
+    // block b0 + j's 32 values as bfloat16, from row_values' float32 (the same multiply and add) rounded to nearest
+    // even, in one 512-bit vector
+    __m512i bf16(const uint8_t* row, int64_t b0, int j) const {
+        __m512 d0, d1, m0, m1;
+        if constexpr (VEC) {
+            const auto lane = [j](__m256 v) { return _mm512_permutexvar_ps(_mm512_set1_epi32(j), _mm512_castps256_ps512(v)); };
+            d0 = lane(D[0]);  // one permute per distinct scale: the formats without halves share theirs
+            d1 = F::HALVES ? lane(D[1]) : d0;
+            m0 = F::MIN ? lane(M[0]) : _mm512_setzero_ps();
+            m1 = F::MIN && F::HALVES ? lane(M[1]) : m0;
+        } else {
+            d0 = _mm512_set1_ps(Ds[0]), d1 = _mm512_set1_ps(Ds[1]), m0 = _mm512_set1_ps(Ms[0]), m1 = _mm512_set1_ps(Ms[1]);
+        }
+        const __m256i q = F::qv(row, (int)(b0 + j));
         __m512 v0 = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
         __m512 v1 = _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
         if constexpr (F::MIN) {
             v0 = _mm512_add_ps(v0, m0);
             v1 = _mm512_add_ps(v1, m1);
         }
-        _mm512_storeu_si512(out + 32 * b, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
-    };
-    if constexpr (F::QK == 32 * GROUP && has_scales8v<F>::value) {
-        const auto lane = [](__m256 v, int j) { return _mm512_permutexvar_ps(_mm512_set1_epi32(j), _mm512_castps256_ps512(v)); };
-        for (int64_t sb = 0; sb < nb / GROUP; ++sb) {
-            __m256 D[2], M[2];
-            F::scales8v(row + sb * F::BYTES, D, M);
-            if constexpr (!F::HALVES) D[1] = D[0];
-            if constexpr (!F::MIN) M[0] = M[1] = _mm256_setzero_ps();
-            else if constexpr (!F::HALVES) M[1] = M[0];
-            #pragma GCC unroll 8
-            for (int j = 0; j < GROUP; ++j)
-                put((int)(GROUP * sb + j), lane(D[0], j), lane(D[1], j), lane(M[0], j), lane(M[1], j));
-        }
-    } else {
-        for_each_block<F>(row, nb, [&](int b, const float* D, const float* Mn) {
-            put(b, _mm512_set1_ps(D[0]), _mm512_set1_ps(D[1]), _mm512_set1_ps(Mn[0]), _mm512_set1_ps(Mn[1]));
-        });
+        return (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+    }
+};
+
+// Row n of W (nb blocks of 32) as bfloat16, 32 a block in one vector, without the float32 row in memory.
+template <typename F>
+static inline void row_bf16(const uint8_t* row, int64_t nb, bf16_t* out) {
+    constexpr int SPAN = BlockScales<F>::SPAN;
+    for (int64_t b0 = 0; b0 < nb; b0 += SPAN) {
+        BlockScales<F> s;
+        s.load(row, b0);
+        #pragma GCC unroll 8
+        for (int j = 0; j < SPAN; ++j) _mm512_storeu_si512(out + 32 * (b0 + j), s.bf16(row, b0, j));
     }
 }
 
@@ -586,39 +606,69 @@ static inline void transpose16(__m512i (&r)[16]) {
 }
 
 // Panels g .. g + gn - 1 of W (32 rows each, zeros past N) dequantized into dst in gemm_bf16.h's packed layout (k pairs
-// side by side), each value rounded to bf16 as above: the AMX tiles' B operand. A panel goes in chunks of KC k (whole
-// super-blocks): its 32 rows dequantized row-major into wb (16 KiB, L1), then 16 x 16 blocks of k pairs transposed
-// into whole cache lines of dst. Scattered into dst element by element instead, the stores took two thirds of a
-// 1B Q4_K projection's time (12 ms at 10-32 rows for gate_up, one thread, Xeon with AMX).
-constexpr int64_t KC = 256;
+// side by side), each value rounded to bf16 as above: the AMX tiles' B operand. Sixteen rows at a time, a block of
+// each as one vector of 16 k pairs, and a 16 x 16 transpose of those vectors gives 16 whole cache lines of dst (a k
+// pair's 16 columns). Most formats go straight from registers; Q4_K / Q5_K, whose two blocks of a 32-byte run unpack
+// from the same bytes, go a super-block of 32 rows at a time through a row-major L1 staging buffer wb (measured, 1B
+// gate_up at 16-64 rows, 2 threads, Xeon with AMX: from registers Q8_0 4.2 -> 2.8-3.7 ms, Q6_K 4.8 -> 4.6, Q4_K
+// 4.3 -> 4.5-4.8; staged, the other way round). Scattered into dst element by element, the stores had taken two
+// thirds of a 1B Q4_K projection's time.
+template <typename F>
+constexpr bool STAGED = F::MIN && BlockScales<F>::VEC;
+
+static inline void store_transposed(__m512i (&r)[16], int32_t* dk) {
+    transpose16(r);
+    for (int t = 0; t < 16; ++t) _mm512_store_si512(reinterpret_cast<__m512i*>(dk + t * 32), r[t]);
+}
 
 template <typename F>
 static void dequant_panels(const uint8_t* w, int64_t rb, int64_t N, int64_t K, int64_t g, int64_t gn, bf16_t* dst,
                            bf16_t* wb) {
-    static_assert(KC % F::QK == 0, "a chunk holds whole blocks");
-    for (int64_t q = 0; q < gn; ++q)
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            const int64_t kc = std::min(KC, K - k0);  // a multiple of QK (K is), so of 32
-            for (int j = 0; j < 32; ++j) {
-                const int64_t n = 32 * (g + q) + j;
-                bf16_t* row = wb + j * KC;
-                if (n >= N) {
-                    std::memset(row, 0, (size_t)kc * 2);
-                    continue;
+    constexpr int SPAN = BlockScales<F>::SPAN;
+    const int64_t nb = K / 32;
+    for (int64_t q = 0; q < gn; ++q) {
+        const uint8_t* rows[32];
+        for (int i = 0; i < 32; ++i) {
+            const int64_t n = 32 * (g + q) + i;
+            rows[i] = n < N ? w + n * rb : nullptr;
+        }
+        int32_t* d = reinterpret_cast<int32_t*>(dst + q * K * 32);  // k pair kk's 32 columns at d[32 kk]
+        if constexpr (STAGED<F>) {
+            for (int64_t b0 = 0; b0 < nb; b0 += SPAN) {  // wb: 32 rows of the super-block's 256 values
+                for (int i = 0; i < 32; ++i) {
+                    if (!rows[i]) {
+                        std::memset(wb + i * 256, 0, 512);
+                        continue;
+                    }
+                    BlockScales<F> s;
+                    s.load(rows[i], b0);
+                    #pragma GCC unroll 8
+                    for (int j = 0; j < SPAN; ++j) _mm512_store_si512(wb + i * 256 + 32 * j, s.bf16(rows[i], b0, j));
                 }
-                row_bf16<F>(w + n * rb + k0 / F::QK * F::BYTES, kc / 32, row);
+                for (int j = 0; j < SPAN; ++j)
+                    for (int h = 0; h < 2; ++h) {
+                        __m512i r[16];
+                        for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(wb + (16 * h + i) * 256 + 32 * j);
+                        store_transposed(r, d + 16 * (b0 + j) * 32 + 16 * h);
+                    }
             }
-            int32_t* d = reinterpret_cast<int32_t*>(dst + q * K * 32 + k0 * 32);  // the chunk's k pair kk at d[32 kk]
-            for (int64_t kp = 0; kp < kc / 2; kp += 16)
-                for (int h = 0; h < 2; ++h) {
-                    __m512i r[16];
+        } else {
+            for (int h = 0; h < 2; ++h)  // sixteen rows streamed along k at a time
+                for (int64_t b0 = 0; b0 < nb; b0 += SPAN) {
+                    BlockScales<F> s[16];
                     for (int i = 0; i < 16; ++i)
-                        r[i] = _mm512_load_si512(reinterpret_cast<const __m512i*>(wb + (16 * h + i) * KC + 2 * kp));
-                    transpose16(r);
-                    for (int t = 0; t < 16; ++t)
-                        _mm512_store_si512(reinterpret_cast<__m512i*>(d + (kp + t) * 32 + 16 * h), r[t]);
+                        if (rows[16 * h + i]) s[i].load(rows[16 * h + i], b0);
+                    for (int j = 0; j < SPAN; ++j) {
+                        __m512i r[16];
+                        for (int i = 0; i < 16; ++i) {
+                            const uint8_t* row = rows[16 * h + i];
+                            r[i] = row ? s[i].bf16(row, b0, j) : _mm512_setzero_si512();
+                        }
+                        store_transposed(r, d + 16 * (b0 + j) * 32 + 16 * h);
+                    }
                 }
         }
+    }
 }
 #endif
 
@@ -638,7 +688,7 @@ static void gemm_bf16_rows(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, 
         const int64_t G = std::max<int64_t>(1, budget / (K * 64));
         amx_gemm<false>(x, x_st, M, K, N, bias, y, ys, G, M, [&](int64_t g, int64_t gn) {
             bf16_t* dst = reinterpret_cast<bf16_t*>(scratch((size_t)(gn * K * 64), 1));
-            dequant_panels<F>(w, rb, N, K, g, gn, dst, reinterpret_cast<bf16_t*>(scratch((size_t)(32 * KC * 2), 4)));
+            dequant_panels<F>(w, rb, N, K, g, gn, dst, reinterpret_cast<bf16_t*>(scratch(32 * 256 * 2, 4)));
             return static_cast<const bf16_t*>(dst);
         });
         return;
