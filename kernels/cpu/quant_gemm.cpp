@@ -397,42 +397,42 @@ constexpr int64_t COLS = 16;  // columns per work item
 // row's bits differ between them only by float32 summation order.
 constexpr int64_t FLOAT_ROWS = 10;
 
-// fn(b, D, Mn) for each 32-block b of a row of nb blocks, with its scales (D[0] for elements 0-15, D[1] for 16-31; the
-// minimums Mn likewise): the K-quants decode a super-block's scales once for its eight blocks.
-template <typename F, typename Fn>
-static inline void for_each_block(const uint8_t* row, int64_t nb, Fn&& fn) {
-    constexpr int G = F::QK / 32;
-    for (int64_t sb = 0; sb < nb / G; ++sb) {
-        float Ds[2 * G], Ms[2 * G] = {};
-        if constexpr (G == 8) F::scales8(row + sb * F::BYTES, Ds, Ms);
-        for (int j = 0; j < G; ++j) {
-            const int b = (int)(sb * G + j);
-            float D[2], Mn[2] = {0.f, 0.f};
-            if constexpr (G == 8) {
-                constexpr int H = F::HALVES ? 2 : 1;
-                D[0] = Ds[H * j], D[1] = Ds[H * j + H - 1], Mn[0] = Ms[H * j], Mn[1] = Ms[H * j + H - 1];
-            } else {
-                F::scales(row, b, D, Mn);
-            }
-            fn(b, D, Mn);
-        }
+// The scales of a row's SPAN blocks from b0 on: a K-quant's super-block decoded at once (scales8), a 32-block format's
+// own block (scales). D(j, h), M(j, h): block b0 + j's scale and minimum for its half h (elements 16h .. 16h + 15).
+template <typename F>
+struct RowScales {
+    static constexpr int SPAN = F::QK / 32, H = F::HALVES ? 2 : 1;
+    float Ds[2 * SPAN], Ms[2 * SPAN];
+
+    void load(const uint8_t* row, int64_t b0) {
+        std::fill(Ms, Ms + 2 * SPAN, 0.f);
+        if constexpr (SPAN == GROUP) F::scales8(row + b0 / GROUP * F::BYTES, Ds, Ms);
+        else F::scales(row, (int)b0, Ds, Ms);
     }
-}
+    float D(int j, int h) const { return Ds[H * j + (H - 1) * h]; }
+    float M(int j, int h) const { return Ms[H * j + (H - 1) * h]; }
+};
 
 // Row n of W (nb blocks of 32) as float32.
 template <typename F>
 static inline void row_values(const uint8_t* row, int64_t nb, float* out) {
-    for_each_block<F>(row, nb, [&](int b, const float* D, const float* Mn) {
-        const __m256i q = F::qv(row, b);
-        const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-        #pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) {
-            __m256 v = _mm256_mul_ps(_mm256_set1_ps(D[i >> 1]), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])));
-            if constexpr (F::MIN) v = _mm256_add_ps(v, _mm256_set1_ps(Mn[i >> 1]));
-            _mm256_store_ps(out + 32 * b + 8 * i, v);
+    constexpr int SPAN = RowScales<F>::SPAN;
+    for (int64_t b0 = 0; b0 < nb; b0 += SPAN) {
+        RowScales<F> s;
+        s.load(row, b0);
+        for (int j = 0; j < SPAN; ++j) {
+            const int b = (int)(b0 + j);
+            const __m256i q = F::qv(row, b);
+            const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) {
+                __m256 v = _mm256_mul_ps(_mm256_set1_ps(s.D(j, i >> 1)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])));
+                if constexpr (F::MIN) v = _mm256_add_ps(v, _mm256_set1_ps(s.M(j, i >> 1)));
+                _mm256_store_ps(out + 32 * b + 8 * i, v);
+            }
         }
-    });
+    }
 }
 
 template <typename F, typename T>
@@ -495,28 +495,21 @@ static void gemm_float(const Act& a, int64_t M, const uint8_t* w, int64_t N, con
 
 #if defined(FLOWRT_AVX2) && defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define FLOWRT_QUANT_BF16 1
-// bfloat16 activations from FLOAT_ROWS rows (the avx512bf16 variant): the weights dequantized 16 rows at a time to
-// bfloat16 (their exact float32 values rounded to nearest even, as loading the file with quantization=None stores
-// them) and multiplied with x itself by vdpbf16ps, 32 products an instruction: what the dequantized bfloat16 path
-// computes (PackedLinearBF16), in another summation order, at twice the float32 FMAs' rate. Each output is one
-// accumulator chain over k and one horizontal sum, whatever the tile: batch and thread invariant.
 // A row's block scales as broadcasts for its blocks' 32 values (d0, m0 for elements 0-15, d1, m1 for 16-31): the
-// K-quants decode a super-block's at once as vectors (scales8v, lane j for block j) and take block j's by one permute,
-// not extracted and broadcast one by one from scalars; the other formats read each block's own. load() takes the
-// SPAN blocks from b0 on.
+// K-quants with scales8v decode a super-block's at once as vectors (lane j for block j) and take block j's by one
+// permute, not extracted and broadcast one by one from scalars; the other formats broadcast RowScales' floats.
 template <typename F>
 struct BlockScales {
     static constexpr bool VEC = F::QK == 32 * GROUP && has_scales8v<F>::value;
-    static constexpr int SPAN = VEC ? GROUP : 1;
+    static constexpr int SPAN = RowScales<F>::SPAN;
     __m256 D[2], M[2];
-    float Ds[2], Ms[2];
+    RowScales<F> sc;
 
     void load(const uint8_t* row, int64_t b0) {
         if constexpr (VEC) {
             F::scales8v(row + b0 / GROUP * F::BYTES, D, M);
         } else {
-            Ms[0] = Ms[1] = 0.f;
-            F::scales(row, (int)b0, Ds, Ms);
+            sc.load(row, b0);
         }
     }
     // block b0 + j's 32 values as bfloat16, from row_values' float32 (the same multiply and add) rounded to nearest
@@ -530,7 +523,8 @@ struct BlockScales {
             m0 = F::MIN ? lane(M[0]) : _mm512_setzero_ps();
             m1 = F::MIN && F::HALVES ? lane(M[1]) : m0;
         } else {
-            d0 = _mm512_set1_ps(Ds[0]), d1 = _mm512_set1_ps(Ds[1]), m0 = _mm512_set1_ps(Ms[0]), m1 = _mm512_set1_ps(Ms[1]);
+            d0 = _mm512_set1_ps(sc.D(j, 0)), d1 = _mm512_set1_ps(sc.D(j, 1));
+            m0 = _mm512_set1_ps(sc.M(j, 0)), m1 = _mm512_set1_ps(sc.M(j, 1));
         }
         const __m256i q = F::qv(row, (int)(b0 + j));
         __m512 v0 = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
@@ -555,6 +549,11 @@ static inline void row_bf16(const uint8_t* row, int64_t nb, bf16_t* out) {
     }
 }
 
+// bfloat16 activations from FLOAT_ROWS rows (the avx512bf16 variant): the weights dequantized 16 rows at a time to
+// bfloat16 (their exact float32 values rounded to nearest even, as loading the file with quantization=None stores
+// them) and multiplied with x itself by vdpbf16ps, 32 products an instruction: what the dequantized bfloat16 path
+// computes (PackedLinearBF16), in another summation order, at twice the float32 FMAs' rate. Each output is one
+// accumulator chain over k and one horizontal sum, whatever the tile: batch and thread invariant.
 template <int MR, int NJ>
 static inline void dot_tile(const bf16_t* x, int64_t xs, const bf16_t* w, int64_t K, const float* bias, bf16_t* y,
                             int64_t ys) {
@@ -634,21 +633,21 @@ static void dequant_panels(const uint8_t* w, int64_t rb, int64_t N, int64_t K, i
         }
         int32_t* d = reinterpret_cast<int32_t*>(dst + q * K * 32);  // k pair kk's 32 columns at d[32 kk]
         if constexpr (STAGED<F>) {
-            for (int64_t b0 = 0; b0 < nb; b0 += SPAN) {  // wb: 32 rows of the super-block's 256 values
+            for (int64_t b0 = 0; b0 < nb; b0 += SPAN) {  // wb: 32 rows of the super-block's F::QK values
                 for (int i = 0; i < 32; ++i) {
                     if (!rows[i]) {
-                        std::memset(wb + i * 256, 0, 512);
+                        std::memset(wb + i * F::QK, 0, F::QK * 2);
                         continue;
                     }
                     BlockScales<F> s;
                     s.load(rows[i], b0);
                     #pragma GCC unroll 8
-                    for (int j = 0; j < SPAN; ++j) _mm512_store_si512(wb + i * 256 + 32 * j, s.bf16(rows[i], b0, j));
+                    for (int j = 0; j < SPAN; ++j) _mm512_store_si512(wb + i * F::QK + 32 * j, s.bf16(rows[i], b0, j));
                 }
                 for (int j = 0; j < SPAN; ++j)
                     for (int h = 0; h < 2; ++h) {
                         __m512i r[16];
-                        for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(wb + (16 * h + i) * 256 + 32 * j);
+                        for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(wb + (16 * h + i) * F::QK + 32 * j);
                         store_transposed(r, d + 16 * (b0 + j) * 32 + 16 * h);
                     }
             }
@@ -688,7 +687,7 @@ static void gemm_bf16_rows(const bf16_t* x, int64_t x_st, int64_t M, int64_t K, 
         const int64_t G = std::max<int64_t>(1, budget / (K * 64));
         amx_gemm<false>(x, x_st, M, K, N, bias, y, ys, G, M, [&](int64_t g, int64_t gn) {
             bf16_t* dst = reinterpret_cast<bf16_t*>(scratch((size_t)(gn * K * 64), 1));
-            dequant_panels<F>(w, rb, N, K, g, gn, dst, reinterpret_cast<bf16_t*>(scratch(32 * 256 * 2, 4)));
+            dequant_panels<F>(w, rb, N, K, g, gn, dst, reinterpret_cast<bf16_t*>(scratch(32 * F::QK * 2, 4)));
             return static_cast<const bf16_t*>(dst);
         });
         return;
