@@ -413,26 +413,32 @@ struct RowScales {
     float M(int j, int h) const { return Ms[H * j + (H - 1) * h]; }
 };
 
+// fn(s, b0, j) for each block b0 + j of a row of nb blocks, with s (a RowScales or BlockScales) loaded for its span.
+template <typename Scales, typename Fn>
+static inline void each_block(const uint8_t* row, int64_t nb, Fn&& fn) {
+    for (int64_t b0 = 0; b0 < nb; b0 += Scales::SPAN) {
+        Scales s;
+        s.load(row, b0);
+        #pragma GCC unroll 8
+        for (int j = 0; j < Scales::SPAN; ++j) fn(s, b0, j);
+    }
+}
+
 // Row n of W (nb blocks of 32) as float32.
 template <typename F>
 static inline void row_values(const uint8_t* row, int64_t nb, float* out) {
-    constexpr int SPAN = RowScales<F>::SPAN;
-    for (int64_t b0 = 0; b0 < nb; b0 += SPAN) {
-        RowScales<F> s;
-        s.load(row, b0);
-        for (int j = 0; j < SPAN; ++j) {
-            const int b = (int)(b0 + j);
-            const __m256i q = F::qv(row, b);
-            const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-            #pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) {
-                __m256 v = _mm256_mul_ps(_mm256_set1_ps(s.D(j, i >> 1)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])));
-                if constexpr (F::MIN) v = _mm256_add_ps(v, _mm256_set1_ps(s.M(j, i >> 1)));
-                _mm256_store_ps(out + 32 * b + 8 * i, v);
-            }
+    each_block<RowScales<F>>(row, nb, [&](const RowScales<F>& s, int64_t b0, int j) {
+        const int b = (int)(b0 + j);
+        const __m256i q = F::qv(row, b);
+        const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        #pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+            __m256 v = _mm256_mul_ps(_mm256_set1_ps(s.D(j, i >> 1)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])));
+            if constexpr (F::MIN) v = _mm256_add_ps(v, _mm256_set1_ps(s.M(j, i >> 1)));
+            _mm256_store_ps(out + 32 * b + 8 * i, v);
         }
-    }
+    });
 }
 
 template <typename F, typename T>
@@ -540,13 +546,9 @@ struct BlockScales {
 // Row n of W (nb blocks of 32) as bfloat16, 32 a block in one vector, without the float32 row in memory.
 template <typename F>
 static inline void row_bf16(const uint8_t* row, int64_t nb, bf16_t* out) {
-    constexpr int SPAN = BlockScales<F>::SPAN;
-    for (int64_t b0 = 0; b0 < nb; b0 += SPAN) {
-        BlockScales<F> s;
-        s.load(row, b0);
-        #pragma GCC unroll 8
-        for (int j = 0; j < SPAN; ++j) _mm512_storeu_si512(out + 32 * (b0 + j), s.bf16(row, b0, j));
-    }
+    each_block<BlockScales<F>>(row, nb, [&](const BlockScales<F>& s, int64_t b0, int j) {
+        _mm512_storeu_si512(out + 32 * (b0 + j), s.bf16(row, b0, j));
+    });
 }
 
 // bfloat16 activations from FLOAT_ROWS rows (the avx512bf16 variant): the weights dequantized 16 rows at a time to
